@@ -1,0 +1,17 @@
+"""equiopt: symmetry-compatible optimizers for language-model pre-training.
+
+Layers (each depends only on those above it): :mod:`equiopt.linalg` (numerical
+oracles), :mod:`equiopt.maps` (pure update maps), :mod:`equiopt.layouts` (stored tensor
+<-> work matrices), :mod:`equiopt.optim` (one optimizer engine and the paper's presets),
+:mod:`equiopt.diagnostics`.
+"""
+
+from . import diagnostics, layouts, linalg, maps, optim
+from .optim import EquivariantOptimizer, HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "linalg", "maps", "layouts", "optim", "diagnostics",
+    "EquivariantOptimizer", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM",
+]

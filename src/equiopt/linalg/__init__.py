@@ -1,0 +1,7 @@
+"""Numerical oracles on batched matrices ``(..., m, n)``: polar factor and inverse square root."""
+
+from .coefficients import greedy_schedule, minimax_quintic
+from .inv_sqrt import INV_SQRT_METHODS, inv_sqrt
+from .polar import POLAR_METHODS, polar
+
+__all__ = ["inv_sqrt", "polar", "greedy_schedule", "minimax_quintic", "INV_SQRT_METHODS", "POLAR_METHODS"]

@@ -1,0 +1,99 @@
+"""Orthogonal polar factor ``X (X^T X)^(-1/2) = U V^T`` of batched matrices.
+
+Methods (each matrix of a batch is normalised on its own, by its Frobenius norm, which
+bounds the spectral norm):
+
+``"polar_express"``
+    The Polar Express iteration (Amsel et al., 2025): odd quintics from the greedy
+    minimax schedule for singular values in ``[1e-3, 1]`` (derived in
+    :mod:`equiopt.linalg.coefficients`), in bfloat16 by default as Muon runs it.
+``"newton_schulz"``
+    Muon's tuned quintic Newton-Schulz iteration (bfloat16 by default).
+``"gram_newton_schulz"``
+    The same quintic steps carried out on the small Gram matrix: for ``X`` with
+    ``m <= n`` rows every iterate is ``Q_k X_0`` with ``Q_k`` a polynomial in
+    ``G_0 = X_0 X_0^T``, so the loop updates ``Q <- h(G) Q`` and ``G <- h(G) G h(G)`` in
+    ``m x m`` products and touches the ``m x n`` matrix only to form ``G_0`` and the
+    result. Rounding makes ``G`` drift from the Gram of ``Q X_0``; every
+    ``restart_every`` steps the iterate ``X = Q X_0`` is formed and its Gram recomputed,
+    which resets the drift (float32 by default; bfloat16 on request).
+``"exact"``
+    Thin SVD in float64: ``U V^T``.
+
+Wide or tall inputs are handled on the side with the smaller Gram matrix (a tall ``X``
+is transposed, iterated, and transposed back), as Muon implementations do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .coefficients import MUON_NS_COEFFICIENTS, greedy_schedule
+
+POLAR_METHODS = ("polar_express", "newton_schulz", "gram_newton_schulz", "exact")
+
+# Polar Express design interval and safety (Amsel et al. use l = 1e-3 and a 1% margin
+# on the upper end for bfloat16 rounding).
+POLAR_LOWER = 1e-3
+POLAR_SAFETY = 1.01
+# Frobenius normalisation margin and floor (a zero matrix stays zero).
+NORM_MARGIN = 1.01
+NORM_FLOOR = 1e-7
+
+
+def _coefficients(method: str, steps: int):
+    if method == "newton_schulz":
+        return (MUON_NS_COEFFICIENTS,) * steps
+    return greedy_schedule(POLAR_LOWER, steps, 1.0, POLAR_SAFETY)
+
+
+def polar(
+    X: torch.Tensor,
+    method: str = "polar_express",
+    steps: int = 5,
+    dtype: torch.dtype | None = None,
+    restart_every: int = 2,
+) -> torch.Tensor:
+    """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype.
+
+    ``dtype`` is the iteration's precision (default bfloat16 for ``"polar_express"`` and
+    ``"newton_schulz"``, float32 for ``"gram_newton_schulz"``).
+    """
+    if method not in POLAR_METHODS:
+        raise ValueError(f"unknown polar method {method!r}; valid: {', '.join(POLAR_METHODS)}")
+    if X.ndim < 2:
+        raise ValueError(f"polar expects matrices (..., m, n), got shape {tuple(X.shape)}")
+    if steps < 1 and method != "exact":
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    out_dtype = X.dtype
+    if method == "exact":
+        u, _, vh = torch.linalg.svd(X.to(torch.float64), full_matrices=False)
+        return (u @ vh).to(out_dtype)
+    if dtype is None:
+        dtype = torch.float32 if method == "gram_newton_schulz" else torch.bfloat16
+    tall = X.shape[-2] > X.shape[-1]
+    x = X.mT if tall else X
+    norm = torch.linalg.matrix_norm(x.float(), keepdim=True)
+    x = (x.float() / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
+    coeffs = _coefficients("newton_schulz" if method == "newton_schulz" else "polar_express", steps)
+    if method == "gram_newton_schulz":
+        x = _gram_iterate(x, coeffs, restart_every)
+    else:
+        for a, b, c in coeffs:
+            g = x @ x.mT
+            x = a * x + (b * g + c * (g @ g)) @ x
+    return (x.mT if tall else x).to(out_dtype)
+
+
+def _gram_iterate(x0: torch.Tensor, coeffs, restart_every: int) -> torch.Tensor:
+    eye = torch.eye(x0.shape[-2], dtype=x0.dtype, device=x0.device)
+    q = None
+    g = x0 @ x0.mT
+    for k, (a, b, c) in enumerate(coeffs):
+        if q is not None and restart_every > 0 and k % restart_every == 0:
+            x0, q = q @ x0, None
+            g = x0 @ x0.mT
+        h = a * eye + b * g + c * (g @ g)
+        q = h if q is None else h @ q
+        g = h @ (g @ h)
+    return x0 if q is None else q @ x0

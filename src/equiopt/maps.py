@@ -1,0 +1,204 @@
+"""Symmetry-compatible update maps on work matrices ``D`` of shape ``(..., m, n)``.
+
+Rows are the symmetry axis (vocabulary items, intermediate neurons, experts). Every map
+is a pure function; every reduction (row norms, means, Gram matrices, traces, ``nu``)
+is taken per matrix, so a batch of experts or heads gives what a loop over them gives.
+References are to the paper (Lau and Su, "Symmetry-Compatible Principle for Optimizer
+Design"): section 3.3 for the LPRO maps, 3.5 for routers, Algorithms 1 and 2.
+
+``center=True`` gives the horizontal (quotient) versions used for LM heads and routers:
+the input is centred, ``D_c = Pi D`` with ``Pi = I - 11^T/m``, every row-wise stage is
+re-projected, and the final update is projected by ``Pi`` (paper eq. for the horizontal
+LM-head row-norm update and Algorithm 2).
+
+Low-precision inputs (bfloat16, float16) are computed in float32 and returned in their
+own dtype; float32 and float64 inputs are computed in their dtype (the Gram inverse
+square root itself runs in float32 except for ``method="exact"``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+
+from .linalg import inv_sqrt, polar
+
+EtaRule = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+ETA_RULES = ("inverse", "normalize", "rms")
+HYBRID_ORDERS = ("row_then_right", "right_then_row", "left_then_row")
+
+
+def _compute_dtype(D: torch.Tensor) -> torch.dtype:
+    return D.dtype if D.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _check(D: torch.Tensor, name: str) -> None:
+    if D.ndim < 2:
+        raise ValueError(f"{name} expects work matrices of shape (..., m, n), got shape {tuple(D.shape)}")
+
+
+def center(D: torch.Tensor) -> torch.Tensor:
+    """``Pi D``: remove each column's mean over the rows (the shared-row direction ``1 a^T``)."""
+    _check(D, "center")
+    return D - D.mean(dim=-2, keepdim=True)
+
+
+def eta_scale(norms: torch.Tensor, eta: EtaRule = "inverse", eps: float = 1e-8, n: int = 1) -> torch.Tensor:
+    """Row-scaling factors ``eta(||D_i:||)`` for row norms ``norms`` (any shape).
+
+    ``"inverse"``: ``1 / (t + eps)``, the paper's smoothed normalisation (its default).
+    ``"normalize"``: ``1 / t``, and ``0`` for a zero row (the fully normalised rule).
+    ``"rms"``: ``sqrt(n) / (t + eps)``, rows of unit RMS instead of unit norm.
+    A callable is applied to the norms as is. All are LPRO-compatible: any function of
+    the row norm commutes with row permutations and right rotations.
+    """
+    if callable(eta):
+        return eta(norms)
+    if eta == "inverse":
+        return 1.0 / (norms + eps)
+    if eta == "normalize":
+        return torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
+    if eta == "rms":
+        return (n**0.5) / (norms + eps)
+    raise ValueError(f"unknown row-scaling rule eta={eta!r}; valid: {', '.join(ETA_RULES)} or a callable")
+
+
+def _row_scale(D: torch.Tensor, eta: EtaRule, eps: float) -> torch.Tensor:
+    norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)
+    return D * eta_scale(norms, eta, eps, D.shape[-1])
+
+
+def _maybe_center(D: torch.Tensor, flag: bool) -> torch.Tensor:
+    return D - D.mean(dim=-2, keepdim=True) if flag else D
+
+
+def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> torch.Tensor:
+    """Row-norm map ``Diag(eta(||D_i:||)) D`` (paper eq. of ``U_row``).
+
+    With ``center=True``: ``Pi Diag(eta(||D_c,i:||)) D_c`` with ``D_c = Pi D`` (the
+    final projection is essential: row-dependent scaling breaks zero column means).
+    Zero rows (tokens never seen, experts never routed) give zero rows.
+    """
+    _check(D, "row_norm")
+    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    return _maybe_center(_row_scale(x, eta, eps), center).to(D.dtype)
+
+
+def _nu_scale(C: torch.Tensor, R: torch.Tensor, eps: float, alpha: float) -> torch.Tensor | None:
+    """``nu^alpha`` with ``nu = max(tr(C R), eps)`` per matrix (Algorithms 1-2), or None if alpha = 0."""
+    if alpha == 0:
+        return None
+    nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
+    return nu.pow(alpha)[..., None, None]
+
+
+def _right(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int) -> torch.Tensor:
+    C = x.mT @ x
+    R = inv_sqrt(C, eps, method, steps).to(x.dtype)
+    out = x @ R
+    scale = _nu_scale(C, R, eps, alpha)
+    return out if scale is None else out * scale
+
+
+def _left(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool = False) -> torch.Tensor:
+    C = x @ x.mT
+    A = C
+    if centered:
+        # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
+        # eigenvalue, A = C + (tr C / m) 11^T / m, leaves (A + eps I)^(-1/2) unchanged on
+        # 1-perp (the paper's inverse square root "on the centred expert subspace") and
+        # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
+        m = C.shape[-1]
+        mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
+        A = C + (mu / m) * torch.ones_like(C)
+    L = inv_sqrt(A, eps, method, steps).to(x.dtype)
+    out = L @ x
+    scale = _nu_scale(C, L, eps, alpha)
+    return out if scale is None else out * scale
+
+
+def right_spectral(
+    D: torch.Tensor,
+    eps: float = 1e-8,
+    alpha: float = 0.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+) -> torch.Tensor:
+    """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
+
+    Right-orthogonal and left-permutation (indeed left-orthogonal) equivariant. With
+    ``center=True`` the input is centred and the result projected: the LM-head form
+    ``Pi D_c (D_c^T D_c + eps I)^(-1/2)``.
+    """
+    _check(D, "right_spectral")
+    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    return _maybe_center(_right(x, eps, alpha, method, steps), center).to(D.dtype)
+
+
+def left_spectral(
+    D: torch.Tensor,
+    eps: float = 1e-8,
+    alpha: float = 0.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+) -> torch.Tensor:
+    """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
+
+    With ``center=True`` it is the router map ``(D_c D_c^T + eps I)^(-1/2) D_c``: the
+    damped inverse square root leaves the centred expert subspace invariant, and the
+    final projection removes what rounding leaves along ``1`` (amplified by
+    ``eps^(-1/2)`` there, since ``1`` spans the Gram's null space).
+    """
+    _check(D, "left_spectral")
+    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    return _maybe_center(_left(x, eps, alpha, method, steps, center), center).to(D.dtype)
+
+
+def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
+
+    ``dtype`` is the iteration's precision (see :func:`equiopt.linalg.polar`).
+    """
+    _check(D, "spectral")
+    return polar(D, method=method, steps=steps, dtype=dtype)
+
+
+def hybrid(
+    D: torch.Tensor,
+    order: str = "row_then_right",
+    eps: float = 1e-8,
+    alpha: float = 1.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+    eta: EtaRule = "inverse",
+) -> torch.Tensor:
+    """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
+
+    ``"row_then_right"``: ``Z = Pi eta(D) D``, ``U = Pi nu^alpha Z (Z^T Z + eps I)^(-1/2)``.
+    ``"right_then_row"``: ``Z = Pi nu^alpha D (D^T D + eps I)^(-1/2)``, ``U = Pi eta(Z) Z``.
+    ``"left_then_row"`` (routers): ``Z = Pi nu^alpha (D D^T + eps I)^(-1/2) D``, ``U = Pi eta(Z) Z``.
+    ``Pi`` is the centring projector when ``center=True`` (applied to the input too) and
+    the identity otherwise.
+    """
+    _check(D, "hybrid")
+    if order not in HYBRID_ORDERS:
+        raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
+    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    if order == "row_then_right":
+        z = _maybe_center(_row_scale(x, eta, eps), center)
+        u = _right(z, eps, alpha, method, steps)
+    else:
+        if order == "right_then_row":
+            z = _right(x, eps, alpha, method, steps)
+        else:
+            z = _left(x, eps, alpha, method, steps, center)
+        z = _maybe_center(z, center)
+        u = _row_scale(z, eta, eps)
+    return _maybe_center(u, center).to(D.dtype)
+
+
+__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS"]

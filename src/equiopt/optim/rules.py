@@ -1,0 +1,120 @@
+"""Update rules of :class:`~equiopt.optim.EquivariantOptimizer` and their group defaults.
+
+A matrix rule maps the (momentum) direction's work matrices ``D`` to an update ``U`` of
+the same shape with one of the pure maps of :mod:`equiopt.maps`; the element-wise rules
+(``adamw``, ``sgd``) act on the stored tensor directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import maps
+from ..linalg import INV_SQRT_METHODS, POLAR_METHODS
+
+MATRIX_RULES = ("spectral", "right", "left", "row", "hybrid")
+ELEMENTWISE_RULES = ("adamw", "sgd")
+RULES = MATRIX_RULES + ELEMENTWISE_RULES
+LR_SCALES = ("none", "spectral", "match_adamw")
+NONFINITE_POLICIES = ("skip", "raise")
+
+# Defaults that depend on the rule; a group that leaves a key at None gets these.
+RULE_DEFAULTS = {
+    "spectral": {"nesterov": True, "lr_scale": "spectral", "alpha": 0.0},
+    "right": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "left": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "row": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "hybrid": {"nesterov": False, "lr_scale": "none", "alpha": 1.0},
+    "adamw": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "sgd": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
+}
+
+
+def resolved(group: dict, key: str):
+    """A group's value for ``key``, falling back to the rule's default when it is None."""
+    value = group.get(key)
+    return RULE_DEFAULTS[group["rule"]][key] if value is None else value
+
+
+def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
+    """Shape-dependent learning-rate factor for the spectral rule.
+
+    ``"spectral"``: ``sqrt(max(1, rows / cols))`` (K. Jordan's Muon: keeps the RMS-to-RMS
+    operator norm of the update constant); ``"match_adamw"``: ``0.2 sqrt(max(rows, cols))``
+    (Moonlight's scaling, to reuse AdamW's learning rate and weight decay); ``"none"``: 1.
+    """
+    if kind == "none":
+        return 1.0
+    if kind == "spectral":
+        return math.sqrt(max(1.0, rows / cols))
+    if kind == "match_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown lr_scale {kind!r}; valid: {', '.join(LR_SCALES)}")
+
+
+def map_key(group: dict) -> tuple:
+    """Everything a matrix rule's map depends on (learning rate and decay excluded), so
+    work matrices of different groups with equal keys and shapes share one batched call."""
+    rule = group["rule"]
+    eta = group["eta"]
+    eta_key = eta if isinstance(eta, str) else id(eta)
+    return (
+        rule,
+        group["order"] if rule == "hybrid" else None,
+        bool(group["center"]),
+        float(group["eps"]),
+        float(resolved(group, "alpha")),
+        group["method"],
+        int(group["steps"]),
+        eta_key,
+        group.get("polar_dtype"),
+    )
+
+
+def apply_map(key: tuple, eta, D: torch.Tensor) -> torch.Tensor:
+    """Apply the map identified by ``key`` (see :func:`map_key`) to a batch of work matrices."""
+    rule, order, center, eps, alpha, method, steps, _, polar_dtype = key
+    if rule == "spectral":
+        return maps.spectral(D, method=method, steps=steps, dtype=polar_dtype)
+    if rule == "right":
+        return maps.right_spectral(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps)
+    if rule == "left":
+        return maps.left_spectral(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps)
+    if rule == "row":
+        return maps.row_norm(D, eps=eps, center=center, eta=eta)
+    return maps.hybrid(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta)
+
+
+def validate_group(group: dict, where: str) -> None:
+    """Clear errors for unknown names and out-of-range values (``where`` names the group)."""
+    rule = group.get("rule")
+    if rule not in RULES:
+        raise ValueError(f"{where}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    if rule in MATRIX_RULES and rule != "row":
+        valid = POLAR_METHODS if rule == "spectral" else INV_SQRT_METHODS
+        if group["method"] not in valid:
+            raise ValueError(f"{where}: unknown method {group['method']!r} for rule {rule!r}; valid: {', '.join(valid)}")
+    if rule == "hybrid" and group["order"] not in maps.HYBRID_ORDERS:
+        raise ValueError(f"{where}: unknown hybrid order {group['order']!r}; valid: {', '.join(maps.HYBRID_ORDERS)}")
+    if not callable(group["eta"]) and group["eta"] not in maps.ETA_RULES:
+        raise ValueError(f"{where}: unknown eta {group['eta']!r}; valid: {', '.join(maps.ETA_RULES)} or a callable")
+    if resolved(group, "lr_scale") not in LR_SCALES:
+        raise ValueError(f"{where}: unknown lr_scale {group['lr_scale']!r}; valid: {', '.join(LR_SCALES)}")
+    if group["nonfinite"] not in NONFINITE_POLICIES:
+        raise ValueError(f"{where}: unknown nonfinite policy {group['nonfinite']!r}; valid: {', '.join(NONFINITE_POLICIES)}")
+    checks = [
+        ("lr", group["lr"] >= 0, ">= 0"),
+        ("beta", 0 <= group["beta"] < 1, "in [0, 1)"),
+        ("eps", group["eps"] > 0, "> 0"),
+        ("weight_decay", group["weight_decay"] >= 0, ">= 0"),
+        ("steps", int(group["steps"]) >= 1, ">= 1"),
+        ("alpha", 0 <= resolved(group, "alpha") <= 1, "in [0, 1]"),
+        ("adam_eps", group["adam_eps"] > 0, "> 0"),
+    ]
+    b1, b2 = group["betas"]
+    checks.append(("betas", 0 <= b1 < 1 and 0 <= b2 < 1, "a pair in [0, 1)"))
+    for name, ok, what in checks:
+        if not ok:
+            raise ValueError(f"{where}: {name} must be {what}, got {group[name]!r}")

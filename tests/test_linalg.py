@@ -1,0 +1,126 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from equiopt import linalg
+from equiopt.linalg.coefficients import QUINTIC_LIMIT, greedy_schedule, minimax_quintic, schedule_bounds
+
+import reference as ref
+
+
+def spd(n, cond, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=dtype))
+    lam = torch.logspace(0, -math.log10(cond), n, dtype=dtype)
+    return (q * lam) @ q.T
+
+
+def tall(m, n, cond, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(m, n, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    d = (u * torch.logspace(0, -math.log10(cond), n, dtype=torch.float64)) @ v.T
+    return d * (scale / d.pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("lo,hi", [(1e-3, 1.0), (0.05, 1.3), (0.5, 1.5)])
+def test_minimax_quintic_equioscillates(lo, hi):
+    a, b, c, err = minimax_quintic(lo, hi)
+    p = lambda x: a * x + b * x**3 + c * x**5  # noqa: E731
+    xs = np.linspace(lo, hi, 200001)
+    dev = 1 - p(xs)
+    assert abs(np.abs(dev).max() - err) < 1e-9
+    # four alternation points: the ends and two interior extrema of equal size
+    assert dev[0] == pytest.approx(err, abs=1e-9) and dev[-1] == pytest.approx(-err, abs=1e-9)
+    assert dev.min() == pytest.approx(-err, abs=1e-9) and dev.max() == pytest.approx(err, abs=1e-9)
+
+
+def test_greedy_schedule_bounds_match_known_behaviour():
+    # five greedy steps from 1e-3 leave [0.886, 1.114]; six reach [0.999, 1.001]
+    lo5, hi5 = schedule_bounds(1e-3, greedy_schedule(1e-3, 5))
+    lo6, hi6 = schedule_bounds(1e-3, greedy_schedule(1e-3, 6))
+    assert 0.88 < lo5 < 0.89 and 1.11 < hi5 < 1.12
+    assert 0.998 < lo6 and hi6 < 1.002
+    assert greedy_schedule(1e-3, 9)[-1] == QUINTIC_LIMIT
+
+
+@pytest.mark.parametrize("method", ["exact", "polar_express", "newton_schulz"])
+def test_inv_sqrt_matches_eigh(method):
+    A = torch.stack([spd(24, 10.0, s) for s in range(3)])
+    want = torch.stack([ref.inv_sqrt(a, 1e-8) for a in A])
+    steps = 12 if method == "newton_schulz" else 5
+    got = linalg.inv_sqrt(A if method == "exact" else A.float(), 1e-8, method, steps).double()
+    tol = 1e-12 if method == "exact" else 1e-3
+    assert (got - want).norm() / want.norm() < tol
+
+
+def test_inv_sqrt_exact_float64_agrees_with_reference_to_1e_10():
+    A = spd(40, 1e4, 3)
+    got = linalg.inv_sqrt(A, 1e-6, "exact")
+    assert got.dtype == torch.float64
+    assert (got - ref.inv_sqrt(A, 1e-6)).abs().max() < 1e-10 * ref.inv_sqrt(A, 1e-6).abs().max()
+
+
+@pytest.mark.parametrize("cond", [1e1, 1e3])
+@pytest.mark.parametrize("scale", [1e-4, 1e-3, 1.0])
+def test_polar_express_right_spectral_accuracy_on_tall_matrices(cond, scale):
+    """The accuracy goal: within 2 % of float64 (and nu within 2 %) for tall matrices."""
+    D = tall(1024, 128, cond, scale)
+    C = D.T @ D
+    R = ref.inv_sqrt(C, 1e-8)
+    U, nu = D @ R, torch.trace(C @ R)
+    Cf = D.float().T @ D.float()
+    Rf = linalg.inv_sqrt(Cf, 1e-8, "polar_express", 5)
+    Uf, nuf = D.float() @ Rf, (Cf * Rf).sum()
+    assert ((Uf.double() - U).norm() / U.norm()).item() < 0.02
+    assert abs(nuf.item() / nu.item() - 1) < 0.02
+
+
+def test_inv_sqrt_batched_equals_loop_and_zero_matrix_is_finite():
+    A = torch.stack([spd(16, 100.0, s).float() for s in range(4)])
+    batched = linalg.inv_sqrt(A)
+    loop = torch.stack([linalg.inv_sqrt(a) for a in A])
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-6)
+    Z = linalg.inv_sqrt(torch.zeros(2, 8, 8), eps=1e-8)
+    assert torch.isfinite(Z).all()
+    torch.testing.assert_close(Z, torch.eye(8).expand(2, 8, 8) * 1e4, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("method", ["polar_express", "newton_schulz", "gram_newton_schulz"])
+@pytest.mark.parametrize("shape", [(3, 32, 96), (2, 96, 32)])
+def test_polar_iterations_approximate_exact(method, shape):
+    X = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    exact = linalg.polar(X.double(), "exact")
+    torch.testing.assert_close(exact, torch.stack([ref.polar(x) for x in X.double()]))
+    got = linalg.polar(X, method, steps=8 if method != "newton_schulz" else 5, dtype=torch.float32).double()
+    s = torch.linalg.svdvals(got)
+    if method == "newton_schulz":  # Muon's quintic is tuned not to converge: values stay in ~[0.68, 1.2]
+        assert s.min() > 0.6 and s.max() < 1.25
+    else:
+        assert (got - exact).norm() / exact.norm() < 1e-3
+    assert got.shape == X.shape
+
+
+def test_polar_default_is_bfloat16_and_returns_input_dtype():
+    X = torch.randn(16, 48)
+    out = linalg.polar(X)
+    assert out.dtype == torch.float32
+    s = torch.linalg.svdvals(out.double())
+    assert 0.6 < s.min() and s.max() < 1.3
+
+
+@pytest.mark.parametrize("bad", ["svd", "newton"])
+def test_unknown_methods(bad):
+    with pytest.raises(ValueError, match="valid"):
+        linalg.polar(torch.randn(4, 4), bad)
+    with pytest.raises(ValueError, match="valid"):
+        linalg.inv_sqrt(torch.eye(4), method=bad)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="square"):
+        linalg.inv_sqrt(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="matrices"):
+        linalg.polar(torch.randn(5))
