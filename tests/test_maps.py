@@ -219,3 +219,19 @@ def test_right_spectral_property_orthonormal_columns(m, n, seed):
     D = randn(m, n, seed=seed)
     U = maps.right_spectral(D, eps=1e-14, method="exact")
     torch.testing.assert_close(U.T @ U, torch.eye(n, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(30, 7), (7, 30)])
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_gram_sides_agree(shape, centered, alpha):
+    """D (D^T D + eps I)^(-1/2) = (D D^T + eps I)^(-1/2) D, nu included: either Gram may be used."""
+    D = randn(*shape, seed=11)
+    right = maps.right_spectral(D, EPS, alpha, centered, method="exact", gram="right")
+    left = maps.right_spectral(D, EPS, alpha, centered, method="exact", gram="left")
+    assert (right - left).norm() / right.norm() < 1e-10
+    assert (maps.left_spectral(D, EPS, alpha, centered, method="exact") - right).norm() / right.norm() < 1e-10
+    fast = maps.right_spectral(D.float(), EPS, alpha, centered)  # auto: the smaller Gram
+    assert (fast.double() - right).norm() / right.norm() < 5e-3
+    with pytest.raises(ValueError, match="gram"):
+        maps.right_spectral(D, gram="both")

@@ -85,37 +85,38 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
     return _maybe_center(_row_scale(x, eta, eps), center).to(D.dtype)
 
 
-def _nu_scale(C: torch.Tensor, R: torch.Tensor, eps: float, alpha: float) -> torch.Tensor | None:
-    """``nu^alpha`` with ``nu = max(tr(C R), eps)`` per matrix (Algorithms 1-2), or None if alpha = 0."""
-    if alpha == 0:
-        return None
-    nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
-    return nu.pow(alpha)[..., None, None]
+GRAM_SIDES = ("auto", "right", "left")
 
 
-def _right(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int) -> torch.Tensor:
-    C = x.mT @ x
-    R = inv_sqrt(C, eps, method, steps).to(x.dtype)
-    out = x @ R
-    scale = _nu_scale(C, R, eps, alpha)
-    return out if scale is None else out * scale
+def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str) -> torch.Tensor:
+    """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
-
-def _left(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool = False) -> torch.Tensor:
-    C = x @ x.mT
+    The two one-sided maps are the same function of ``D`` (push-through identity
+    ``D f(D^T D) = f(D D^T) D`` for any spectral ``f``; ``nu = tr(C R)`` sums
+    ``lambda / sqrt(lambda + eps)`` over the shared nonzero eigenvalues either way), so
+    ``gram="auto"`` forms the smaller Gram matrix: a wide SwiGLU expert block or a router
+    never pays for an ``n x n`` inverse square root when an ``m x m`` one gives the same
+    update. ``"right"``/``"left"`` force a side (the literal Algorithm 1 branches).
+    """
+    if gram not in GRAM_SIDES:
+        raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
+    m, n = x.shape[-2], x.shape[-1]
+    left = gram == "left" or (gram == "auto" and m < n)
+    C = x @ x.mT if left else x.mT @ x
     A = C
-    if centered:
+    if left and centered:
         # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
         # eigenvalue, A = C + (tr C / m) 11^T / m, leaves (A + eps I)^(-1/2) unchanged on
         # 1-perp (the paper's inverse square root "on the centred expert subspace") and
         # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
-        m = C.shape[-1]
         mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
         A = C + (mu / m) * torch.ones_like(C)
-    L = inv_sqrt(A, eps, method, steps).to(x.dtype)
-    out = L @ x
-    scale = _nu_scale(C, L, eps, alpha)
-    return out if scale is None else out * scale
+    R = inv_sqrt(A, eps, method, steps).to(x.dtype)
+    out = R @ x if left else x @ R
+    if alpha == 0:
+        return out
+    nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
+    return out * nu.pow(alpha)[..., None, None]
 
 
 def right_spectral(
@@ -125,16 +126,18 @@ def right_spectral(
     center: bool = False,
     method: str = "polar_express",
     steps: int = 5,
+    gram: str = "auto",
 ) -> torch.Tensor:
     """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
 
     Right-orthogonal and left-permutation (indeed left-orthogonal) equivariant. With
     ``center=True`` the input is centred and the result projected: the LM-head form
-    ``Pi D_c (D_c^T D_c + eps I)^(-1/2)``.
+    ``Pi D_c (D_c^T D_c + eps I)^(-1/2)``. ``gram`` picks the Gram matrix that is
+    inverted (default: the smaller; the result is the same, see :func:`_one_sided`).
     """
     _check(D, "right_spectral")
     x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_right(x, eps, alpha, method, steps), center).to(D.dtype)
+    return _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram), center).to(D.dtype)
 
 
 def left_spectral(
@@ -144,17 +147,19 @@ def left_spectral(
     center: bool = False,
     method: str = "polar_express",
     steps: int = 5,
+    gram: str = "auto",
 ) -> torch.Tensor:
     """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
 
     With ``center=True`` it is the router map ``(D_c D_c^T + eps I)^(-1/2) D_c``: the
     damped inverse square root leaves the centred expert subspace invariant, and the
     final projection removes what rounding leaves along ``1`` (amplified by
-    ``eps^(-1/2)`` there, since ``1`` spans the Gram's null space).
+    ``eps^(-1/2)`` there, since ``1`` spans the Gram's null space). It is the same
+    function of ``D`` as :func:`right_spectral`; ``gram`` picks the side computed.
     """
     _check(D, "left_spectral")
     x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_left(x, eps, alpha, method, steps, center), center).to(D.dtype)
+    return _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram), center).to(D.dtype)
 
 
 def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -175,6 +180,7 @@ def hybrid(
     method: str = "polar_express",
     steps: int = 5,
     eta: EtaRule = "inverse",
+    gram: str = "auto",
 ) -> torch.Tensor:
     """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
 
@@ -182,7 +188,9 @@ def hybrid(
     ``"right_then_row"``: ``Z = Pi nu^alpha D (D^T D + eps I)^(-1/2)``, ``U = Pi eta(Z) Z``.
     ``"left_then_row"`` (routers): ``Z = Pi nu^alpha (D D^T + eps I)^(-1/2) D``, ``U = Pi eta(Z) Z``.
     ``Pi`` is the centring projector when ``center=True`` (applied to the input too) and
-    the identity otherwise.
+    the identity otherwise. ``"right_then_row"`` and ``"left_then_row"`` differ only in the
+    Gram matrix the literal algorithm forms (the maps agree); ``gram`` chooses it, and by
+    default the smaller one is used.
     """
     _check(D, "hybrid")
     if order not in HYBRID_ORDERS:
@@ -190,15 +198,11 @@ def hybrid(
     x = _maybe_center(D.to(_compute_dtype(D)), center)
     if order == "row_then_right":
         z = _maybe_center(_row_scale(x, eta, eps), center)
-        u = _right(z, eps, alpha, method, steps)
+        u = _one_sided(z, eps, alpha, method, steps, center, gram)
     else:
-        if order == "right_then_row":
-            z = _right(x, eps, alpha, method, steps)
-        else:
-            z = _left(x, eps, alpha, method, steps, center)
-        z = _maybe_center(z, center)
+        z = _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram), center)
         u = _row_scale(z, eta, eps)
     return _maybe_center(u, center).to(D.dtype)
 
 
-__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS"]
+__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES"]

@@ -50,8 +50,8 @@ class EquivariantOptimizer(Optimizer):
       ``"raise"`` (:class:`NonFiniteGradientError` before anything is modified).
     - ``names``: parameter names for messages (one per parameter).
 
-    ``state_dtype`` (default float32) holds momentum and Adam moments whatever the
-    parameter dtype; ``eager_state=True`` creates all state at construction so every rank
+    ``state_dtype`` holds momentum and Adam moments (default: float32 for bfloat16,
+    float16 and float32 parameters, float64 for float64 ones); ``eager_state=True`` creates all state at construction so every rank
     and checkpoint sees the same keys from step 0.
     """
 
@@ -76,7 +76,7 @@ class EquivariantOptimizer(Optimizer):
         lr_scale: str | None = None,
         polar_dtype: torch.dtype | None = None,
         nonfinite: str = "skip",
-        state_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
     ):
         self.state_dtype = state_dtype
@@ -136,7 +136,8 @@ class EquivariantOptimizer(Optimizer):
         state = self.state[p]
         if state:
             return state
-        zeros = lambda: torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)  # noqa: E731
+        dtype = self._state_dtype(p)
+        zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)  # noqa: E731
         if group["rule"] == "adamw":
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = zeros()
@@ -144,6 +145,11 @@ class EquivariantOptimizer(Optimizer):
         else:
             state["momentum_buffer"] = zeros()
         return state
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -249,8 +255,8 @@ class EquivariantOptimizer(Optimizer):
             state = self._init_state(p, group)
             state["step"] += 1
             step = float(state["step"])
-            grad = p.grad.to(self.state_dtype)
             m, v = state["exp_avg"], state["exp_avg_sq"]
+            grad = p.grad.to(m.dtype)
             m.lerp_(grad, 1.0 - b1)
             v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
             bc1, bc2 = 1.0 - b1**step, 1.0 - b2**step
