@@ -6,12 +6,12 @@ oracles), :mod:`equiopt.maps` (pure update maps), :mod:`equiopt.layouts` (stored
 :mod:`equiopt.diagnostics`.
 """
 
-from . import diagnostics, layouts, linalg, maps, optim
+from . import diagnostics, layouts, linalg, maps, models, optim, recipes
 from .optim import EquivariantOptimizer, HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "linalg", "maps", "layouts", "optim", "diagnostics",
+    "linalg", "maps", "layouts", "optim", "diagnostics", "recipes", "models",
     "EquivariantOptimizer", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM",
 ]

@@ -100,6 +100,8 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     """
     if gram not in GRAM_SIDES:
         raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
+    if method == "gram_newton_schulz":
+        return _one_sided_polar(x, eps, alpha, steps)
     m, n = x.shape[-2], x.shape[-1]
     left = gram == "left" or (gram == "auto" and m < n)
     C = x @ x.mT if left else x.mT @ x
@@ -117,6 +119,20 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         return out
     nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
     return out * nu.pow(alpha)[..., None, None]
+
+
+def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int) -> torch.Tensor:
+    """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
+    directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
+    at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
+    out = polar(x, method="gram_newton_schulz", steps=steps, dtype=torch.float32).to(x.dtype)
+    if alpha == 0:
+        return out
+    nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
+    return out * nu.pow(alpha)[..., None, None]
+
+
+ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
 
 
 def right_spectral(
@@ -205,4 +221,4 @@ def hybrid(
     return _maybe_center(u, center).to(D.dtype)
 
 
-__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES"]
+__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]

@@ -12,6 +12,7 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -211,7 +212,9 @@ class EquivariantOptimizer(Optimizer):
         for p, _, name in live:
             if p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
-        flags = torch.stack([torch.isfinite(p.grad).all() for p, _, _ in live]).tolist()
+        # One reduction per gradient and one host sync per group: a NaN or Inf anywhere
+        # makes the sum non-finite (a finite gradient overflows it only beyond ~1e38).
+        flags = torch.stack([p.grad.sum().isfinite() for p, _, _ in live]).tolist()
         bad = [name for (_, _, name), ok in zip(live, flags) if not ok]
         if bad:
             if group["nonfinite"] == "raise":
@@ -249,23 +252,36 @@ class EquivariantOptimizer(Optimizer):
         p.add_(update.to(p.dtype), alpha=-lr * scale)
 
     def _adamw(self, group: dict, live: list) -> None:
+        """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
         b1, b2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["adam_eps"]
+        buckets: dict[tuple, list] = defaultdict(list)
         for p, _ in live:
             state = self._init_state(p, group)
             state["step"] += 1
-            step = float(state["step"])
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            grad = p.grad.to(m.dtype)
-            m.lerp_(grad, 1.0 - b1)
-            v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-            bc1, bc2 = 1.0 - b1**step, 1.0 - b2**step
-            denom = (v / bc2).sqrt_().add_(eps)
+            buckets[(p.dtype, p.device, state["exp_avg"].dtype)].append((p, state))
+        for (p_dtype, _, s_dtype), items in buckets.items():
+            params = [p for p, _ in items]
+            grads = [p.grad if p.grad.dtype == s_dtype else p.grad.to(s_dtype) for p in params]
+            m = [st["exp_avg"] for _, st in items]
+            v = [st["exp_avg_sq"] for _, st in items]
+            steps = [float(st["step"]) for _, st in items]
+            torch._foreach_lerp_(m, grads, 1.0 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, [math.sqrt(1.0 - b2**k) for k in steps])
+            torch._foreach_add_(denom, eps)
+            step_sizes = [-lr / (1.0 - b1**k) for k in steps]
             if wd:
-                p.mul_(1.0 - lr * wd)
-            p.add_((m / denom).to(p.dtype), alpha=-lr / bc1)
-
-
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            if p_dtype == s_dtype:
+                torch._foreach_addcdiv_(params, m, denom, step_sizes)
+            else:
+                updates = torch._foreach_div(m, denom)
+                torch._foreach_mul_(updates, step_sizes)
+                for p, u in zip(params, updates):
+                    p.add_(u.to(p_dtype))
 
 
 __all__ = ["EquivariantOptimizer", "NonFiniteGradientError", "ELEMENTWISE_RULES", "MATRIX_RULES"]

@@ -12,7 +12,7 @@ import math
 import torch
 
 from .. import maps
-from ..linalg import INV_SQRT_METHODS, POLAR_METHODS
+from ..linalg import POLAR_METHODS
 
 MATRIX_RULES = ("spectral", "right", "left", "row", "hybrid")
 ELEMENTWISE_RULES = ("adamw", "sgd")
@@ -93,7 +93,7 @@ def validate_group(group: dict, where: str) -> None:
     if rule not in RULES:
         raise ValueError(f"{where}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
     if rule in MATRIX_RULES and rule != "row":
-        valid = POLAR_METHODS if rule == "spectral" else INV_SQRT_METHODS
+        valid = POLAR_METHODS if rule == "spectral" else maps.ONE_SIDED_METHODS
         if group["method"] not in valid:
             raise ValueError(f"{where}: unknown method {group['method']!r} for rule {rule!r}; valid: {', '.join(valid)}")
     if rule == "hybrid" and group["order"] not in maps.HYBRID_ORDERS:

@@ -1,0 +1,125 @@
+"""Named recipes: the generic ones, the paper's, and any the user registers."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from .recipe import Recipe
+
+__all__ = ["get_recipe", "list_recipes", "register_recipe", "muon_recipe", "adamw_recipe"]
+
+
+def muon_recipe() -> Recipe:
+    """``muon``: Muon on every hidden matrix, AdamW elsewhere.
+
+    Muon (``spectral``; Polar Express, 5 steps; Nesterov; beta 0.95; lr 0.02
+    with the sqrt(max(1, rows/cols)) factor; no weight decay: the original Muon
+    defaults) on ``attention``, ``mlp_in``, ``mlp_out`` and ``matrix``.
+    AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-8, no weight decay) on
+    ``embedding``, ``lm_head``, ``router`` and ``vector``. Schedules as in
+    the paper: warmup-cosine (100 warmup steps) on ``vector``, stable-decay
+    (60 %) elsewhere. Starting points, not tuned values.
+    """
+    muon = {
+        "rule": "spectral", "lr": 0.02, "beta": 0.95, "nesterov": True,
+        "lr_scale": "spectral", "method": "polar_express", "steps": 5, "weight_decay": 0.0,
+    }
+    adamw = {"rule": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.0}
+    roles = {role: dict(muon) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
+    roles.update({role: dict(adamw) for role in ("embedding", "lm_head", "router", "vector")})
+    return Recipe(
+        name="muon",
+        description="Muon (Polar Express, Nesterov, lr 0.02) on hidden matrices; AdamW (lr 3e-4) "
+        "on embedding, LM head, router and vectors",
+        roles=roles,
+    )
+
+
+def adamw_recipe() -> Recipe:
+    """``adamw``: AdamW on every role.
+
+    lr 3e-4, betas (0.9, 0.95), eps 1e-8; weight decay 0.1 on every matrix role
+    and 0 on ``vector``; warmup-cosine (100 warmup steps) on every role.
+    Starting points, not tuned values.
+    """
+    sched = {"kind": "warmup_cosine", "warmup_steps": 100}
+    roles = {
+        role: {
+            "rule": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "adam_eps": 1e-8,
+            "weight_decay": 0.0 if role == "vector" else 0.1, "schedule": dict(sched),
+        }
+        for role in ("embedding", "lm_head", "attention", "mlp_in", "mlp_out", "router", "matrix", "vector")
+    }
+    return Recipe(
+        name="adamw",
+        description="AdamW everywhere (lr 3e-4, betas (0.9, 0.95), wd 0.1 on matrices), warmup-cosine",
+        roles=roles,
+    )
+
+
+_REGISTRY: dict[str, Recipe] | None = None
+
+
+def _registry() -> dict[str, Recipe]:
+    global _REGISTRY
+    if _REGISTRY is None:
+        from .paper import paper_recipes
+
+        reg = {r.name: r for r in (muon_recipe(), adamw_recipe())}
+        for recipe in paper_recipes():
+            reg[recipe.name] = recipe
+        _REGISTRY = reg
+    return _REGISTRY
+
+
+def list_recipes() -> list[str]:
+    """Names of all registered recipes: ``muon``, ``adamw``, then the paper's, then the user's."""
+    return list(_registry())
+
+
+def _canonical(name: str) -> str:
+    name = name.strip().lower()
+    parts = name.split(":")
+    if len(parts) >= 2:
+        parts[1] = parts[1].replace("-", "_").replace("gptoss", "gpt_oss")
+    return ":".join(parts)
+
+
+def get_recipe(name: "str | os.PathLike[str] | Recipe") -> Recipe:
+    """The recipe called ``name``.
+
+    ``name`` may also be a :class:`Recipe` (returned as is) or the path of a
+    ``.toml`` recipe file (see :func:`load_recipe_toml`). Model names are
+    matched case-insensitively, with ``gpt-oss`` accepted for ``gpt_oss``.
+    Unknown names raise :class:`ValueError` with close matches.
+    """
+    if isinstance(name, Recipe):
+        return name
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name.endswith(".toml")):
+        from .tomlio import load_recipe_toml
+
+        return load_recipe_toml(name)
+    if not isinstance(name, str):
+        raise ValueError(f"recipe name must be a string, got {name!r}")
+    reg = _registry()
+    if name in reg:
+        return reg[name]
+    canonical = _canonical(name)
+    for key, recipe in reg.items():
+        if _canonical(key) == canonical:
+            return recipe
+    close = difflib.get_close_matches(canonical, list(reg), n=5, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ValueError(f"unknown recipe {name!r}; {hint}valid recipes: {', '.join(reg)}")
+
+
+def register_recipe(recipe: Recipe, *, overwrite: bool = False) -> Recipe:
+    """Make ``recipe`` available to :func:`get_recipe` under ``recipe.name``."""
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"expected a Recipe, got {recipe!r}")
+    reg = _registry()
+    if recipe.name in reg and not overwrite:
+        raise ValueError(f"a recipe named {recipe.name!r} exists; pass overwrite=True to replace it")
+    reg[recipe.name] = recipe
+    return recipe
+

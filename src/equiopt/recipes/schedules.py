@@ -1,0 +1,161 @@
+"""Learning-rate schedules of the recipes, as ``LambdaLR`` multipliers.
+
+A schedule is a dict stored under the ``schedule`` key of a settings dict (and
+so of a torch param group). ``step`` below is the scheduler's counter: the
+multiplier at ``step = k`` is the one in force for the ``(k+1)``-th optimizer
+update, i.e. after ``k`` calls to ``scheduler.step()``. Training for
+``total_steps`` updates uses ``step = 0 .. total_steps - 1``; the multiplier
+reaches exactly 0 at ``step = total_steps`` and stays 0 after it.
+
+``warmup_cosine`` (``warmup_steps = w``, ``total_steps = T``)
+    ``(step + 1) / w`` for ``step < w`` (so the first update uses ``1/w`` and
+    update ``w`` uses the full rate), then ``0.5 * (1 + cos(pi * p))`` with
+    ``p = (step - w) / (T - w)`` clipped to ``[0, 1]``: 1 at ``step = w``, 0 at
+    ``step = T``. Without ``T``: warmup, then constant 1. With ``T <= w`` the
+    multiplier is 0 once warmup ends.
+
+``stable_decay`` (``stable_fraction = f``, ``total_steps = T``)
+    1 for ``step < S = floor(f * T)``, then ``(T - step) / (T - S)``: 1 at
+    ``step = S``, 0 at ``step = T``. Without ``T``: constant 1.
+
+``constant``
+    1 always.
+
+The multipliers are small callable objects (not closures), so
+``LambdaLR.state_dict()`` saves their parameters and ``load_state_dict``
+restores them; they are also picklable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .schema import normalize_schedule
+
+__all__ = [
+    "WarmupCosine",
+    "StableDecay",
+    "Constant",
+    "make_lr_lambda",
+    "build_scheduler",
+]
+
+
+def _check_total(total_steps: Any) -> int | None:
+    if total_steps is None:
+        return None
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be a positive integer or None, got {total_steps!r}")
+    return int(total_steps)
+
+
+class _Multiplier:
+    """Base: equality and repr from the instance attributes."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self.__dict__.items()))))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"{type(self).__name__}({args})"
+
+
+class WarmupCosine(_Multiplier):
+    """Linear warmup ``(step + 1) / warmup_steps``, then half-cosine to 0 at ``total_steps``."""
+
+    def __init__(self, warmup_steps: int = 100, total_steps: int | None = None) -> None:
+        self.warmup_steps = int(warmup_steps)
+        self.total_steps = total_steps
+
+    def __call__(self, step: int) -> float:
+        w, total = self.warmup_steps, self.total_steps
+        if step < w:
+            return (step + 1) / w
+        if total is None:
+            return 1.0
+        if total <= w:
+            return 0.0
+        progress = min(max((step - w) / (total - w), 0.0), 1.0)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class StableDecay(_Multiplier):
+    """1 until ``floor(stable_fraction * total_steps)``, then linear to 0 at ``total_steps``."""
+
+    def __init__(self, stable_fraction: float = 0.6, total_steps: int | None = None) -> None:
+        self.stable_fraction = float(stable_fraction)
+        self.total_steps = total_steps
+
+    @property
+    def stable_steps(self) -> int | None:
+        """``floor(stable_fraction * total_steps)``, robust to float rounding (0.29 * 100 -> 29)."""
+        if self.total_steps is None:
+            return None
+        return math.floor(self.stable_fraction * self.total_steps + 1e-9)
+
+    def __call__(self, step: int) -> float:
+        total = self.total_steps
+        if total is None:
+            return 1.0
+        stable = self.stable_steps
+        if step < stable:
+            return 1.0
+        if step >= total:
+            return 0.0
+        return (total - step) / (total - stable)
+
+
+class Constant(_Multiplier):
+    """Multiplier 1 at every step."""
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def make_lr_lambda(
+    schedule: Mapping[str, Any] | None, total_steps: int | None = None
+) -> Callable[[int], float]:
+    """The lr multiplier ``step -> float`` of ``schedule`` (``None``: constant 1).
+
+    See the module docstring for the formulas and for the behaviour without
+    ``total_steps``.
+    """
+    total = _check_total(total_steps)
+    if schedule is None:
+        return Constant()
+    sched = normalize_schedule(schedule)
+    kind = sched["kind"]
+    if kind == "warmup_cosine":
+        return WarmupCosine(sched["warmup_steps"], total)
+    if kind == "stable_decay":
+        return StableDecay(sched["stable_fraction"], total)
+    return Constant()
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int | None = None, last_epoch: int = -1
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` with one multiplier per param group, from each group's ``schedule``.
+
+    Groups without a ``schedule`` entry (or with ``None``) keep their lr
+    (multiplier 1). Call ``scheduler.step()`` once after every
+    ``optimizer.step()``.
+    """
+    total = _check_total(total_steps)
+    lambdas = []
+    for i, group in enumerate(optimizer.param_groups):
+        schedule = group.get("schedule")
+        try:
+            lambdas.append(make_lr_lambda(schedule, total))
+        except ValueError as err:
+            role = group.get("role")
+            where = f"param group {i}" + (f" (role {role!r})" if role is not None else "")
+            raise ValueError(f"{where}: {err}") from None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas, last_epoch=last_epoch)
