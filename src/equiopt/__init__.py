@@ -6,12 +6,14 @@ oracles), :mod:`equiopt.maps` (pure update maps), :mod:`equiopt.layouts` (stored
 :mod:`equiopt.diagnostics`.
 """
 
-from . import diagnostics, layouts, linalg, maps, models, optim, recipes
+from . import diagnostics, layouts, linalg, maps, models, optim, recipes, roles
 from .optim import EquivariantOptimizer, HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
+from .roles import assign_roles, build_optimizer, print_roles
 
 __version__ = "0.1.0"
 
 __all__ = [
     "linalg", "maps", "layouts", "optim", "diagnostics", "recipes", "models",
+    "assign_roles", "print_roles", "build_optimizer", "roles",
     "EquivariantOptimizer", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM",
 ]

@@ -18,7 +18,8 @@ bounds the spectral norm):
     ``restart_every`` steps the iterate ``X = Q X_0`` is formed and its Gram recomputed,
     which resets the drift (float32 by default; bfloat16 on request).
 ``"exact"``
-    Thin SVD in float64: ``U V^T``.
+    Thin SVD in float64: ``U V^T`` over the singular values above the numerical rank
+    threshold of the input's precision.
 
 Wide or tall inputs are handled on the side with the smaller Gram matrix (a tall ``X``
 is transposed, iterated, and transposed back), as Muon implementations do.
@@ -67,8 +68,14 @@ def polar(
         raise ValueError(f"steps must be >= 1, got {steps}")
     out_dtype = X.dtype
     if method == "exact":
-        u, _, vh = torch.linalg.svd(X.to(torch.float64), full_matrices=False)
-        return (u @ vh).to(out_dtype)
+        u, sv, vh = torch.linalg.svd(X.to(torch.float64), full_matrices=False)
+        # Singular values below the numerical rank threshold of the input's precision
+        # (max(m, n) eps sigma_max, as torch.linalg.matrix_rank) map to 0, so a zero or
+        # rank-deficient momentum (an expert that saw few tokens) gets the polar factor
+        # of its range only, not rounding noise blown up to unit singular values.
+        eps = torch.finfo(X.dtype if X.is_floating_point() else torch.float64).eps
+        tol = sv.amax(dim=-1, keepdim=True) * max(X.shape[-2:]) * eps
+        return ((u * (sv > tol).to(u.dtype).unsqueeze(-2)) @ vh).to(out_dtype)
     if dtype is None:
         dtype = torch.float32 if method == "gram_newton_schulz" else torch.bfloat16
     tall = X.shape[-2] > X.shape[-1]

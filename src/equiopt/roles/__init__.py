@@ -1,0 +1,8 @@
+"""Model level: the role and layout of every parameter, and the paper's optimizer stack on it."""
+
+from .build import build_optimizer, print_roles
+from .infer import ModelDims, RoleInferenceError, assign_roles, model_dims
+from .table import ROLES, RoleRow, RoleTable
+
+__all__ = ["assign_roles", "print_roles", "build_optimizer", "RoleRow", "RoleTable", "ROLES", "RoleInferenceError",
+           "ModelDims", "model_dims"]

@@ -1,0 +1,68 @@
+"""The paper's layerwise optimizer stack on any model, in two lines."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..optim import EquivariantOptimizer
+from ..recipes import Recipe, build_scheduler, get_recipe
+from .infer import assign_roles
+from .table import ROLES, RoleTable
+
+
+def param_groups(table: RoleTable, recipe: Recipe) -> list[dict[str, Any]]:
+    """One optimizer param group per role present in ``table``, with the recipe's settings,
+    the per-parameter layouts and names, the role and its schedule."""
+    groups = []
+    for role, rows in table.by_role().items():
+        if not rows:
+            continue
+        settings = recipe.settings(role)
+        groups.append({
+            **settings,
+            "params": [r.param for r in rows],
+            "layouts": [r.layout if r.layout is not None else "row" for r in rows],
+            "names": [r.name for r in rows],
+            "role": role,
+        })
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module,
+    recipe: str | Recipe = "paper:qwen3:b-ii",
+    total_steps: int | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    rules: Any = None,
+    eager_state: bool = False,
+    **role_options: Any,
+) -> tuple[EquivariantOptimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """``(optimizer, scheduler)`` for ``model`` from a recipe (name, TOML path or Recipe).
+
+    Roles and layouts come from :func:`assign_roles` (``rules`` and ``role_options``
+    are passed to it); ``overrides`` replace recipe fields per role (``"*"`` for all).
+    Without ``total_steps`` the scheduler holds every group's base lr (after AdamW
+    warm-up); with it, the recipe's schedules run to 0 at ``total_steps``.
+    """
+    rec = get_recipe(recipe)
+    if overrides:
+        rec = rec.with_overrides(overrides)
+    table = assign_roles(model, rules=rules, **role_options)
+    optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state)
+    optimizer.role_table = table
+    optimizer.recipe = rec
+    return optimizer, build_scheduler(optimizer, total_steps)
+
+
+def print_roles(model: nn.Module, recipe: str | Recipe | None = None, file=None, **role_options: Any) -> RoleTable:
+    """Print the role table of ``model`` (with each role's rule and lr when ``recipe`` is given)."""
+    table = assign_roles(model, **role_options)
+    rec = get_recipe(recipe) if recipe is not None else None
+    print(table.format(rec), file=file)
+    return table
+
+
+__all__ = ["build_optimizer", "print_roles", "param_groups", "ROLES"]

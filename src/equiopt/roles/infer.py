@@ -1,0 +1,451 @@
+"""Infer the role and layout of every trainable parameter of a model.
+
+Decisions come from the module structure (which module owns the parameter, its class,
+the storage convention of that class), the shapes, and the model config (hidden size,
+heads, head dim, experts); never from the model's name. Where a convention cannot be
+determined (an unknown module storing a square matrix, a fused gate/up tensor whose
+pairing is not declared and cannot be probed), inference fails with a message that says
+which explicit rule would settle it.
+
+Conventions recognised:
+
+- ``nn.Linear`` stores ``(out, in)``; transformers' ``Conv1D`` (GPT-2 style) stores
+  ``(in, out)``; ``nn.Embedding`` rows are the vocabulary.
+- transformers >= 5 expert modules declare ``is_transposed`` (``(E, in, out)`` storage)
+  and ``is_concatenated`` (``[gate; up]`` rather than interleaved ``g0, u0, ...``).
+- A fused dense gate/up projection (``out = 2 d_ff``) has its pairing found by running
+  the MLP block and checking which pairing's neuron permutation leaves its output
+  unchanged (the block's own symmetry); on the meta device this is impossible and an
+  explicit rule is required.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..layouts import Col, Experts, GateUp, Heads, Layout, Row, parse_layout
+from .table import ROLES, RoleRow, RoleTable
+
+_ATTN_CLASS = re.compile(r"attention|attn", re.I)
+_MLP_CLASS = re.compile(r"mlp|feedforward|feed_forward|ffn|moe|expert", re.I)
+_ROUTER_CLASS = re.compile(r"router|topk|gate$", re.I)
+# attention sub-module names that mark the output projection / the input projections
+_ATTN_OUT_NAMES = {"o_proj", "out_proj", "c_proj", "dense", "wo", "o", "proj", "output"}
+_ATTN_IN_NAMES = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "wqkv", "query", "key",
+                  "value", "q", "k", "v", "wq", "wk", "wv", "qkv", "in_proj"}
+_MLP_OUT_NAMES = {"down_proj", "w2", "fc2", "c_proj", "fc_out", "dense_4h_to_h", "wo", "out_proj", "down"}
+_MLP_IN_NAMES = {"gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h", "wi",
+                 "up", "gate", "w12"}
+
+
+class RoleInferenceError(ValueError):
+    """A parameter whose role or storage convention cannot be determined."""
+
+
+@dataclass
+class ModelDims:
+    hidden: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    experts: int | None = None
+    vocab: int | None = None
+
+
+def _cfg(config: Any, *names: str):
+    for n in names:
+        v = getattr(config, n, None) if not isinstance(config, Mapping) else config.get(n)
+        if v is not None:
+            return v
+    return None
+
+
+def model_dims(model: nn.Module, overrides: Mapping[str, Any] | None = None) -> ModelDims:
+    """Hidden size, heads, head dim and experts from the model config (HF names) and the embedding."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) if config is not None else None
+    config = text if text is not None and _cfg(config, "hidden_size") is None else config
+    dims = ModelDims()
+    if config is not None:
+        dims.hidden = _cfg(config, "hidden_size", "n_embd", "d_model", "dim")
+        dims.heads = _cfg(config, "num_attention_heads", "n_head", "num_heads")
+        dims.kv_heads = _cfg(config, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or dims.heads
+        dims.head_dim = _cfg(config, "head_dim", "kv_channels")
+        dims.experts = _cfg(config, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        dims.vocab = _cfg(config, "vocab_size")
+    emb = _input_embedding(model)
+    if emb is not None:
+        dims.vocab = dims.vocab or emb.weight.shape[0]
+        dims.hidden = dims.hidden or emb.weight.shape[1]
+    for key, value in (overrides or {}).items():
+        if not hasattr(dims, key):
+            raise ValueError(f"unknown model dimension {key!r}; valid: {', '.join(ModelDims.__dataclass_fields__)}")
+        setattr(dims, key, value)
+    if dims.head_dim is None and dims.hidden and dims.heads:
+        dims.head_dim = dims.hidden // dims.heads
+    return dims
+
+
+def _input_embedding(model: nn.Module):
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if emb is not None:
+            return emb
+    embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return embs[0] if len(embs) == 1 else None
+
+
+def _output_embedding(model: nn.Module, dims: ModelDims):
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            out = get()
+        except (NotImplementedError, AttributeError):
+            out = None
+        if out is not None:
+            return out
+    if dims.vocab is None:
+        return None
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == dims.vocab]
+    return heads[-1] if heads else None
+
+
+def _storage(module: nn.Module, attr: str) -> str:
+    """``"out_in"`` (nn.Linear), ``"in_out"`` (Conv1D) or ``"unknown"`` for a 2-D weight."""
+    if isinstance(module, nn.Linear) and attr == "weight":
+        return "out_in"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and attr == "weight":
+        return "in_out"
+    return "unknown"
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def _rule_table(rules) -> list[tuple[re.Pattern, str, Any]]:
+    if rules is None:
+        return []
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    table = []
+    for pattern, spec in items:
+        if isinstance(spec, str):
+            role, layout = spec, None
+        elif isinstance(spec, Mapping):
+            role, layout = spec.get("role"), spec.get("layout")
+        else:
+            role, layout = spec
+        if role not in ROLES:
+            raise ValueError(f"rule {pattern!r}: unknown role {role!r}; valid: {', '.join(ROLES)}")
+        table.append((re.compile(pattern), role, None if layout is None else parse_layout(layout)))
+    return table
+
+
+def assign_roles(
+    model: nn.Module,
+    rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+    dims: Mapping[str, Any] | None = None,
+    gate_up: str = "split",
+    per_head: bool = True,
+) -> RoleTable:
+    """One :class:`RoleRow` per trainable parameter of ``model``.
+
+    ``rules``: regex on parameter names -> role, or -> ``(role, layout)`` /
+    ``{"role": ..., "layout": ...}``; the first match wins and overrides inference
+    (a role without a layout gets the inferred layout of that role). ``dims``:
+    overrides of the config dimensions (``hidden``, ``heads``, ``kv_heads``,
+    ``head_dim``, ``experts``, ``vocab``). ``gate_up="split"`` gives fused gate/up
+    tensors one work matrix per half; ``"paired"`` keeps each neuron's gate and up rows
+    together. ``per_head=False`` gives attention projections whole-matrix layouts.
+    """
+    if gate_up not in ("split", "paired"):
+        raise ValueError(f"gate_up must be 'split' or 'paired', got {gate_up!r}")
+    table = _rule_table(rules)
+    d = model_dims(model, dims)
+    ctx = _Context(model, d, gate_up == "split", per_head)
+    rows, notes = [], []
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            forced = next(((role, lay) for pat, role, lay in table if pat.search(name)), None)
+            if forced is not None:
+                role, layout = forced
+                if layout is None and role != "vector":
+                    try:
+                        _, layout, _ = ctx.infer(mod_name, module, attr, p, want=role)
+                    except RoleInferenceError:
+                        layout = Row() if p.ndim == 2 else None
+                if layout is not None:
+                    layout.check(tuple(p.shape), name)
+                reason = "explicit rule"
+            else:
+                role, layout, reason = ctx.infer(mod_name, module, attr, p)
+            rows.append(RoleRow(name, tuple(p.shape), role, layout, reason, p))
+    emb, out = ctx.embedding, ctx.lm_head
+    tied = emb is not None and out is not None and getattr(out, "weight", None) is emb.weight
+    if ctx.probed:
+        notes.append("gate/up pairing found by probing the MLP's neuron-permutation symmetry: " + ", ".join(ctx.probed))
+    return RoleTable(rows, tied_embeddings=tied, notes=notes)
+
+
+class _Context:
+    def __init__(self, model: nn.Module, dims: ModelDims, split: bool, per_head: bool):
+        self.model, self.dims, self.split, self.per_head = model, dims, split, per_head
+        self.modules = dict(model.named_modules())
+        self.embedding = _input_embedding(model)
+        self.lm_head = _output_embedding(model, dims)
+        self.probed: list[str] = []
+
+    # ----------------------------------------------------------------- helpers
+    def _ancestors(self, mod_name: str):
+        parts = mod_name.split(".") if mod_name else []
+        for i in range(len(parts), -1, -1):
+            key = ".".join(parts[:i])
+            if key in self.modules:
+                yield key, self.modules[key]
+
+    def _context_of(self, mod_name: str) -> tuple[str, str, nn.Module] | None:
+        for key, mod in self._ancestors(mod_name):
+            cls = type(mod).__name__
+            if _ATTN_CLASS.search(cls) and "norm" not in cls.lower():
+                return "attention", key, mod
+            if _MLP_CLASS.search(cls):
+                return "mlp", key, mod
+        return None
+
+    def _fail(self, name: str, shape, why: str, hint: str = "('mlp_in', 'row')") -> RoleInferenceError:
+        pattern = re.escape(name)
+        return RoleInferenceError(
+            f"cannot infer the role of {name!r} (shape {tuple(shape)}): {why}. "
+            f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: {hint}}})"
+        )
+
+    # --------------------------------------------------------------- inference
+    def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor, want: str | None = None):
+        name = f"{mod_name}.{attr}" if mod_name else attr
+        shape = tuple(p.shape)
+        d = self.dims
+        if want is None and (p.ndim < 2 or attr.endswith("bias")):
+            kind = "bias" if attr.endswith("bias") else ("scalar" if p.ndim == 0 else "1-D")
+            return "vector", None, f"{kind} parameter: element-wise rule"
+        if self.embedding is not None and p is getattr(self.embedding, "weight", None) and want in (None, "embedding"):
+            return "embedding", Row(), f"input embedding {type(self.embedding).__name__}: rows = vocabulary"
+        if self.lm_head is not None and p is getattr(self.lm_head, "weight", None) and want in (None, "lm_head"):
+            if _storage(self.lm_head, "weight") == "in_out":
+                return "lm_head", Col(), "output embedding stored (d, vocab): work = transpose"
+            return "lm_head", Row(), "output embedding: rows = vocabulary, centred by the recipe"
+        ctx = self._context_of(mod_name)
+        if want is not None and want not in ("attention", "mlp_in", "mlp_out", "router"):
+            return want, Row(), ""
+        if ctx is not None and ctx[0] == "mlp" or want in ("mlp_in", "mlp_out", "router"):
+            found = self._mlp(name, mod_name, module, attr, p, ctx, want)
+            if found is not None:
+                return found
+        if ctx is not None and ctx[0] == "attention" or want == "attention":
+            return self._attention(name, module, attr, p, ctx[2] if ctx is not None else module)
+        if p.ndim == 2:
+            return "matrix", Row(), "2-D weight outside attention/MLP blocks: whole matrix"
+        raise self._fail(name, shape, f"a {p.ndim}-D tensor outside any recognised block")
+
+    def _oriented(self, name, module, attr, p) -> tuple[str, int, int]:
+        """(storage, out, in) of a 2-D weight; storage may be 'unknown' (then shapes decide)."""
+        st = _storage(module, attr)
+        a, b = p.shape[-2], p.shape[-1]
+        if st == "in_out":
+            return st, b, a
+        if st == "out_in":
+            return st, a, b
+        hidden = self.dims.hidden
+        if hidden is not None and b == hidden and a != hidden:
+            return "out_in", a, b
+        if hidden is not None and a == hidden and b != hidden:
+            return "in_out", b, a
+        return "unknown", a, b
+
+    def _attention(self, name, module, attr, p, block):
+        d = self.dims
+        if p.ndim != 2:
+            raise self._fail(name, p.shape, "a non-matrix tensor in an attention block")
+        st, out, inp = self._oriented(name, module, attr, p)
+        hd = d.head_dim
+        where = type(block).__name__
+        if not self.per_head or hd is None:
+            return "attention", Row(), f"{where} projection: whole matrix"
+        short = _short(name.rsplit(".", 1)[0]) if "." in name else ""
+        input_side = inp == d.hidden and out % hd == 0
+        output_side = out == d.hidden and inp % hd == 0
+        if st == "unknown" and input_side and output_side:
+            raise self._fail(name, p.shape, f"square weight in {where} with unknown storage convention")
+        if input_side and output_side:
+            if short in _ATTN_OUT_NAMES:
+                input_side = False
+            elif short in _ATTN_IN_NAMES:
+                output_side = False
+            else:
+                raise self._fail(name, p.shape, "square attention projection: cannot tell q/k/v from output")
+        heads = None
+        if input_side:
+            heads = out // hd
+            layout = Heads(hd) if st == "out_in" else Heads(hd, "cols")
+            fused = d.heads is not None and out == (d.heads + 2 * (d.kv_heads or d.heads)) * hd
+            kind = "fused q/k/v" if fused else "q/k/v"
+            return "attention", layout, f"{where} {kind} projection ({inp} -> {out}): {heads} blocks of {hd} rows, one per head"
+        if output_side:
+            heads = inp // hd
+            layout = Heads(hd, "cols") if st == "out_in" else Heads(hd)
+            return "attention", layout, f"{where} output projection ({inp} -> {out}): {heads} blocks of {hd} columns, one per head"
+        return "attention", Row(), f"{where} projection ({inp} -> {out}) not split by heads: whole matrix"
+
+    def _mlp(self, name, mod_name, module, attr, p, ctx, want):
+        d = self.dims
+        block = ctx[2] if ctx is not None else module
+        where = type(block).__name__
+        shape = tuple(p.shape)
+        # router: (experts, hidden) in an MoE block, or a module whose class says so
+        if p.ndim == 2 and want in (None, "router"):
+            is_router_cls = bool(_ROUTER_CLASS.search(type(module).__name__)) and not isinstance(module, nn.Embedding)
+            e = d.experts
+            if (e is not None and d.hidden is not None and e != d.hidden and shape in ((e, d.hidden), (d.hidden, e))) or (
+                is_router_cls and want is None and (d.experts is None or d.experts in shape)
+            ) or want == "router":
+                rows_first = d.hidden is None or shape[-1] == d.hidden
+                layout = Row() if rows_first else Col()
+                return "router", layout, f"router of {where}: rows = experts, centred by the recipe"
+        if p.ndim == 3:
+            return self._experts(name, module, attr, p, where)
+        if p.ndim != 2:
+            return None
+        st, out, inp = self._oriented(name, module, attr, p)
+        short = _short(mod_name) if mod_name else ""
+        if inp == d.hidden and out != d.hidden:
+            side = "in"
+        elif out == d.hidden and inp != d.hidden:
+            side = "out"
+        elif short in _MLP_OUT_NAMES or want == "mlp_out":
+            side = "out"
+        elif short in _MLP_IN_NAMES or want == "mlp_in":
+            side = "in"
+        else:
+            raise self._fail(name, shape, f"square weight in {where}: cannot tell input from output projection")
+        if st == "unknown" and inp == out:
+            raise self._fail(name, shape, f"weight in {where} with unknown storage convention")
+        if side == "out":
+            layout = Col() if st == "out_in" else Row()
+            return "mlp_out", layout, f"{where} output projection ({inp} -> {out}): work = neurons x hidden"
+        ff_out = self._sibling_ff(block, p)
+        if ff_out is not None and out == 2 * ff_out:
+            mode = self._probe_pairing(name, block, module, attr, p, st)
+            layout = GateUp(mode, split=self.split, axis=0 if st == "out_in" else 1)
+            return "mlp_in", layout, f"{where} fused gate/up ({mode}), {ff_out} neurons: work rows = neurons"
+        layout = Row() if st == "out_in" else Col()
+        return "mlp_in", layout, f"{where} input projection ({inp} -> {out}): rows = neurons"
+
+    def _sibling_ff(self, block: nn.Module, p) -> int | None:
+        """Neuron count of the block's output projection (its input width), if it has one."""
+        for sub_name, sub in block.named_modules():
+            for attr, q in sub.named_parameters(recurse=False):
+                if q is p or q.ndim != 2 or attr.endswith("bias"):
+                    continue
+                st, out, inp = self._oriented(sub_name, sub, attr, q)
+                if out == self.dims.hidden and inp != self.dims.hidden:
+                    return inp
+        return None
+
+    def _experts(self, name, module, attr, p, where):
+        d = self.dims
+        E, a, b = p.shape
+        transposed = getattr(module, "is_transposed", None)
+        if transposed is None:
+            if b == d.hidden and a != d.hidden:
+                transposed = False
+            elif a == d.hidden and b != d.hidden:
+                transposed = True
+            else:
+                raise self._fail(name, p.shape, f"expert tensor in {type(module).__name__} with undeclared storage")
+        out, inp = (b, a) if transposed else (a, b)
+        if out == d.hidden and inp == d.hidden:  # square experts: the tensor's name decides
+            side = "out" if "down" in attr or attr.endswith(("w2", "wo")) else ("in" if "gate" in attr or "up" in attr else None)
+            if side is None:
+                raise self._fail(name, p.shape, "square expert tensor: cannot tell input from output projection")
+        else:
+            side = "out" if out == d.hidden else ("in" if inp == d.hidden else None)
+        if side is None:
+            raise self._fail(name, p.shape, "expert tensor that neither reads nor writes the hidden size")
+        if side == "out":
+            inner = Row() if transposed else Col()
+            return "mlp_out", Experts(inner), f"{E} experts' output projections ({inp} -> {out}): neurons x hidden each"
+        gated = getattr(module, "has_gate", None)
+        if gated is None:
+            gated = "gate" in attr
+        if gated:
+            concatenated = getattr(module, "is_concatenated", None)
+            if concatenated is None:
+                raise self._fail(name, p.shape, f"fused gate/up experts in {type(module).__name__} do not declare "
+                                                "whether gate and up are concatenated or interleaved",
+                                 "('mlp_in', 'experts:gate_up:concat')")
+            mode = "concat" if concatenated else "interleave"
+            layout = Experts(GateUp(mode, split=self.split, axis=1 if transposed else 0))
+            return "mlp_in", layout, f"{E} experts' fused gate/up ({mode}{', stored (in, out)' if transposed else ''})"
+        inner = Col() if transposed else Row()
+        return "mlp_in", Experts(inner), f"{E} experts' input projections ({inp} -> {out})"
+
+    def _probe_pairing(self, name, block, module, attr, p, st) -> str:
+        """Which gate/up pairing makes a neuron permutation leave the block's output unchanged."""
+        if p.device.type == "meta":
+            raise self._fail(name, p.shape, "fused gate/up pairing cannot be probed on the meta device",
+                             "('mlp_in', 'gate_up:concat') or ('mlp_in', 'gate_up:interleave')")
+        ff = p.shape[0 if st == "out_in" else 1] // 2
+        down = None
+        for sub_name, sub in block.named_modules():
+            for a2, q in sub.named_parameters(recurse=False):
+                if q is not p and q.ndim == 2 and not a2.endswith("bias"):
+                    s2, out, inp = self._oriented(sub_name, sub, a2, q)
+                    if inp == ff and out == self.dims.hidden:
+                        down = (q, s2)
+        if down is None:
+            raise self._fail(name, p.shape, "fused gate/up without a matching output projection to probe with")
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(2, 3, self.dims.hidden, generator=g).to(device=p.device, dtype=p.dtype)
+        perm = torch.randperm(ff, generator=g).to(p.device)
+        results = {}
+        with torch.no_grad():
+            base = _first(block(x))
+            saved_p, saved_q = p.detach().clone(), down[0].detach().clone()
+            for mode in ("concat", "interleave"):
+                rows = torch.cat([perm, perm + ff]) if mode == "concat" else torch.stack([2 * perm, 2 * perm + 1], 1).flatten()
+                if st == "out_in":
+                    p.copy_(saved_p[rows])
+                else:
+                    p.copy_(saved_p[:, rows])
+                if down[1] == "out_in":
+                    down[0].copy_(saved_q[:, perm])
+                else:
+                    down[0].copy_(saved_q[perm])
+                moved = _first(block(x))
+                results[mode] = torch.allclose(moved, base, rtol=1e-4, atol=1e-5 * float(base.abs().max()) + 1e-7)
+                p.copy_(saved_p)
+                down[0].copy_(saved_q)
+        good = [m for m, ok in results.items() if ok]
+        if len(good) != 1:
+            raise self._fail(name, p.shape, f"probing the gate/up pairing was inconclusive ({results})")
+        self.probed.append(f"{name}: {good[0]}")
+        return good[0]
+
+
+def _first(out):
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
