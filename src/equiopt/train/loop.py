@@ -1,0 +1,357 @@
+"""The pre-training loop: one process or ``torchrun`` with DDP, CPU or CUDA.
+
+Per optimizer step: ``grad_accum`` micro-batches (``batch_size / grad_accum`` sequences
+of all ranks together), bf16 autocast on CUDA, cross-entropy plus the optional router
+auxiliary terms, optional gradient clipping (off by default, as in the paper), then the
+recipe's optimizer and schedulers. Validation, final-logit and router diagnostics run
+at ``val_every``; per-role weight and update RMS at ``log_every``; checkpoints are
+atomic and ``resume=True`` continues exactly (on CPU bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import diagnostics as diag
+from ..data.loader import TokenLoader, ValidationBatches
+from ..roles import build_optimizer
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config
+from .runlog import RunLogger
+
+LOGIT_KEYS = {"raw_rms": "logits/rms", "centered_rms": "logits/centred_rms", "max_lse": "logits/max_lse",
+              "mean_lse": "logits/mean_lse", "max_abs": "logits/max_abs"}
+ROUTER_KEYS = {"lb_loss": "router/lb", "z_loss": "router/z", "load_entropy": "router/entropy", "load_cv": "router/cv",
+               "dead_fraction": "router/dead", "max_load": "router/max_load", "logit_rms": "router/logit_rms"}
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or Inf; the run stopped and kept its last good checkpoint."""
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_pref: str) -> DistInfo:
+    """Join the process group that ``torchrun`` describes (NCCL on CUDA, gloo on CPU), if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = device_pref.startswith("cuda") or (device_pref == "auto" and torch.cuda.is_available())
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        device = torch.device(device_pref if ":" in device_pref else f"cuda:{local}")
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistInfo(rank, world, local, device)
+
+
+def build_model(cfg: Config, device: torch.device) -> nn.Module:
+    from .. import models
+
+    if cfg.model.family:
+        return models.build(cfg.model.family, cfg.model.size, device=device, seed=cfg.run.seed, **cfg.model.overrides)
+    import transformers
+
+    source = cfg.model.hf_config
+    if isinstance(source, str):
+        config = transformers.AutoConfig.from_pretrained(source)
+    else:
+        source = dict(source)
+        config = transformers.AutoConfig.for_model(source.pop("model_type"), **source)
+    for key, value in cfg.model.overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    models.init_weights(model, seed=cfg.run.seed)
+    return model.to(device)
+
+
+def _top_k(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("num_experts_per_tok", "experts_per_token", "moe_top_k"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return None
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Trainer:
+    """Holds the model, optimizer, data and logs of one run; :meth:`run` trains it."""
+
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+        self.cfg = cfg
+        self.dist = setup_distributed(cfg.run.device)
+        self.device = self.dist.device
+        torch.manual_seed(cfg.run.seed)
+        self.model = build_model(cfg, self.device)
+        self.top_k = _top_k(self.model)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, cfg.optim.recipe, total_steps=cfg.train.steps, overrides=cfg.optim.overrides or None,
+            eager_state=True,
+        )
+        table = self.optimizer.role_table
+        self.tracker = diag.WeightTracker.from_assignments(self.model, table)
+        self.forward_model: nn.Module = self.model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.forward_model = DistributedDataParallel(self.model, device_ids=ids)
+        if cfg.run.compile:
+            self.forward_model = torch.compile(self.forward_model)
+        use_bf16 = cfg.run.autocast == "bf16" or (cfg.run.autocast == "auto" and self.device.type == "cuda")
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+        d = cfg.data
+        micro = d.batch_size // d.grad_accum
+        kw = dict(rank=self.dist.rank, world_size=self.dist.world_size, device=self.device)
+        self.loader = TokenLoader(d.train, micro, d.seq_len, split="train", seed=cfg.run.seed, **kw)
+        self.val = ValidationBatches(d.val or d.train, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw) \
+            if cfg.train.val_batches else None
+        self.ood = ValidationBatches(d.ood_val, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw) \
+            if d.ood_val and cfg.train.val_batches else None
+        self.out = cfg.out_path
+        self.ckpt_dir = self.out / "checkpoints"
+        self.step, self.tokens = 0, 0
+        self.tokens_per_step = d.batch_size * d.seq_len
+        restored = None
+        if resume:
+            restored = self._restore()
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+        self.log = RunLogger(self.out, enabled=self.dist.main, tensorboard=cfg.train.tensorboard, progress=progress,
+                             total_steps=cfg.train.steps)
+        if restored is None:
+            from ..models import count_parameters
+
+            self.log.log("meta", 0, 0, params=count_parameters(self.model), device=str(self.device),
+                         recipe=str(cfg.optim.recipe), world_size=self.dist.world_size,
+                         roles={r.name: r.role for r in table})
+        else:
+            self.log.log("meta", self.step, self.tokens, resumed_from=str(restored))
+
+    # ------------------------------------------------------------- checkpoints
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "tokens": self.tokens, "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(), "rng": _rng_state(self.device), "config": self.cfg.to_dict(),
+        }
+
+    def save(self) -> Path | None:
+        path = None
+        if self.dist.main:
+            path = save_checkpoint(self.ckpt_dir, self.step, self._state(), keep=self.cfg.train.keep_checkpoints)
+        if self.dist.enabled:
+            dist.barrier()
+        return path
+
+    def _restore(self) -> Path | None:
+        found = load_checkpoint(self.ckpt_dir, map_location=self.device)
+        if found is None:
+            return None
+        path, state = found
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        _set_rng_state(state["rng"], self.device)
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        return path
+
+    # ---------------------------------------------------------------- forward
+    def _forward(self, x: torch.Tensor, y: torch.Tensor, want_router: bool):
+        kwargs = {"output_router_logits": True} if self.top_k and want_router else {}
+        with self.autocast():
+            out = self.forward_model(input_ids=x, **kwargs)
+        logits = out.logits
+        if self.cfg.train.logit_softcap:
+            logits = diag.softcap(logits, self.cfg.train.logit_softcap)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        router = getattr(out, "router_logits", None) if kwargs else None
+        loss = ce
+        if router:
+            if self.cfg.train.aux_loss:
+                loss = loss + self.cfg.train.aux_loss * diag.load_balancing_loss(router, self.top_k)
+            if self.cfg.train.z_loss:
+                loss = loss + self.cfg.train.z_loss * diag.z_loss(router)
+        return loss, ce, logits, router
+
+    def _mean(self, value: float) -> float:
+        if not self.dist.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t) / self.dist.world_size
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, log_now: bool, diag_now: bool) -> dict[str, float]:
+        cfg = self.cfg
+        self.model.train()
+        want_router = bool(self.top_k) and (cfg.train.aux_loss > 0 or cfg.train.z_loss > 0 or diag_now)
+        t0 = time.perf_counter()
+        accum = cfg.data.grad_accum
+        ce_sum, loss_sum, last = 0.0, 0.0, None
+        for micro in range(accum):
+            x, y = self.loader.next_batch()
+            sync = micro == accum - 1 or not self.dist.enabled
+            ctx = self.forward_model.no_sync() if not sync and hasattr(self.forward_model, "no_sync") else nullcontext()
+            with ctx:
+                loss, ce, logits, router = self._forward(x, y, want_router)
+                (loss / accum).backward()
+            loss_sum += float(loss.detach())
+            ce_sum += float(ce.detach())
+            last = (logits.detach(), router)
+        self._sync()
+        t1 = time.perf_counter()
+        loss_value = self._mean(loss_sum / accum)
+        if not math.isfinite(loss_value):
+            raise NonFiniteLossError(f"non-finite training loss {loss_value} at step {self.step + 1}")
+        if cfg.optim.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad_norm)
+        if log_now:
+            self.tracker.snapshot()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        t2 = time.perf_counter()
+        self.step += 1
+        self.tokens += self.tokens_per_step
+        metrics: dict[str, float] = {"loss": loss_value, "ce": self._mean(ce_sum / accum)}
+        if log_now:
+            metrics.update({"time/fwd_bwd": t1 - t0, "time/opt": t2 - t1, "time/step": t2 - t0,
+                            "tokens_per_s": self.tokens_per_step / (t2 - t0),
+                            "nonfinite_steps": self.optimizer.nonfinite_steps})
+            for group in self.optimizer.param_groups:
+                metrics[f"lr/{group['role']}"] = group["lr"]
+            for role, stats in self.tracker.update_stats().items():
+                metrics[f"weight_rms/{role}"] = stats["weight_rms"]
+                metrics[f"update_rms/{role}"] = stats["update_rms"]
+        if diag_now and last is not None:
+            metrics.update(self._diagnostics(*last))
+        return metrics
+
+    def _diagnostics(self, logits: torch.Tensor, router) -> dict[str, float]:
+        out = {}
+        n = self.cfg.train.logit_positions
+        if n:
+            flat = logits.reshape(-1, logits.shape[-1])
+            g = torch.Generator().manual_seed(self.cfg.run.seed + self.step)
+            idx = torch.randperm(flat.shape[0], generator=g)[: min(n, flat.shape[0])].to(flat.device)
+            m = diag.logit_metrics(flat[idx], all_reduce=self.dist.enabled)
+            out.update({key: m[k] for k, key in LOGIT_KEYS.items()})
+        if router and self.top_k:
+            r = diag.router_metrics([t.detach() for t in router], self.top_k, all_reduce=self.dist.enabled)
+            out.update({key: r[k] for k, key in ROUTER_KEYS.items()})
+            for i, layer in enumerate(r["per_layer"]):
+                out.update({f"router/L{i}/{key.split('/')[1]}": layer[k] for k, key in ROUTER_KEYS.items()})
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        out: dict[str, float] = {}
+        for prefix, batches in (("val", self.val), ("ood", self.ood)):
+            if batches is None:
+                continue
+            total, count, first = 0.0, 0, None
+            for x, y in batches:
+                _, ce, logits, router = self._forward(x, y, want_router=prefix == "val")
+                total += float(ce) * y.numel()
+                count += y.numel()
+                if first is None:
+                    first = (logits, router)
+            out[f"{prefix}/loss"] = self._mean(total / count)
+            if prefix == "val" and first is not None:
+                out.update(self._diagnostics(*first))
+        self.model.train()
+        return out
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg.train
+        status, message, last_val = "done", "", {}
+        try:
+            while self.step < cfg.steps:
+                next_step = self.step + 1
+                log_now = cfg.log_every > 0 and (next_step % cfg.log_every == 0 or next_step == cfg.steps)
+                val_now = cfg.val_every > 0 and (next_step % cfg.val_every == 0 or next_step == cfg.steps)
+                metrics = self.train_step(log_now, val_now)
+                if log_now or val_now:
+                    self.log.log("train", self.step, self.tokens, **metrics)
+                    self.log.progress(self.step, f"loss {metrics['loss']:.4f}"
+                                      + (f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics else ""))
+                if val_now and (self.val is not None or self.ood is not None):
+                    last_val = self.evaluate()
+                    self.log.log("val", self.step, self.tokens, **last_val)
+                    self.log.progress(self.step, f"val {last_val.get('val/loss', float('nan')):.4f}")
+                if cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps):
+                    self.save()
+        except NonFiniteLossError as err:
+            found = load_checkpoint(self.ckpt_dir, map_location="cpu") if self.dist.main else None
+            keep = f"; the last good checkpoint is {found[0]}" if found else "; no checkpoint was written yet"
+            status, message = "nonfinite", f"{err}{keep}. Lower the learning rate or enable clipping, then resume."
+            self.log.log("end", self.step, self.tokens, status=status, message=message)
+            self.log.close()
+            raise NonFiniteLossError(message) from None
+        except KeyboardInterrupt:
+            status, message = "interrupted", f"interrupted at step {self.step}"
+            self.log.log("end", self.step, self.tokens, status=status, message=message)
+            self.log.close()
+            raise
+        self.log.log("end", self.step, self.tokens, status=status, message=message)
+        self.log.close()
+        return {"status": status, "step": self.step, "tokens": self.tokens, **last_val, "out_dir": str(self.out)}
+
+
+def train(cfg: Config, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train one run from a validated :class:`Config`; returns its final validation metrics."""
+    return Trainer(cfg, resume=resume, progress=progress).run()
