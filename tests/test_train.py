@@ -1,7 +1,6 @@
 import json
 import os
 import random
-import socket
 
 import pytest
 import torch
@@ -135,16 +134,11 @@ def test_config_errors_name_the_field(data_dir, tmp_path):
         load_config(toml)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, cfg_dict, out_file):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    # a file rendezvous: no TCP port that another job on the machine could take first
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     trainer = Trainer(from_dict(cfg_dict), progress=False)
     trainer.run()
     if rank == 0:
@@ -166,7 +160,7 @@ def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     ddp_cfg = json.loads(json.dumps(cfg))
     ddp_cfg["run"]["out_dir"] = str(tmp_path / "ddp")
     out_file = tmp_path / "ddp_state.pt"
-    mp.spawn(_ddp_worker, args=(2, _free_port(), ddp_cfg, str(out_file)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "rendezvous"), ddp_cfg, str(out_file)), nprocs=2, join=True)
     ddp_state = torch.load(out_file)
     for name, a in single.model.state_dict().items():
         torch.testing.assert_close(ddp_state[name], a, rtol=2e-4, atol=2e-5, msg=name)

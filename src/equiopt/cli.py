@@ -1,4 +1,4 @@
-"""The ``equiopt`` command."""
+"""The ``equiopt`` command: demo, data, train, compare, plot, roles, bench."""
 
 from __future__ import annotations
 
@@ -23,28 +23,111 @@ def _load_model(spec: str):
                      "or module:attribute")
 
 
+def _parse_sets(items: list[str]) -> dict:
+    """``section.field=value`` overrides; values are parsed as TOML scalars when they can be."""
+    from .train.config import tomllib
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected section.field=value")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value
+    return out
+
+
+def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True) -> list[str]:
+    from .train import load_config, train
+    from .train.config import ConfigError
+
+    out_dirs = []
+    for path in paths:
+        try:
+            cfg = load_config(path, sets)
+        except ConfigError as err:
+            raise SystemExit(f"equiopt: {err}") from None
+        done = cfg.out_path / "log.jsonl"
+        if not force and done.exists() and '"status": "done"' in done.read_text().splitlines()[-1]:
+            print(f"{cfg.out_path}: already done, skipped (use --force to retrain)")
+        else:
+            train(cfg, resume=resume)
+        out_dirs.append(str(cfg.out_path))
+    return out_dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="equiopt", description="Symmetry-compatible optimizers for LM pre-training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="fit a small LM-shaped problem with several optimizer stacks and show what each map did")
-    demo.add_argument("--steps", type=int, default=300)
+    demo = sub.add_parser("demo", help="prepare data offline, train a small Qwen3-style model with two recipes, compare")
+    demo.add_argument("--quick", action="store_true", help="the optimizer-only demo on a synthetic problem (a minute)")
+    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--seed", type=int, default=0)
-    sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
+    sub.add_parser("data", help="prepare token shards: equiopt data prepare --corpus poetry --tokenizer gpt2 --out DIR",
+                   add_help=False)
+    tr = sub.add_parser("train", help="train from a TOML config (single process or under torchrun)")
+    tr.add_argument("config")
+    tr.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    tr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
+    cmp = sub.add_parser("compare", help="train several configs (or seeds) and print the final-loss table and figures")
+    cmp.add_argument("configs", nargs="+")
+    cmp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    cmp.add_argument("--seeds", type=int, default=1, help="run each config with seeds 0..N-1")
+    cmp.add_argument("--force", action="store_true", help="retrain runs that are already done")
+    cmp.add_argument("--out", default=None, help="directory for the figures")
+    sub.add_parser("plot", help="draw the paper's figures from run directories: equiopt plot RUN... [--out DIR]",
+                   add_help=False)
+    sub.add_parser("table", help="final validation losses of run directories, mean and std over seeds",
+                   add_help=False)
     roles = sub.add_parser("roles", help="print the role table of a model: name, shape, role, work shape, rule, lr")
     roles.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (e.g. qwen3:paper, olmoe:tiny), or module:attribute of a "
                                      "callable returning an nn.Module")
     roles.add_argument("--recipe", default="paper:qwen3:b-ii", help="recipe whose rule and lr are shown (default %(default)s)")
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
+    sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    passthrough = ("data", "plot", "table", "bench")
+    if rest and args.command not in passthrough:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from .demo import main as demo_main
+        if args.quick:
+            from .demo import main as quick_demo
 
-        demo_main(steps=args.steps, seed=args.seed)
+            quick_demo(steps=args.steps or 300, seed=args.seed)
+        else:
+            from .train.demo import main as train_demo
+
+            train_demo(out=args.out, steps=args.steps, seed=args.seed)
+    elif args.command == "data":
+        from .data.prepare import main as data_main
+
+        return data_main(rest) or 0
+    elif args.command == "train":
+        _run_configs([args.config], _parse_sets(args.set), resume=args.resume)
+    elif args.command == "compare":
+        from .train.compare_table import compare_table
+        from .train.plots import plot_runs
+
+        sets = _parse_sets(args.set)
+        out_dirs = []
+        for config in args.configs:
+            for seed in range(args.seeds):
+                out_dirs += _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
+        print(compare_table(out_dirs))
+        for path in plot_runs(out_dirs, args.out or f"{out_dirs[0]}/../plots"):
+            print(path)
+    elif args.command == "plot":
+        from .train.plots import main_plot
+
+        return main_plot(rest) or 0
+    elif args.command == "table":
+        from .train.compare_table import main_table
+
+        return main_table(rest) or 0
     elif args.command == "roles":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .recipes import get_recipe
         from .roles import assign_roles
 
@@ -55,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_main(rest)
     return 0
+
+
+def _run_seed(config: str, sets: dict, seed: int | None, force: bool) -> list[str]:
+    """A config as is (``seed=None``) or with ``run.seed = seed`` in its own ``<out_dir>-s<seed>``."""
+    from .train import load_config
+
+    seeded = dict(sets)
+    if seed is not None:
+        cfg = load_config(config, sets)
+        seeded.update({"run.seed": seed, "run.out_dir": f"{cfg.out_path}-s{seed}", "run.name": f"{cfg.run.name}-s{seed}"})
+    return _run_configs([config], seeded, resume=False, force=force)
 
 
 if __name__ == "__main__":
