@@ -293,3 +293,20 @@ def test_print_roles_and_command(capsys):
     assert main(["roles", "gpt_oss:paper", "--recipe", "paper:gpt_oss:ii"]) == 0
     out = capsys.readouterr().out
     assert "201088x2048" in out and "router" in out and "left centred" in out
+
+
+def test_rules_matching_vectors_and_scalar_gates():
+    import transformers as T
+
+    gpt_oss = eo.models.build("gpt_oss", "tiny", seed=0)
+    table = assign_roles(gpt_oss, rules={r"q_proj": "matrix"})
+    assert table.row("model.layers.0.self_attn.q_proj.weight").role == "matrix"
+    assert table.row("model.layers.0.self_attn.q_proj.bias").role == "vector"
+    assert any("stays a vector" in n for n in table.notes)
+    moe = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
+    table = assign_roles(moe)
+    assert table.row("model.layers.0.mlp.shared_expert_gate.weight").role == "matrix"
+    assert table.row("model.layers.0.mlp.shared_expert.down_proj.weight").role == "mlp_out"
+    assert eo.verify_roles(moe, table).ok

@@ -8,12 +8,12 @@ oracles), :mod:`equiopt.maps` (pure update maps), :mod:`equiopt.layouts` (stored
 
 from . import diagnostics, layouts, linalg, maps, models, optim, recipes, roles
 from .optim import EquivariantOptimizer, HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
-from .roles import assign_roles, build_optimizer, print_roles
+from .roles import assign_roles, build_optimizer, print_roles, verify_roles
 
 __version__ = "0.1.0"
 
 __all__ = [
     "linalg", "maps", "layouts", "optim", "diagnostics", "recipes", "models",
-    "assign_roles", "print_roles", "build_optimizer", "roles",
+    "assign_roles", "print_roles", "build_optimizer", "verify_roles", "roles",
     "EquivariantOptimizer", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM",
 ]

@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from . import maps
 from .linalg import inv_sqrt
 from .linalg.coefficients import greedy_schedule
 from .optim import EquivariantOptimizer

@@ -55,6 +55,10 @@ def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True)
         else:
             train(cfg, resume=resume)
         out_dirs.append(str(cfg.out_path))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return out_dirs
 
 

@@ -3,6 +3,7 @@
 from .build import build_optimizer, print_roles
 from .infer import ModelDims, RoleInferenceError, assign_roles, model_dims
 from .table import ROLES, RoleRow, RoleTable
+from .verify import RoleCheck, RoleReport, verify_roles
 
-__all__ = ["assign_roles", "print_roles", "build_optimizer", "RoleRow", "RoleTable", "ROLES", "RoleInferenceError",
+__all__ = ["assign_roles", "print_roles", "build_optimizer", "verify_roles", "RoleReport", "RoleCheck", "RoleRow", "RoleTable", "ROLES", "RoleInferenceError",
            "ModelDims", "model_dims"]

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..layouts import Col, Experts, GateUp, Heads, Layout, Row, parse_layout
+from ..layouts import Col, Experts, GateUp, Heads, Row, parse_layout
 from .table import ROLES, RoleRow, RoleTable
 
 _ATTN_CLASS = re.compile(r"attention|attn", re.I)
@@ -181,6 +181,9 @@ def assign_roles(
             seen.add(id(p))
             name = f"{mod_name}.{attr}" if mod_name else attr
             forced = next(((role, lay) for pat, role, lay in table if pat.search(name)), None)
+            if forced is not None and forced[0] != "vector" and p.ndim < 2:
+                notes.append(f"rule for {forced[0]!r} matched the {p.ndim}-D parameter {name!r}, which stays a vector")
+                forced = None
             if forced is not None:
                 role, layout = forced
                 if layout is None and role != "vector":
@@ -237,7 +240,6 @@ class _Context:
     def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor, want: str | None = None):
         name = f"{mod_name}.{attr}" if mod_name else attr
         shape = tuple(p.shape)
-        d = self.dims
         if want is None and (p.ndim < 2 or attr.endswith("bias")):
             kind = "bias" if attr.endswith("bias") else ("scalar" if p.ndim == 0 else "1-D")
             return "vector", None, f"{kind} parameter: element-wise rule"
@@ -249,7 +251,7 @@ class _Context:
             return "lm_head", Row(), "output embedding: rows = vocabulary, centred by the recipe"
         ctx = self._context_of(mod_name)
         if want is not None and want not in ("attention", "mlp_in", "mlp_out", "router"):
-            return want, Row(), ""
+            return want, (Col() if _storage(module, attr) == "in_out" else Row()), ""
         if ctx is not None and ctx[0] == "mlp" or want in ("mlp_in", "mlp_out", "router"):
             found = self._mlp(name, mod_name, module, attr, p, ctx, want)
             if found is not None:
@@ -329,6 +331,8 @@ class _Context:
         if p.ndim != 2:
             return None
         st, out, inp = self._oriented(name, module, attr, p)
+        if min(out, inp) == 1:  # a per-token scalar gate (e.g. a shared expert's gate): no neuron axis
+            return "matrix", Row(), f"{where} scalar gate ({inp} -> {out}): whole matrix"
         short = _short(mod_name) if mod_name else ""
         if inp == d.hidden and out != d.hidden:
             side = "in"
@@ -421,15 +425,20 @@ class _Context:
         x = torch.randn(2, 3, self.dims.hidden, generator=g).to(device=p.device, dtype=p.dtype)
         perm = torch.randperm(ff, generator=g).to(p.device)
         results = {}
+        bias = getattr(module, "bias", None) if attr == "weight" else None
+        bias = bias if isinstance(bias, torch.Tensor) and bias.shape == (2 * ff,) else None
         with torch.no_grad():
             base = _first(block(x))
             saved_p, saved_q = p.detach().clone(), down[0].detach().clone()
+            saved_b = bias.detach().clone() if bias is not None else None
             for mode in ("concat", "interleave"):
                 rows = torch.cat([perm, perm + ff]) if mode == "concat" else torch.stack([2 * perm, 2 * perm + 1], 1).flatten()
                 if st == "out_in":
                     p.copy_(saved_p[rows])
                 else:
                     p.copy_(saved_p[:, rows])
+                if bias is not None:
+                    bias.copy_(saved_b[rows])
                 if down[1] == "out_in":
                     down[0].copy_(saved_q[:, perm])
                 else:
@@ -438,6 +447,8 @@ class _Context:
                 results[mode] = torch.allclose(moved, base, rtol=1e-4, atol=1e-5 * float(base.abs().max()) + 1e-7)
                 p.copy_(saved_p)
                 down[0].copy_(saved_q)
+                if bias is not None:
+                    bias.copy_(saved_b)
         good = [m for m, ok in results.items() if ok]
         if len(good) != 1:
             raise self._fail(name, p.shape, f"probing the gate/up pairing was inconclusive ({results})")

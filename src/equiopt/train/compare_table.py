@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .plots import Run, _si, read_runs
+from .plots import Run, _si, as_runs
 
 __all__ = ["CompareRow", "compare_rows", "compare_table", "config_key", "strip_seed_suffix", "main_table"]
 
@@ -161,13 +161,7 @@ def compare_rows(run_dirs: Iterable[str | Path | Run], metric: str = "val/loss",
     make a different configuration (e.g. ``"data.train"``). Rows come in the order the
     configurations first appear, or by mean (best first) with ``sort=True``."""
     ignore = tuple(ignore)
-    items = list(run_dirs)
-    runs = [r for r in items if isinstance(r, Run)]
-    paths = [p for p in items if not isinstance(p, Run)]
-    if paths:
-        runs += read_runs(paths)
-    if not runs:
-        raise ValueError("no runs to compare")
+    runs = as_runs(run_dirs, "compare")
     grouped: dict[str, list[Run]] = {}
     for run in runs:
         grouped.setdefault(config_key(run, ignore), []).append(run)

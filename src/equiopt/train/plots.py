@@ -251,6 +251,18 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def as_runs(items, what: str = "read") -> list["Run"]:
+    """:class:`Run` objects from a mix of runs and run directories (or folders of runs)."""
+    items = list(items)
+    runs = [r for r in items if isinstance(r, Run)]
+    paths = [p for p in items if not isinstance(p, Run)]
+    if paths:
+        runs += read_runs(paths)
+    if not runs:
+        raise ValueError(f"no runs to {what}")
+    return runs
+
+
 def read_runs(paths: Iterable[str | Path]) -> list[Run]:
     """:func:`read_run` on every run directory of :func:`find_run_dirs`; labels that would
     clash get their directory name appended, so every run has a distinct ``name``."""
@@ -511,13 +523,7 @@ def plot_runs(run_dirs: Iterable[str | Path | Run], out_dir: str | Path, prefix:
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth must be in [0, 1), got {smooth}")
     _mpl()
-    items = list(run_dirs)
-    runs = [r for r in items if isinstance(r, Run)]
-    paths = [p for p in items if not isinstance(p, Run)]
-    if paths:
-        runs += read_runs(paths)
-    if not runs:
-        raise ValueError("no runs to plot")
+    runs = as_runs(run_dirs, "plot")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [
