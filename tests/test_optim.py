@@ -169,7 +169,8 @@ def test_state_dict_round_trip_is_exact():
     def build():
         ps = make_params((16, 4), (8, 8), (5,), dtype=torch.float32)
         opt = EquivariantOptimizer(
-            [{"params": ps[:1], "rule": "hybrid", "center": True}, {"params": ps[1:2], "rule": "spectral"}, {"params": ps[2:], "rule": "adamw"}],
+            [{"params": ps[:1], "rule": "hybrid", "center": True, "layout": "col"},
+             {"params": ps[1:2], "rule": "spectral", "layout": "heads:4"}, {"params": ps[2:], "rule": "adamw"}],
             lr=0.01,
         )
         return ps, opt
@@ -179,7 +180,7 @@ def test_state_dict_round_trip_is_exact():
     buf = io.BytesIO()
     torch.save({"params": [p.detach() for p in ps], "opt": opt.state_dict()}, buf)
     buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = torch.load(buf, weights_only=True)  # plain data only: layouts are saved as specs
     ps2, opt2 = build()
     with torch.no_grad():
         for a, b in zip(ps2, saved["params"]):
@@ -188,6 +189,7 @@ def test_state_dict_round_trip_is_exact():
     for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
         for key in a:
             assert torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype
+    assert opt2.param_groups[1]["layouts"] == opt.param_groups[1]["layouts"]
     run(opt, ps, 2, seed=7)
     run(opt2, ps2, 2, seed=7)
     for a, b in zip(ps, ps2):

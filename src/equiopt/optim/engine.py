@@ -153,7 +153,10 @@ class EquivariantOptimizer(Optimizer):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def state_dict(self) -> dict:
+        """torch's state dict, with layouts as spec strings so ``torch.load(weights_only=True)`` reads it."""
         sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["layouts"] = [layout.spec for layout in group["layouts"]]
         sd["nonfinite_steps"] = self.nonfinite_steps
         return sd
 
@@ -162,6 +165,8 @@ class EquivariantOptimizer(Optimizer):
         self.nonfinite_steps = int(sd.pop("nonfinite_steps", 0))
         saved = sd["state"]
         super().load_state_dict(sd)
+        for group in self.param_groups:
+            group["layouts"] = [parse_layout(spec) for spec in group["layouts"]]
         # torch casts floating state to each parameter's dtype; keep the saved dtypes
         # (float32 moments of bfloat16 parameters) so a round trip is exact.
         ids = [i for g in sd["param_groups"] for i in g["params"]]
