@@ -143,6 +143,8 @@ def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
     trainer.run()
     if rank == 0:
         torch.save(trainer.model.state_dict(), out_file)
+    del trainer  # DDP's reducer holds gloo work: release it before the group goes
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

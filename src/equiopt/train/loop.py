@@ -349,6 +349,8 @@ class Trainer:
             raise
         self.log.log("end", self.step, self.tokens, status=status, message=message)
         self.log.close()
+        if self.dist.enabled:
+            dist.barrier()  # no rank leaves (and tears down its process group) while a peer still talks
         return {"status": status, "step": self.step, "tokens": self.tokens, **last_val, "out_dir": str(self.out)}
 
 
