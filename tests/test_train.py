@@ -143,8 +143,6 @@ def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
     trainer.run()
     if rank == 0:
         torch.save(trainer.model.state_dict(), out_file)
-    del trainer  # DDP's reducer holds gloo work: release it before the group goes
-    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
@@ -167,3 +165,13 @@ def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     for name, a in single.model.state_dict().items():
         torch.testing.assert_close(ddp_state[name], a, rtol=2e-4, atol=2e-5, msg=name)
     assert records(tmp_path / "ddp", "meta")[0]["world_size"] == 2
+
+
+def test_data_vocabulary_larger_than_the_model_is_a_config_error(data_dir, tmp_path):
+    cfg = make_cfg(data_dir, tmp_path / "v").to_dict()
+    from equiopt.data.loader import TokenStream, shard_paths
+
+    vocab = TokenStream(shard_paths(data_dir, "train")).vocab_size
+    cfg["model"]["overrides"]["vocab_size"] = vocab - 1
+    with pytest.raises(ConfigError, match=rf"\[data\]\.train.* {vocab}-token .* only {vocab - 1}"):
+        Trainer(from_dict(cfg), progress=False)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .._tomlw import toml_value
 from .schema import FIELDS, RULE_FIELDS, ROLES, merge_settings, normalize_settings
 
 __all__ = ["Recipe"]
@@ -219,12 +218,12 @@ class Recipe:
 
     def to_toml(self) -> str:
         """The recipe as TOML that :func:`load_recipe_toml` reads back to an equal recipe."""
-        lines = [f"name = {_toml_value(self.name)}", f"description = {_toml_value(self.description)}"]
+        lines = [f"name = {toml_value(self.name)}", f"description = {toml_value(self.description)}"]
         for role in ROLES:
             lines.append("")
             lines.append(f"[roles.{role}]")
             for key, value in self.roles[role].items():
-                lines.append(f"{key} = {_toml_value(value)}")
+                lines.append(f"{key} = {toml_value(value)}")
         return "\n".join(lines) + "\n"
 
     def __repr__(self) -> str:
@@ -240,21 +239,3 @@ class Recipe:
 
 def _rebuild(name: str, description: str, roles: dict, meta: dict) -> Recipe:
     return Recipe(name=name, description=description, roles=roles, meta=meta)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"cannot write non-finite number {value!r} to TOML")
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} to TOML")

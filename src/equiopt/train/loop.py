@@ -10,6 +10,7 @@ atomic and ``resume=True`` continues exactly (on CPU bit for bit).
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from .. import diagnostics as diag
 from ..data.loader import TokenLoader, ValidationBatches
 from ..roles import build_optimizer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config
+from .config import Config, ConfigError
 from .runlog import RunLogger
 
 LOGIT_KEYS = {"raw_rms": "logits/rms", "centered_rms": "logits/centred_rms", "max_lse": "logits/max_lse",
@@ -153,6 +154,7 @@ class Trainer:
             if cfg.train.val_batches else None
         self.ood = ValidationBatches(d.ood_val, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw) \
             if d.ood_val and cfg.train.val_batches else None
+        self._check_vocab()
         self.out = cfg.out_path
         self.ckpt_dir = self.out / "checkpoints"
         self.step, self.tokens = 0, 0
@@ -173,6 +175,33 @@ class Trainer:
                          roles={r.name: r.role for r in table})
         else:
             self.log.log("meta", self.step, self.tokens, resumed_from=str(restored))
+
+    def release_ddp(self) -> None:
+        """Drop the DistributedDataParallel wrapper now, while the process group is alive.
+
+        DDP sits in reference cycles; left to interpreter shutdown, its gloo state is torn
+        down after the process group and the process aborts ("terminate called without an
+        active exception") although training finished. ``self.model`` stays usable.
+        """
+        if self.forward_model is not self.model:
+            self.forward_model = self.model
+            gc.collect()
+
+    def _check_vocab(self) -> None:
+        """Token ids past the embedding's rows would fail deep inside the forward pass: say so now."""
+        embed = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        rows = getattr(embed, "num_embeddings", None)
+        if rows is None:
+            return
+        d = self.cfg.data
+        for field, source in (("train", self.loader), ("val", self.val), ("ood_val", self.ood)):
+            vocab = getattr(getattr(source, "stream", None), "vocab_size", None)
+            if vocab is not None and vocab > rows:
+                raise ConfigError(
+                    f"[data].{field}: the shards in {getattr(d, field) or d.train} hold token ids of a "
+                    f"{vocab}-token vocabulary, but the model embeds only {rows}; set [model].overrides.vocab_size "
+                    f">= {vocab} or prepare the data with the model's tokenizer"
+                )
 
     # ------------------------------------------------------------- checkpoints
     def _state(self) -> dict[str, Any]:
@@ -351,6 +380,7 @@ class Trainer:
         self.log.close()
         if self.dist.enabled:
             dist.barrier()  # no rank leaves (and tears down its process group) while a peer still talks
+            self.release_ddp()
         return {"status": status, "step": self.step, "tokens": self.tokens, **last_val, "out_dir": str(self.out)}
 
 
