@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _load_model(spec: str):
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in range(args.seeds):
                 out_dirs += _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
         print(compare_table(out_dirs))
-        for path in plot_runs(out_dirs, args.out or f"{out_dirs[0]}/../plots"):
+        for path in plot_runs(out_dirs, args.out or str(Path(out_dirs[0]).parent / "plots")):
             print(path)
     elif args.command == "plot":
         from .train.plots import main_plot
