@@ -116,3 +116,15 @@ def test_shipped_configs_train_at_tiny_size(corpus, tmp_path, path):
     cfg.model.overrides["vocab_size"] = 512  # the byte tokenizer's ids and specials fit
     result = train(cfg, progress=False)
     assert result["status"] == "done" and result["val/loss"] < 10
+
+
+def test_readme_prepares_the_data_every_config_reads():
+    from equiopt.train.experiments import TOKENIZERS, data_dir
+
+    readme = (CONFIGS / "README.md").read_text()
+    for family, tokenizer in TOKENIZERS.items():
+        assert f"--tokenizer {tokenizer} --out {data_dir('paper', family)}" in readme, family
+    for scale in ("gpu", "cpu"):
+        assert f"--out {data_dir(scale, 'qwen3')}" in readme
+    needed = {load_config(p).data.ood_val for p in CONFIGS.rglob("*.toml")} - {""}
+    assert all(f"--out {d}" in readme for d in needed)
