@@ -19,8 +19,9 @@ import json
 import sys
 from pathlib import Path
 
+from .experiments import CPU_VOCAB as VOCAB
+
 CONFIGS = {"adamw-emb-head": "paper:qwen3:a-iii", "rownorm-emb-head": "paper:qwen3:a-i"}
-VOCAB = 4096
 DOCUMENTS = 1500  # of 256 poetry lines each: about 5 M tokens with the 4k BPE
 
 
@@ -52,16 +53,16 @@ def prepare_data(out: Path) -> tuple[Path, Path | None]:
 
 def run_config(name: str, recipe: str, data: Path, ood: Path | None, out: Path, steps: int, seed: int) -> Path:
     from .config import from_dict
+    from .experiments import experiments, run_config as scale_config
     from .loop import train
 
-    cfg = from_dict({
-        "run": {"name": name, "out_dir": str(out / name), "seed": seed},
-        "model": {"family": "qwen3", "size": "small", "overrides": {"vocab_size": VOCAB}},
-        "data": {"train": str(data), "ood_val": str(ood) if ood else "", "seq_len": 128, "batch_size": 32},
-        "optim": {"recipe": recipe},
-        "train": {"steps": steps, "log_every": 10, "val_every": max(steps // 8, 1), "val_batches": 8,
-                  "checkpoint_every": max(steps // 4, 1)},
-    }, source=f"demo config {name}")
+    # the cpu scale of configs/ (configs/cpu/qwen3/<config>.toml) on the demo's own data
+    experiment = next(e for e in experiments("qwen3") if e.recipe == recipe and not e.optim_overrides)
+    spec = scale_config(experiment, "cpu")
+    spec["run"] = {"name": name, "out_dir": str(out / name), "seed": seed}
+    spec["data"].update(train=str(data), ood_val=str(ood) if ood else "")
+    spec["train"].update(steps=steps, val_every=max(steps // 8, 1), checkpoint_every=max(steps // 4, 1))
+    cfg = from_dict(spec, source=f"demo config {name}")
     log = cfg.out_path / "log.jsonl"
     if log.exists():
         last = json.loads(log.read_text().splitlines()[-1])

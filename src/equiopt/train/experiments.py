@@ -70,6 +70,7 @@ TOKENIZERS: dict[str, str] = {
 }
 
 SCALES = ("paper", "gpu", "cpu")
+CPU_VOCAB = 4096  # the cpu scale's byte-level BPE on the poetry corpus
 SOFTCAP = 30.0     # Gemma 2/3's final-logit soft-cap c (subsubsec:gemma_logit_softcapping)
 AUX_LOSS = 0.01    # load-balancing weight of the gpt-oss diagnostics with auxiliary losses
 Z_LOSS = 0.001     # router z-loss weight, same experiments
@@ -175,7 +176,7 @@ def run_config(experiment: Experiment, scale: str) -> dict[str, Any]:
     else:
         run["device"] = "cpu"
         size, data = "small", {"ood_val": "data/sotu-bpe4096", "seq_len": 128, "batch_size": 32}
-        model_over["vocab_size"] = 4096
+        model_over["vocab_size"] = CPU_VOCAB
         train = {"steps": 400, "log_every": 10, "val_every": 50, "val_batches": 8, "checkpoint_every": 100}
     if experiment.aux_loss:
         train["aux_loss"] = experiment.aux_loss
