@@ -18,14 +18,24 @@ INF_NORM = float("inf")
 
 
 def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """1-D bool tensor: is each gradient free of NaN and Inf? (one max-abs reduction each;
-    unlike a sum, the max cannot overflow, so only a genuine NaN/Inf clears a flag)."""
-    return torch.stack([n.float() for n in torch._foreach_norm(list(grads), INF_NORM)]).isfinite()
+    """1-D bool tensor: is each gradient free of NaN and Inf?
+
+    One ``aminmax`` pass each (no temporary): ``min / 2 + max / 2`` is finite exactly when
+    every entry is (an Inf or NaN propagates; halving keeps finite extremes from
+    overflowing), unlike a sum or a 2-norm, which overflow for large finite gradients.
+    """
+    flags = []
+    for g in grads:
+        lo, hi = torch.aminmax(g)
+        flags.append((0.5 * lo.float() + 0.5 * hi.float()).isfinite())
+    return torch.stack(flags)
 
 
 def sanitize(grad: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``grad`` in ``dtype`` where ``ok``, zeros where not (so ``0 * NaN`` never happens)."""
-    return torch.where(ok, grad, 0).to(dtype)
+    """``grad`` in ``dtype``, zeroed in place where not ``ok`` (so ``0 * NaN`` never
+    happens downstream): a skipped parameter's ``.grad`` is left at zero."""
+    grad.masked_fill_(~ok, 0)
+    return grad.to(dtype)
 
 
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, okf: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:
@@ -107,12 +117,12 @@ def adamw_(
     counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]
     bc1 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b1, counts)), 1.0)
     bc2 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b2, counts)), 1.0)
-    # step size -lr * ok / bc1, and sqrt(v) / sqrt(bc2) + eps divided by it
-    neg_steps = torch._foreach_div(torch._foreach_mul(okfs, -lr), bc1)
+    # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)), c = sqrt(bc2):
+    # two passes over the denominator, and a skipped step divides by 0 (m / inf = 0).
+    c = torch._foreach_sqrt(bc2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, torch._foreach_sqrt(bc2))
-    torch._foreach_add_(denom, eps)
-    torch._foreach_div_(denom, neg_steps)
+    torch._foreach_add_(denom, torch._foreach_mul(c, eps))
+    torch._foreach_div_(denom, torch._foreach_div(torch._foreach_mul(torch._foreach_mul(okfs, -lr), c), bc1))
     if weight_decay:
         torch._foreach_mul_(params, torch._foreach_add(torch._foreach_mul(okfs, -lr * weight_decay), 1.0))
     same = [p.dtype == m.dtype for p, m in zip(params, exp_avgs)]
