@@ -208,5 +208,28 @@ def test_hf_model_without_a_known_convention_names_its_type():
         phi3 = T.Phi3ForCausalLM(T.Phi3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                               num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
                                               bos_token_id=0, eos_token_id=0))
-    with pytest.raises(RoleInferenceError, match=r"gate_up_proj.*model type 'phi3'.*rules="):
+    with pytest.raises(RoleInferenceError, match=r"gate_up_proj.*in a 'phi3' model.*rules="):
         assign_roles(Holder(phi3))
+
+
+class Expert(nn.Module):
+    def __init__(self, d, ff):
+        super().__init__()
+        self.up = nn.Linear(d, ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+
+
+class MoE(nn.Module):
+    def __init__(self, d=32, ff=48, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)  # a plain Linear: only the block's structure says router
+        self.experts = nn.ModuleList(Expert(d, ff) for _ in range(experts))
+
+
+def test_expert_count_from_the_block_structure():
+    model = nn.Module()
+    model.tok, model.moe, model.head = nn.Embedding(64, 32), MoE(), nn.Linear(32, 64, bias=False)
+    table = assign_roles(Holder(model))
+    assert table.row("net.moe.gate.weight").role == "router"
+    assert table.row("net.moe.experts.0.up.weight").role == "mlp_in"
+    assert table.row("net.moe.experts.3.down.weight").role == "mlp_out"

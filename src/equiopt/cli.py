@@ -41,6 +41,7 @@ def _parse_sets(items: list[str]) -> dict:
 
 
 def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True) -> list[str]:
+    from .roles import RoleInferenceError
     from .train import load_config, train
     from .train.config import ConfigError
 
@@ -56,7 +57,7 @@ def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True)
         else:
             try:
                 train(cfg, resume=resume)
-            except ConfigError as err:
+            except (ConfigError, RoleInferenceError) as err:
                 raise SystemExit(f"equiopt: {path}: {err}") from None
         out_dirs.append(str(cfg.out_path))
     import torch.distributed as dist
@@ -140,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from .roles import assign_roles
 
         model = _load_model(args.model)
-        print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
+        try:
+            print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
+        except (ValueError, TypeError) as err:  # RoleInferenceError, an unknown recipe, not a module
+            raise SystemExit(f"equiopt roles: {err}") from None
     elif args.command == "bench":
         from .bench import main as bench_main
 

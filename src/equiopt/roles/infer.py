@@ -426,7 +426,7 @@ class _Context:
               fix: str | None = None) -> RoleInferenceError:
         pattern = re.escape(name)
         kind = self._model_type(mod_name if mod_name is not None else name.rpartition(".")[0])
-        where = f" (model type {kind!r}: equiopt has no convention for this parameter)" if kind else ""
+        where = f" in a {kind!r} model (no convention equiopt knows settles it)" if kind else ""
         return RoleInferenceError(
             f"cannot infer the role of {name!r} (shape {tuple(shape)}){where}: {why}. "
             + (fix or f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: {hint}}})")
