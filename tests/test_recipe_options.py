@@ -102,10 +102,16 @@ def test_missing_or_empty_data_directory_names_the_field_and_the_command(tmp_pat
         Trainer(load_config(_config(tmp_path, ood_val=tmp_path / "sotu")))
 
 
-def test_unknown_hf_model_type_in_a_run_config():
+def test_unknown_hf_model_type_in_a_run_config(tmp_path):
     base = {"data": {"train": "x"}, "model": {"hf_config": {"model_type": "qwen33", "hidden_size": 8}}}
     with pytest.raises(ConfigError, match=r"\[model\]\.hf_config\.model_type: 'qwen33' is not a model type.*qwen3"):
         from_dict(base)
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "lama"}')
+    with pytest.raises(ConfigError, match=r"'lama' is not a model type.*llama"):
+        from_dict({"data": {"train": "x"}, "model": {"hf_config": str(path)}})
+    path.write_text('{"model_type": "llama"}')
+    assert from_dict({"data": {"train": "x"}, "model": {"hf_config": str(path)}}).model.hf_config == str(path)
 
 
 @pytest.fixture

@@ -49,8 +49,10 @@ def gloo_group(tmp_path):
 
 
 def _check_same(bare_roles, wrapped, prefix):
-    roles = _by_name(assign_roles(wrapped), prefix)
+    table = assign_roles(wrapped)
+    roles = _by_name(table, prefix)
     assert roles == bare_roles
+    assert not table.notes  # nothing hidden, nothing probed
     per_head = [k for k, (role, layout, _) in roles.items() if isinstance(layout, Heads)]
     assert per_head, "attention projections must be split by heads"
 

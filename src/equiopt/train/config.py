@@ -172,8 +172,16 @@ def _check(cfg: Config, source: str) -> None:
         need(cfg.model.family in models.FAMILIES, "[model].family",
              f"unknown family {cfg.model.family!r}; valid: {', '.join(models.FAMILIES)}")
         need(cfg.model.size in models.SIZES, "[model].size", f"unknown size {cfg.model.size!r}; valid: {', '.join(models.SIZES)}")
-    if isinstance(cfg.model.hf_config, Mapping):
-        kind = cfg.model.hf_config.get("model_type")
+    hf_config = cfg.model.hf_config
+    if isinstance(hf_config, str) and hf_config.endswith(".json") and Path(hf_config).is_file():
+        import json
+
+        try:
+            hf_config = json.loads(Path(hf_config).read_text())
+        except (OSError, ValueError) as err:
+            raise _fail(f"{source} [model].hf_config", f"cannot read {cfg.model.hf_config}: {err}") from None
+    if isinstance(hf_config, Mapping):
+        kind = hf_config.get("model_type")
         need(isinstance(kind, str) and bool(kind), "[model].hf_config", "a config table needs its 'model_type'")
         from transformers import CONFIG_MAPPING
 
