@@ -150,3 +150,16 @@ def test_default_recipe_is_safe_and_trains(one_thread):
     assert all(math.isfinite(x) for x in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
     assert rms <= rms0 + lr * steps and rms < 10 * rms0
+
+
+def test_options_the_schema_has_no_check_for_are_checked_by_the_engine():
+    """A key the engine gains is accepted at once; its values are validated by the engine itself."""
+    from equiopt.recipes import schema
+
+    with pytest.raises(ValueError, match=r"ctx, field 'nonfinite': .*unknown nonfinite policy 'bad'"):
+        schema._engine_validate({"rule": "spectral", "lr": 0.1, "nonfinite": "bad"}, "ctx")
+    schema._engine_validate({"rule": "row", "lr": 0.1, "nonfinite": "raise"}, "ctx")
+    assert schema._engine_checked("ctx", "some_dtype", "bf16") is torch.bfloat16
+    assert schema._engine_checked("ctx", "some_flag", 3) == 3
+    with pytest.raises(ValueError, match="field 'some_dtype': expected a floating dtype"):
+        schema._engine_checked("ctx", "some_dtype", "int64")
