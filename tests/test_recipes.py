@@ -197,7 +197,7 @@ def test_lookup_aliases_and_unknown_names():
     assert get_recipe(recipe) is recipe
     with pytest.raises(ValueError, match=r"unknown recipe 'paper:qwen3:c-i'.*paper:qwen3:"):
         get_recipe("paper:qwen3:c-i")
-    with pytest.raises(ValueError, match="valid recipes: muon, adamw"):
+    with pytest.raises(ValueError, match="valid recipes: equiopt:default, muon, adamw"):
         get_recipe("sgd-please")
 
 

@@ -30,6 +30,8 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # torch.bfloat16 -> "bfloat16"
+        return json.dumps(str(value).removeprefix("torch."))
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, Mapping):

@@ -41,6 +41,7 @@ def _parse_sets(items: list[str]) -> dict:
 
 
 def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True) -> list[str]:
+    from .roles import RoleInferenceError
     from .train import load_config, train
     from .train.config import ConfigError
 
@@ -54,7 +55,10 @@ def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True)
         if not force and done.exists() and '"status": "done"' in done.read_text().splitlines()[-1]:
             print(f"{cfg.out_path}: already done, skipped (use --force to retrain)")
         else:
-            train(cfg, resume=resume)
+            try:
+                train(cfg, resume=resume)
+            except (ConfigError, RoleInferenceError) as err:
+                raise SystemExit(f"equiopt: {path}: {err}") from None
         out_dirs.append(str(cfg.out_path))
     import torch.distributed as dist
 
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     roles = sub.add_parser("roles", help="print the role table of a model: name, shape, role, work shape, rule, lr")
     roles.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (e.g. qwen3:paper, olmoe:tiny), or module:attribute of a "
                                      "callable returning an nn.Module")
-    roles.add_argument("--recipe", default="paper:qwen3:b-ii", help="recipe whose rule and lr are shown (default %(default)s)")
+    roles.add_argument("--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)")
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
     sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -137,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from .roles import assign_roles
 
         model = _load_model(args.model)
-        print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
+        try:
+            print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
+        except (ValueError, TypeError) as err:  # RoleInferenceError, an unknown recipe, not a module
+            raise SystemExit(f"equiopt roles: {err}") from None
     elif args.command == "bench":
         from .bench import main as bench_main
 

@@ -9,7 +9,8 @@ that :class:`equiopt.EquivariantOptimizer` reads from a param group::
     ('left', True)
     >>> r2 = r.with_overrides({"router": {"lr": 1e-3}, "*": {"weight_decay": 0.0}})
 
-Named recipes: ``muon``, ``adamw`` and every configuration of the paper's
+Named recipes: ``equiopt:default`` (the default of :func:`equiopt.build_optimizer`,
+safe at any model size), ``muon``, ``adamw`` and every configuration of the paper's
 hyperparameter tables, ``paper:<model>:<config>`` (see :func:`list_recipes`
 and :mod:`equiopt.recipes.paper`). User recipes can be written in TOML
 (:func:`load_recipe_toml`). :func:`build_scheduler` turns the ``schedule``
@@ -18,7 +19,7 @@ entries of an optimizer's param groups into one ``LambdaLR``.
 
 from .paper import PAPER_MODELS
 from .recipe import Recipe
-from .registry import adamw_recipe, get_recipe, list_recipes, muon_recipe, register_recipe
+from .registry import DEFAULT_RECIPE, adamw_recipe, default_recipe, get_recipe, list_recipes, muon_recipe, register_recipe
 from .schedules import Constant, StableDecay, WarmupCosine, build_scheduler, make_lr_lambda
 from .schema import (
     ETAS,
@@ -42,6 +43,8 @@ __all__ = [
     "get_recipe",
     "list_recipes",
     "register_recipe",
+    "default_recipe",
+    "DEFAULT_RECIPE",
     "muon_recipe",
     "adamw_recipe",
     "load_recipe_toml",

@@ -6,7 +6,8 @@ import difflib
 import os
 from .recipe import Recipe
 
-__all__ = ["get_recipe", "list_recipes", "register_recipe", "muon_recipe", "adamw_recipe"]
+__all__ = ["get_recipe", "list_recipes", "register_recipe", "default_recipe", "muon_recipe", "adamw_recipe",
+           "DEFAULT_RECIPE"]
 
 
 def muon_recipe() -> Recipe:
@@ -31,6 +32,48 @@ def muon_recipe() -> Recipe:
         name="muon",
         description="Muon (Polar Express, Nesterov, lr 0.02) on hidden matrices; AdamW (lr 3e-4) "
         "on embedding, LM head, router and vectors",
+        roles=roles,
+    )
+
+
+DEFAULT_RECIPE = "equiopt:default"
+
+
+def default_recipe() -> Recipe:
+    """``equiopt:default``: the default of :func:`equiopt.build_optimizer`, safe at any model size.
+
+    Every rule bounds the size of each step independently of the gradient's scale and of
+    the model's width, so no role can run away whatever the size:
+
+    - ``attention``, ``mlp_in``, ``mlp_out``, ``matrix``: Muon (``spectral``; Polar
+      Express, Nesterov, beta 0.95, lr 0.02 with the ``sqrt(max(1, rows/cols))`` factor, no
+      weight decay: Muon's own conventions). Every singular value of the update is 1.
+    - ``embedding``: RowNormM with rows of unit RMS (``row``, ``eta = "rms"``, lr 3e-3):
+      every token row that moves, moves by exactly lr per entry, as AdamW's lr at its
+      largest, so the embedding changes relative to its initial scale at the same rate at
+      any width.
+    - ``lm_head``: centred RowNormM (lr 5e-3, the paper's head rate) and ``router``:
+      centred RowNormM (lr 7.5e-4, the paper's router rate): each row of the update has
+      norm lr and the shared-shift direction, to which softmax is blind, is removed.
+    - ``vector``: AdamW (lr 1e-3, betas (0.9, 0.95), no weight decay).
+
+    Schedules as in the paper: warmup-cosine (100 warmup steps) on ``vector``,
+    stable-decay (60 %) elsewhere. The paper's tuned configurations stay available by
+    name (:func:`list_recipes`); this one is a robust starting point, not a tuned value.
+    """
+    muon = {
+        "rule": "spectral", "lr": 0.02, "beta": 0.95, "nesterov": True,
+        "lr_scale": "spectral", "method": "polar_express", "steps": 5, "weight_decay": 0.0,
+    }
+    roles = {role: dict(muon) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
+    roles["embedding"] = {"rule": "row", "lr": 3e-3, "eta": "rms", "beta": 0.95, "weight_decay": 0.0}
+    roles["lm_head"] = {"rule": "row", "lr": 5e-3, "center": True, "beta": 0.95, "weight_decay": 0.0}
+    roles["router"] = {"rule": "row", "lr": 7.5e-4, "center": True, "beta": 0.95, "weight_decay": 0.0}
+    roles["vector"] = {"rule": "adamw", "lr": 1e-3, "betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.0}
+    return Recipe(
+        name=DEFAULT_RECIPE,
+        description="safe at any size: Muon on hidden matrices, unit-RMS RowNormM on the embedding, centred "
+        "RowNormM on LM head and router, AdamW on vectors",
         roles=roles,
     )
 
@@ -65,7 +108,7 @@ def _registry() -> dict[str, Recipe]:
     if _REGISTRY is None:
         from .paper import paper_recipes
 
-        reg = {r.name: r for r in (muon_recipe(), adamw_recipe())}
+        reg = {r.name: r for r in (default_recipe(), muon_recipe(), adamw_recipe())}
         for recipe in paper_recipes():
             reg[recipe.name] = recipe
         _REGISTRY = reg
@@ -73,7 +116,7 @@ def _registry() -> dict[str, Recipe]:
 
 
 def list_recipes() -> list[str]:
-    """Names of all registered recipes: ``muon``, ``adamw``, then the paper's, then the user's."""
+    """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, then the paper's, then the user's."""
     return list(_registry())
 
 

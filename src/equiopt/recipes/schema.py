@@ -30,6 +30,8 @@ __all__ = [
     "LR_SCALES",
     "SCHEDULE_KINDS",
     "FIELDS",
+    "ENGINE_KEYS",
+    "OPTIONAL_FIELDS",
     "RULE_FIELDS",
     "RULE_DEFAULTS",
     "default_schedule",
@@ -114,6 +116,38 @@ RULE_FIELDS: dict[str, tuple[str, ...]] = {
     "adamw": _COMMON + ("betas", "adam_eps"),
     "sgd": _COMMON + ("beta", "nesterov"),
 }
+
+#: Param-group keys that come from the role table, not from a recipe.
+_STRUCTURAL_KEYS = ("layout", "layouts", "names")
+
+
+def _engine_group_keys() -> tuple[str, ...]:
+    """Every param-group key :class:`equiopt.EquivariantOptimizer` reads (its ``defaults``)."""
+    import torch
+
+    from ..optim import EquivariantOptimizer
+
+    probe = EquivariantOptimizer([torch.zeros(1, requires_grad=True)], rule="adamw")
+    return tuple(k for k in probe.defaults if k not in _STRUCTURAL_KEYS)
+
+
+#: Param-group keys of the optimizer engine a recipe may set: read from the engine
+#: itself, so a key the engine gains is a recipe field at once.
+ENGINE_KEYS: tuple[str, ...] = _engine_group_keys()
+
+#: Rules an engine option applies to, where not all (the engine ignores it elsewhere).
+_ENGINE_KEY_RULES: dict[str, tuple[str, ...]] = {"polar_dtype": ("spectral",)}
+
+#: Engine options without a recipe default: a settings dict holds them only when
+#: given, and the engine's own default applies otherwise (``polar_dtype``:
+#: bfloat16 Polar Express iterations; ``nonfinite``: ``"skip"``).
+OPTIONAL_FIELDS: tuple[str, ...] = tuple(
+    k for k in ENGINE_KEYS if k not in {f for fields in RULE_FIELDS.values() for f in fields}
+)
+for _rule in RULE_FIELDS:
+    RULE_FIELDS[_rule] = RULE_FIELDS[_rule] + tuple(
+        k for k in OPTIONAL_FIELDS if _rule in _ENGINE_KEY_RULES.get(k, RULES)
+    )
 
 #: Every field name a settings dict may contain.
 FIELDS: tuple[str, ...] = tuple(
@@ -274,6 +308,40 @@ def _betas(context: str, field: str, value: Any) -> tuple[float, float]:
     return (out[0], out[1])
 
 
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                "fp64": "float64", "double": "float64"}
+
+
+def _dtype(context: str, field: str, value: Any):
+    """A floating torch dtype, from a dtype or its name (``"bfloat16"``, ``"float32"``, ``"torch.float16"``, ``"bf16"``)."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        dtype = getattr(torch, _DTYPE_NAMES.get(name, name), None)
+    else:
+        dtype = None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise _fail(context, field, f"expected a floating dtype name (bfloat16, float16, float32, float64), got {value!r}")
+    return dtype
+
+
+def _engine_choice(name: str):
+    """A choice among the values the engine's own validation accepts (e.g. NONFINITE_POLICIES)."""
+    from ..optim import rules
+
+    return _choice(getattr(rules, name))
+
+
+def _engine_checked(context: str, field: str, value: Any) -> Any:
+    """An engine option without a schema check of its own: the engine validates it."""
+    if field.endswith("dtype"):
+        return _dtype(context, field, value)
+    return value
+
+
 _CHECKS = {
     "rule": _choice(RULES),
     "lr": _positive,
@@ -290,7 +358,27 @@ _CHECKS = {
     "lr_scale": _choice(LR_SCALES),
     "betas": _betas,
     "adam_eps": _positive,
+    "polar_dtype": _dtype,
+    "nonfinite": _engine_choice("NONFINITE_POLICIES"),
 }
+for _key in OPTIONAL_FIELDS:
+    _CHECKS.setdefault(_key, _engine_checked)
+
+
+def _engine_validate(settings: Mapping[str, Any], context: str) -> None:
+    """Let the engine check the options it alone knows, on a throwaway parameter."""
+    import torch
+
+    from ..optim import EquivariantOptimizer
+
+    rule = settings["rule"]
+    probe = torch.zeros(2, 2, requires_grad=True) if rule in MATRIX_RULES else torch.zeros(2, requires_grad=True)
+    group = {k: v for k, v in settings.items() if k != "schedule"}
+    try:
+        EquivariantOptimizer([{"params": [probe], **group}])
+    except (ValueError, TypeError) as err:
+        given = [k for k in OPTIONAL_FIELDS if k in settings]
+        raise _fail(context, given[0] if len(given) == 1 else "/".join(given), str(err)) from None
 
 
 def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
@@ -369,9 +457,11 @@ def normalize_settings(
     out: dict[str, Any] = {"rule": rule}
     merged = {**RULE_DEFAULTS[rule], **settings}
     for key in RULE_FIELDS[rule]:
-        if key in ("rule", "schedule"):
+        if key in ("rule", "schedule") or (key in OPTIONAL_FIELDS and key not in merged):
             continue
         out[key] = _CHECKS[key](context, key, merged[key])
+    if any(k in out for k in OPTIONAL_FIELDS if _CHECKS[k] is _engine_checked):
+        _engine_validate(out, context)
     if "method" in out and out["method"] not in RULE_METHODS[rule]:
         raise _fail(
             context,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..optim import EquivariantOptimizer
-from ..recipes import Recipe, build_scheduler, get_recipe
+from ..recipes import DEFAULT_RECIPE, Recipe, build_scheduler, get_recipe
 from .infer import assign_roles
 from .table import ROLES, RoleTable
 
@@ -33,7 +33,7 @@ def param_groups(table: RoleTable, recipe: Recipe) -> list[dict[str, Any]]:
 
 def build_optimizer(
     model: nn.Module,
-    recipe: str | Recipe = "paper:qwen3:b-ii",
+    recipe: str | Recipe = DEFAULT_RECIPE,
     total_steps: int | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     rules: Any = None,
@@ -41,6 +41,11 @@ def build_optimizer(
     **role_options: Any,
 ) -> tuple[EquivariantOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """``(optimizer, scheduler)`` for ``model`` from a recipe (name, TOML path or Recipe).
+
+    The default recipe, ``equiopt:default``, is safe at any model size (see
+    :func:`equiopt.recipes.default_recipe`); the paper's configurations are available by
+    name, e.g. ``"paper:qwen3:b-ii"``. ``model`` may be wrapped (DDP, FSDP2,
+    ``torch.compile``, a LightningModule or any module holding it).
 
     Roles and layouts come from :func:`assign_roles` (``rules`` and ``role_options``
     are passed to it); ``overrides`` replace recipe fields per role (``"*"`` for all).

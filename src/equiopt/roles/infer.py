@@ -57,6 +57,26 @@ class ModelDims:
     vocab: int | None = None
 
 
+# Config fields (Hugging Face names and common alternatives) that give each dimension.
+_CONFIG_KEYS = {
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
+    "head_dim": ("head_dim", "kv_channels"),
+    "experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "vocab": ("vocab_size",),
+}
+# Attributes of a module itself (an attention or MoE block, nn.MultiheadAttention, a user's
+# block) that give its own dimensions; the nearest module that has one wins, so blocks
+# that differ from each other (or from the model config) keep their own.
+_MODULE_KEYS = {
+    "heads": ("num_heads", "num_attention_heads", "n_head", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head"),
+    "head_dim": ("head_dim", "head_size", "attention_head_size"),
+    "experts": ("num_experts", "num_local_experts", "n_routed_experts", "n_experts"),
+}
+
+
 def _cfg(config: Any, *names: str):
     for n in names:
         v = getattr(config, n, None) if not isinstance(config, Mapping) else config.get(n)
@@ -65,54 +85,113 @@ def _cfg(config: Any, *names: str):
     return None
 
 
-def model_dims(model: nn.Module, overrides: Mapping[str, Any] | None = None) -> ModelDims:
-    """Hidden size, heads, head dim and experts from the model config (HF names) and the embedding."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) if config is not None else None
-    config = text if text is not None and _cfg(config, "hidden_size") is None else config
-    dims = ModelDims()
-    if config is not None:
-        dims.hidden = _cfg(config, "hidden_size", "n_embd", "d_model", "dim")
-        dims.heads = _cfg(config, "num_attention_heads", "n_head", "num_heads")
-        dims.kv_heads = _cfg(config, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or dims.heads
-        dims.head_dim = _cfg(config, "head_dim", "kv_channels")
-        dims.experts = _cfg(config, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-        dims.vocab = _cfg(config, "vocab_size")
-    emb = _input_embedding(model)
-    if emb is not None:
-        dims.vocab = dims.vocab or emb.weight.shape[0]
-        dims.hidden = dims.hidden or emb.weight.shape[1]
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _model_config(module: nn.Module) -> Any:
+    """The model config a module carries (``module.config``; a multimodal config's
+    ``text_config``), or None when it has none or it names no dimension."""
+    config = getattr(module, "config", None)
+    if config is None or isinstance(config, (str, bytes, int, float)):
+        return None
+    text = getattr(config, "text_config", None) if not isinstance(config, Mapping) else config.get("text_config")
+    if text is not None and _cfg(config, *_CONFIG_KEYS["hidden"]) is None:
+        config = text
+    if not any(_positive_int(_cfg(config, *keys)) for keys in _CONFIG_KEYS.values()):
+        return None
+    return config
+
+
+def _from_config(dims: ModelDims, config: Any) -> None:
+    for key, names in _CONFIG_KEYS.items():
+        if getattr(dims, key) is None:
+            setattr(dims, key, _positive_int(_cfg(config, *names)))
+
+
+def _from_module(dims: ModelDims, module: nn.Module) -> None:
+    for key, names in _MODULE_KEYS.items():
+        if getattr(dims, key) is None:
+            setattr(dims, key, next((v for n in names if (v := _positive_int(getattr(module, n, None)))), None))
+    if dims.hidden is None and _ATTN_CLASS.search(type(module).__name__):
+        dims.hidden = _positive_int(getattr(module, "embed_dim", None))
+
+
+def _finish(dims: ModelDims, overrides: Mapping[str, Any] | None) -> ModelDims:
     for key, value in (overrides or {}).items():
         if not hasattr(dims, key):
             raise ValueError(f"unknown model dimension {key!r}; valid: {', '.join(ModelDims.__dataclass_fields__)}")
         setattr(dims, key, value)
+    dims.kv_heads = dims.kv_heads or dims.heads
     if dims.head_dim is None and dims.hidden and dims.heads:
         dims.head_dim = dims.hidden // dims.heads
     return dims
 
 
-def _input_embedding(model: nn.Module):
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            emb = get()
-        except (NotImplementedError, AttributeError):
-            emb = None
-        if emb is not None:
-            return emb
+def _first_config(model: nn.Module) -> Any:
+    """The config of the outermost module that has one: the model's, wherever a wrapper put it."""
+    for _, module in model.named_modules():
+        config = _model_config(module)
+        if config is not None:
+            return config
+    return None
+
+
+def model_dims(model: nn.Module, overrides: Mapping[str, Any] | None = None) -> ModelDims:
+    """Hidden size, heads, head dim and experts from the model config (HF names) and the embedding.
+
+    The config is the outermost one in the module tree, so a model reached through a
+    wrapper (DDP's ``.module``, a LightningModule attribute, ``torch.compile``) has the
+    dimensions of the bare model. :func:`assign_roles` refines them per block.
+    """
+    dims = ModelDims()
+    config = _first_config(model)
+    if config is not None:
+        _from_config(dims, config)
+    emb = _input_embedding(model, dims.vocab)
+    if emb is not None:
+        dims.vocab = dims.vocab or emb.weight.shape[0]
+        dims.hidden = dims.hidden or emb.weight.shape[1]
+    return _finish(dims, overrides)
+
+
+def _call(module: Any, method: str):
+    get = getattr(module, method, None)
+    if not callable(get):
+        return None
+    try:
+        out = get()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+    return out if isinstance(out, nn.Module) else None
+
+
+def _embedding_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules that name their input embedding (``get_input_embeddings``):
+    the Hugging Face models in the tree, under whatever wrappers hold them."""
+    owners: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(o == "" or name == o or name.startswith(o + ".") for o, _ in owners):
+            continue
+        if _call(module, "get_input_embeddings") is not None:
+            owners.append((name, module))
+    return owners
+
+
+def _input_embedding(model: nn.Module, vocab: int | None = None):
+    """The input embedding of ``model`` (the first one, when a wrapper holds several models)."""
+    for _, owner in _embedding_owners(model):
+        return _call(owner, "get_input_embeddings")
     embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if len(embs) > 1 and vocab is not None:
+        embs = [m for m in embs if m.num_embeddings == vocab]
     return embs[0] if len(embs) == 1 else None
 
 
 def _output_embedding(model: nn.Module, dims: ModelDims):
-    get = getattr(model, "get_output_embeddings", None)
-    if callable(get):
-        try:
-            out = get()
-        except (NotImplementedError, AttributeError):
-            out = None
-        if out is not None:
-            return out
+    out = _call(model, "get_output_embeddings")
+    if out is not None:
+        return out
     if dims.vocab is None:
         return None
     heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == dims.vocab]
@@ -150,6 +229,45 @@ def _rule_table(rules) -> list[tuple[re.Pattern, str, Any]]:
     return table
 
 
+def _unregistered_modules(obj: Any) -> list[str]:
+    """Attributes of ``obj`` that hold modules without registering them (plain lists,
+    tuples, dicts, or set past ``nn.Module.__setattr__``): their parameters are invisible."""
+    found = []
+    registered = getattr(obj, "_modules", {}) or {}
+    for key, value in (vars(obj) if hasattr(obj, "__dict__") else {}).items():
+        if key == "_modules" or key in registered:
+            continue
+        items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, nn.Module) and any(True for _ in v.parameters()) for v in items):
+            found.append(key)
+    return found
+
+
+def _check_model(model: Any) -> None:
+    """Clear errors for something that is not a model, or a wrapper that hides its model."""
+    if not isinstance(model, nn.Module):
+        inner = [k for k, v in (vars(model).items() if hasattr(model, "__dict__") else ()) if isinstance(v, nn.Module)]
+        hint = f"; it holds one at .{inner[0]}: pass that" if len(inner) == 1 else (
+            f"; it holds modules at {', '.join('.' + k for k in inner)}: pass the model" if inner else "")
+        raise TypeError(f"expected an nn.Module (the model, or a wrapper module holding it), got "
+                        f"{type(model).__name__}{hint}")
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    total = sum(1 for _ in model.parameters())
+    hidden = _unregistered_modules(model)
+    if hidden:
+        raise RoleInferenceError(
+            f"{type(model).__name__} reports no trainable parameters, but its attribute(s) "
+            f"{', '.join(repr(h) for h in hidden)} hold modules that are not registered as submodules "
+            "(a plain list, dict or tuple); pass the model itself, or register it (nn.ModuleList, nn.ModuleDict, "
+            "or a plain attribute assignment) so that named_parameters() reports it")
+    if total:
+        raise RoleInferenceError(f"{type(model).__name__} has {total} parameters but none requires grad: nothing to optimize")
+    raise RoleInferenceError(
+        f"{type(model).__name__} has no parameters: the inner model cannot be found. Pass the model itself, or a "
+        "wrapper that registers it as a submodule (DDP's .module, a LightningModule attribute)")
+
+
 def assign_roles(
     model: nn.Module,
     rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
@@ -159,19 +277,29 @@ def assign_roles(
 ) -> RoleTable:
     """One :class:`RoleRow` per trainable parameter of ``model``.
 
+    ``model`` may be the bare model or any module that holds it: DDP (``.module``),
+    FSDP2 (``fully_shard``), ``torch.compile``, a LightningModule or a user's wrapper,
+    Hugging Face nesting. Roles and layouts are those of the bare model; names are those
+    of ``model.named_parameters()``. Dimensions come from the nearest source in the
+    module tree: the block's own attributes (``head_dim``, ``num_heads``, ...,
+    ``num_experts``), then the nearest ``config`` above it, so blocks that differ keep
+    their own.
+
     ``rules``: regex on parameter names -> role, or -> ``(role, layout)`` /
     ``{"role": ..., "layout": ...}``; the first match wins and overrides inference
     (a role without a layout gets the inferred layout of that role). ``dims``:
-    overrides of the config dimensions (``hidden``, ``heads``, ``kv_heads``,
-    ``head_dim``, ``experts``, ``vocab``). ``gate_up="split"`` gives fused gate/up
-    tensors one work matrix per half; ``"paired"`` keeps each neuron's gate and up rows
-    together. ``per_head=False`` gives attention projections whole-matrix layouts.
+    overrides of the config dimensions for every block (``hidden``, ``heads``,
+    ``kv_heads``, ``head_dim``, ``experts``, ``vocab``). ``gate_up="split"`` gives fused
+    gate/up tensors one work matrix per half; ``"paired"`` keeps each neuron's gate and
+    up rows together. ``per_head=False`` gives attention projections whole-matrix
+    layouts; with ``per_head=True`` (default) an attention projection whose head size
+    cannot be found is an error, not a silent whole-matrix fallback.
     """
     if gate_up not in ("split", "paired"):
         raise ValueError(f"gate_up must be 'split' or 'paired', got {gate_up!r}")
+    _check_model(model)
     table = _rule_table(rules)
-    d = model_dims(model, dims)
-    ctx = _Context(model, d, gate_up == "split", per_head)
+    ctx = _Context(model, dims, gate_up == "split", per_head)
     rows, notes = [], []
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
@@ -197,19 +325,45 @@ def assign_roles(
             else:
                 role, layout, reason = ctx.infer(mod_name, module, attr, p)
             rows.append(RoleRow(name, tuple(p.shape), role, layout, reason, p))
-    emb, out = ctx.embedding, ctx.lm_head
-    tied = emb is not None and out is not None and getattr(out, "weight", None) is emb.weight
+    hidden = _unregistered_modules(model)
+    if hidden:
+        notes.append(f"attribute(s) {', '.join(repr(h) for h in hidden)} of {type(model).__name__} hold modules that "
+                     "are not registered as submodules: their parameters are not in this table")
     if ctx.probed:
         notes.append("gate/up pairing found by probing the MLP's neuron-permutation symmetry: " + ", ".join(ctx.probed))
-    return RoleTable(rows, tied_embeddings=tied, notes=notes)
+    return RoleTable(rows, tied_embeddings=ctx.tied, notes=notes)
 
 
 class _Context:
-    def __init__(self, model: nn.Module, dims: ModelDims, split: bool, per_head: bool):
-        self.model, self.dims, self.split, self.per_head = model, dims, split, per_head
+    def __init__(self, model: nn.Module, overrides: Mapping[str, Any] | None, split: bool, per_head: bool):
+        self.model, self.split, self.per_head = model, split, per_head
+        self.overrides = dict(overrides or {})
+        _finish(ModelDims(), self.overrides)  # unknown keys fail here, before any inference
         self.modules = dict(model.named_modules())
-        self.embedding = _input_embedding(model)
-        self.lm_head = _output_embedding(model, dims)
+        # dimensions no block or config gives: hidden size and vocabulary from the embedding
+        self.fallback = ModelDims()
+        config = _first_config(model)
+        if config is not None:
+            _from_config(self.fallback, config)
+        emb = _input_embedding(model, self.fallback.vocab)
+        if emb is not None and getattr(emb, "weight", None) is not None and emb.weight.ndim == 2:
+            self.fallback.vocab = self.fallback.vocab or emb.weight.shape[0]
+            self.fallback.hidden = self.fallback.hidden or emb.weight.shape[1]
+        self._dims: dict[str, ModelDims] = {}
+        self.dims = self.dims_at("")  # the dimensions in force for the parameter being inferred
+        self.embeddings: dict[int, nn.Module] = {}
+        self.lm_heads: dict[int, nn.Module] = {}
+        self.tied = False
+        owners = _embedding_owners(model) or [("", model)]
+        for owner_name, owner in owners:
+            emb = _call(owner, "get_input_embeddings") or _input_embedding(owner, self.dims_at(owner_name).vocab)
+            out = _output_embedding(owner, self.dims_at(owner_name))
+            for module, found in ((emb, self.embeddings), (out, self.lm_heads)):
+                w = getattr(module, "weight", None) if module is not None else None
+                if isinstance(w, torch.Tensor):
+                    found[id(w)] = module
+            if emb is not None and out is not None and getattr(out, "weight", None) is getattr(emb, "weight", 0):
+                self.tied = True
         self.probed: list[str] = []
 
     # ----------------------------------------------------------------- helpers
@@ -220,6 +374,37 @@ class _Context:
             if key in self.modules:
                 yield key, self.modules[key]
 
+    def dims_at(self, mod_name: str) -> ModelDims:
+        """Dimensions in force at a module: nearest block attributes and config first."""
+        if mod_name in self._dims:
+            return self._dims[mod_name]
+        d = ModelDims()
+        for _, mod in self._ancestors(mod_name):
+            _from_module(d, mod)
+            config = _model_config(mod)
+            if config is not None:
+                _from_config(d, config)
+        for key in ModelDims.__dataclass_fields__:
+            if getattr(d, key) is None:
+                setattr(d, key, getattr(self.fallback, key))
+        if d.experts is None:
+            d.experts = self._experts_of(mod_name)
+        self._dims[mod_name] = _finish(d, self.overrides)
+        return self._dims[mod_name]
+
+    def _experts_of(self, mod_name: str) -> int | None:
+        """Expert count from the MoE block's structure: an ``experts`` module list, or the
+        leading axis of its 3-D expert tensors."""
+        found = self._context_of(mod_name)
+        if found is None or found[0] != "mlp":
+            return None
+        block = found[2]
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, (nn.ModuleList, Sequence)) and not isinstance(experts, str) and len(experts) > 1:
+            return len(experts)
+        counts = {q.shape[0] for q in block.parameters() if q.ndim == 3}
+        return counts.pop() if len(counts) == 1 else None
+
     def _context_of(self, mod_name: str) -> tuple[str, str, nn.Module] | None:
         for key, mod in self._ancestors(mod_name):
             cls = type(mod).__name__
@@ -229,24 +414,39 @@ class _Context:
                 return "mlp", key, mod
         return None
 
-    def _fail(self, name: str, shape, why: str, hint: str = "('mlp_in', 'row')") -> RoleInferenceError:
+    def _model_type(self, mod_name: str) -> str | None:
+        for _, mod in self._ancestors(mod_name):
+            config = getattr(mod, "config", None)
+            kind = getattr(config, "model_type", None)
+            if isinstance(kind, str) and kind:
+                return kind
+        return None
+
+    def _fail(self, name: str, shape, why: str, hint: str = "('mlp_in', 'row')", mod_name: str | None = None,
+              fix: str | None = None) -> RoleInferenceError:
         pattern = re.escape(name)
+        kind = self._model_type(mod_name if mod_name is not None else name.rpartition(".")[0])
+        where = f" in a {kind!r} model (no convention equiopt knows settles it)" if kind else ""
         return RoleInferenceError(
-            f"cannot infer the role of {name!r} (shape {tuple(shape)}): {why}. "
-            f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: {hint}}})"
+            f"cannot infer the role of {name!r} (shape {tuple(shape)}){where}: {why}. "
+            + (fix or f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: {hint}}})")
+            + " (build_optimizer takes the same keyword arguments)"
         )
 
     # --------------------------------------------------------------- inference
     def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor, want: str | None = None):
         name = f"{mod_name}.{attr}" if mod_name else attr
         shape = tuple(p.shape)
+        self.dims = self.dims_at(mod_name)
         if want is None and (p.ndim < 2 or attr.endswith("bias")):
             kind = "bias" if attr.endswith("bias") else ("scalar" if p.ndim == 0 else "1-D")
             return "vector", None, f"{kind} parameter: element-wise rule"
-        if self.embedding is not None and p is getattr(self.embedding, "weight", None) and want in (None, "embedding"):
-            return "embedding", Row(), f"input embedding {type(self.embedding).__name__}: rows = vocabulary"
-        if self.lm_head is not None and p is getattr(self.lm_head, "weight", None) and want in (None, "lm_head"):
-            if _storage(self.lm_head, "weight") == "in_out":
+        emb = self.embeddings.get(id(p))
+        if emb is not None and want in (None, "embedding"):
+            return "embedding", Row(), f"input embedding {type(emb).__name__}: rows = vocabulary"
+        head = self.lm_heads.get(id(p))
+        if head is not None and want in (None, "lm_head"):
+            if _storage(head, "weight") == "in_out":
                 return "lm_head", Col(), "output embedding stored (d, vocab): work = transpose"
             return "lm_head", Row(), "output embedding: rows = vocabulary, centred by the recipe"
         ctx = self._context_of(mod_name)
@@ -284,8 +484,15 @@ class _Context:
         st, out, inp = self._oriented(name, module, attr, p)
         hd = d.head_dim
         where = type(block).__name__
-        if not self.per_head or hd is None:
-            return "attention", Row(), f"{where} projection: whole matrix"
+        if not self.per_head:
+            return "attention", Row(), f"{where} projection: whole matrix (per_head=False)"
+        if hd is None:
+            raise self._fail(
+                name, p.shape, f"no head size found for {where} (no head_dim / num_heads on the block, nor a config "
+                "with head_dim or num_attention_heads and hidden_size in the module tree)",
+                fix="Give the dimensions, e.g. assign_roles(model, dims={'head_dim': ...}) or dims={'heads': ..., "
+                    "'hidden': ...}, or per_head=False for whole-matrix attention, or an explicit rule "
+                    f"rules={{{re.escape(name)!r}: ('attention', 'heads:<head_dim>')}}")
         short = _short(name.rsplit(".", 1)[0]) if "." in name else ""
         input_side = inp == d.hidden and out % hd == 0
         output_side = out == d.hidden and inp % hd == 0

@@ -22,6 +22,7 @@ A config has five tables (every field optional unless marked)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    recipe: str = "paper:qwen3:b-ii"
+    recipe: str = "equiopt:default"
     overrides: dict = field(default_factory=dict)
     clip_grad_norm: float = 0.0
 
@@ -171,6 +172,22 @@ def _check(cfg: Config, source: str) -> None:
         need(cfg.model.family in models.FAMILIES, "[model].family",
              f"unknown family {cfg.model.family!r}; valid: {', '.join(models.FAMILIES)}")
         need(cfg.model.size in models.SIZES, "[model].size", f"unknown size {cfg.model.size!r}; valid: {', '.join(models.SIZES)}")
+    hf_config = cfg.model.hf_config
+    if isinstance(hf_config, str) and hf_config.endswith(".json") and Path(hf_config).is_file():
+        import json
+
+        try:
+            hf_config = json.loads(Path(hf_config).read_text())
+        except (OSError, ValueError) as err:
+            raise _fail(f"{source} [model].hf_config", f"cannot read {cfg.model.hf_config}: {err}") from None
+    if isinstance(hf_config, Mapping):
+        kind = hf_config.get("model_type")
+        need(isinstance(kind, str) and bool(kind), "[model].hf_config", "a config table needs its 'model_type'")
+        from transformers import CONFIG_MAPPING
+
+        need(kind in CONFIG_MAPPING, "[model].hf_config.model_type",
+             f"{kind!r} is not a model type this transformers knows; close: "
+             f"{', '.join(difflib.get_close_matches(kind, list(CONFIG_MAPPING), n=5)) or 'none'}")
     need(bool(cfg.data.train), "[data].train", "required: a directory prepared by 'equiopt data prepare'")
     for name in ("seq_len", "batch_size", "grad_accum"):
         need(getattr(cfg.data, name) >= 1, f"[data].{name}", f"must be >= 1, got {getattr(cfg.data, name)}")
@@ -192,6 +209,23 @@ def _check(cfg: Config, source: str) -> None:
         raise _fail(f"{source} [optim]", str(err)) from None
 
 
+def check_data(cfg: Config) -> None:
+    """Every data path of ``cfg`` exists and holds prepared shards, or a :class:`ConfigError`
+    names the field and the command that makes it."""
+    for name in ("train", "val", "ood_val"):
+        value = getattr(cfg.data, name)
+        if not value:
+            continue
+        path = Path(value)
+        make = (f"make it with: equiopt data prepare --corpus CORPUS --tokenizer TOKENIZER --out {value} "
+                "(configs/README.md lists the data each config reads)")
+        if not path.exists():
+            raise ConfigError(f"[data].{name}: {value} does not exist; {make}")
+        if path.is_dir() and not (path / "manifest.json").exists():
+            what = "is empty" if not any(path.iterdir()) else "is not a prepared shard directory (no manifest.json)"
+            raise ConfigError(f"[data].{name}: {value} {what}; {make}")
+
+
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
     """Read and validate a TOML run config; ``overrides`` maps ``"section.field"`` to values."""
     path = Path(path)
@@ -205,7 +239,14 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
         section, _, key = dotted.partition(".")
         if not key:
             raise ConfigError(f"override {dotted!r}: expected 'section.field=value'")
-        data.setdefault(section, {})[key] = value
+        # deeper keys reach into tables: optim.overrides.attention.polar_dtype=float32
+        *tables, key = [section, *key.split(".")]
+        target = data
+        for i, name in enumerate(tables):
+            target = target.setdefault(name, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"override {dotted!r}: {'.'.join(tables[:i + 1])} is not a table")
+        target[key] = value
     base = path.parent
     cfg = from_dict(data, str(path))
     for attr in ("train", "val", "ood_val"):  # data paths are relative to the config file

@@ -31,7 +31,7 @@ from .. import diagnostics as diag
 from ..data.loader import TokenLoader, ValidationBatches
 from ..roles import build_optimizer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_data
 from .runlog import RunLogger
 
 LOGIT_KEYS = {"raw_rms": "logits/rms", "centered_rms": "logits/centred_rms", "max_lse": "logits/max_lse",
@@ -125,6 +125,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
         self.cfg = cfg
+        check_data(cfg)
         self.dist = setup_distributed(cfg.run.device)
         self.device = self.dist.device
         torch.manual_seed(cfg.run.seed)

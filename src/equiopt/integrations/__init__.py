@@ -1,0 +1,25 @@
+"""One line per trainer: Hugging Face ``Trainer``, Lightning, and plain ``torchrun`` loops.
+
+Each submodule imports its trainer library only when used, so equiopt needs none of them:
+
+- :mod:`equiopt.integrations.hf`: ``Trainer(..., **hf.trainer_kwargs(recipe=...))``
+  (the recipe's param groups built from the Trainer's model, and the recipe's
+  per-role schedules), or ``Trainer(..., optimizers=equiopt.build_optimizer(model, ...))``.
+- :mod:`equiopt.integrations.lightning`: ``configure_optimizers`` returns
+  ``lightning.configure_optimizers(self, recipe=...)``.
+- A plain loop (one process or ``torchrun`` with DDP / FSDP2) needs no adapter:
+  ``optimizer, scheduler = equiopt.build_optimizer(ddp_model, recipe, total_steps)``;
+  roles are those of the bare model, whatever wraps it.
+
+Runnable scripts for all three are in the repository's ``examples/`` folder.
+"""
+
+__all__ = ["hf", "lightning"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
