@@ -14,11 +14,18 @@ LM-head row-norm update and Algorithm 2).
 Low-precision inputs (bfloat16, float16) are computed in float32 and returned in their
 own dtype; float32 and float64 inputs are computed in their dtype (the Gram inverse
 square root itself runs in float32 except for ``method="exact"``).
+
+Every map is computed in *factored form* (:class:`Factored`): ``U = s * (L X R) - 1 c``
+with at most one of the row scales ``s``, left factor ``L`` or right factor ``R``, and
+an optional row-shared shift ``c``. :func:`materialize` multiplies it out; the
+optimizer instead folds the learning rate into the small factor and accumulates the
+product straight into the parameter (one GEMM, no full-size update tensor), and the
+centring of the quotient maps costs a vector, not a pass over the matrix.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -36,6 +43,36 @@ def _compute_dtype(D: torch.Tensor) -> torch.dtype:
 def _check(D: torch.Tensor, name: str) -> None:
     if D.ndim < 2:
         raise ValueError(f"{name} expects work matrices of shape (..., m, n), got shape {tuple(D.shape)}")
+
+
+class Factored(NamedTuple):
+    """An update in factored form: ``U = row * (left @ x @ right) - shift``.
+
+    ``x`` has shape ``(..., m, n)``; ``row`` ``(..., m, 1)``, ``left`` ``(..., m, m)``,
+    ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional, and at most one
+    of ``row``, ``left``, ``right`` is set.
+    """
+
+    x: torch.Tensor
+    row: Optional[torch.Tensor] = None
+    left: Optional[torch.Tensor] = None
+    right: Optional[torch.Tensor] = None
+    shift: Optional[torch.Tensor] = None
+
+
+def materialize(f: Factored) -> torch.Tensor:
+    """The update ``U`` a :class:`Factored` stands for, as one tensor."""
+    if f.row is not None:
+        if f.shift is not None:
+            return torch.addcmul(-f.shift, f.x, f.row)
+        return f.x * f.row
+    if f.right is not None:
+        u = f.x @ f.right
+    elif f.left is not None:
+        u = f.left @ f.x
+    else:
+        return f.x if f.shift is None else f.x - f.shift
+    return u if f.shift is None else u.sub_(f.shift)
 
 
 def center(D: torch.Tensor) -> torch.Tensor:
@@ -64,9 +101,16 @@ def eta_scale(norms: torch.Tensor, eta: EtaRule = "inverse", eps: float = 1e-8, 
     raise ValueError(f"unknown row-scaling rule eta={eta!r}; valid: {', '.join(ETA_RULES)} or a callable")
 
 
-def _row_scale(D: torch.Tensor, eta: EtaRule, eps: float) -> torch.Tensor:
-    norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)
-    return D * eta_scale(norms, eta, eps, D.shape[-1])
+def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool) -> Factored:
+    """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
+
+    The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
+    computed as one vector-matrix product instead of a second pass over the matrix.
+    """
+    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    s = eta_scale(norms, eta, eps, x.shape[-1])
+    shift = (s.mT @ x) / x.shape[-2] if centered else None
+    return Factored(x, row=s, shift=shift)
 
 
 def _maybe_center(D: torch.Tensor, flag: bool) -> torch.Tensor:
@@ -81,14 +125,19 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
     Zero rows (tokens never seen, experts never routed) give zero rows.
     """
     _check(D, "row_norm")
+    return materialize(row_norm_factored(D, eps, center, eta)).to(D.dtype)
+
+
+def row_norm_factored(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> Factored:
+    """:func:`row_norm` in factored form, in the compute dtype (float32 or float64)."""
     x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_row_scale(x, eta, eps), center).to(D.dtype)
+    return _row_factors(x, eta, eps, center)
 
 
 GRAM_SIDES = ("auto", "right", "left")
 
 
-def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str) -> torch.Tensor:
+def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -97,11 +146,15 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     ``gram="auto"`` forms the smaller Gram matrix: a wide SwiGLU expert block or a router
     never pays for an ``n x n`` inverse square root when an ``m x m`` one gives the same
     update. ``"right"``/``"left"`` force a side (the literal Algorithm 1 branches).
+
+    ``nu^alpha`` is folded into the small factor ``R``. With ``centered`` (``x`` already
+    centred) the result is projected by ``Pi`` through its column means, ``mean(x) R``
+    on the right side and ``mean_rows(R) x`` on the left: vectors, not passes.
     """
     if gram not in GRAM_SIDES:
         raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
     if method == "gram_newton_schulz":
-        return _one_sided_polar(x, eps, alpha, steps)
+        return _one_sided_polar(x, eps, alpha, steps, centered)
     m, n = x.shape[-2], x.shape[-1]
     left = gram == "left" or (gram == "auto" and m < n)
     C = x @ x.mT if left else x.mT @ x
@@ -114,22 +167,37 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
         A = C + (mu / m) * torch.ones_like(C)
     R = inv_sqrt(A, eps, method, steps).to(x.dtype)
-    out = R @ x if left else x @ R
-    if alpha == 0:
-        return out
-    nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
-    return out * nu.pow(alpha)[..., None, None]
+    if alpha != 0:
+        nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
+        R = R * nu.pow(alpha)[..., None, None]
+    if left:
+        return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
+    return Factored(x, right=R, shift=x.mean(dim=-2, keepdim=True) @ R if centered else None)
 
 
-def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int) -> torch.Tensor:
+def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool) -> Factored:
     """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
     directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
     at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
     out = polar(x, method="gram_newton_schulz", steps=steps, dtype=torch.float32).to(x.dtype)
-    if alpha == 0:
-        return out
-    nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
-    return out * nu.pow(alpha)[..., None, None]
+    if alpha != 0:
+        nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
+        out = out * nu.pow(alpha)[..., None, None]
+    return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
+
+
+def one_sided_factored(
+    D: torch.Tensor,
+    eps: float = 1e-8,
+    alpha: float = 0.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+    gram: str = "auto",
+) -> Factored:
+    """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    return _one_sided(x, eps, alpha, method, steps, center, gram)
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -152,8 +220,7 @@ def right_spectral(
     inverted (default: the smaller; the result is the same, see :func:`_one_sided`).
     """
     _check(D, "right_spectral")
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram), center).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram)).to(D.dtype)
 
 
 def left_spectral(
@@ -174,8 +241,7 @@ def left_spectral(
     function of ``D`` as :func:`right_spectral`; ``gram`` picks the side computed.
     """
     _check(D, "left_spectral")
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram), center).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram)).to(D.dtype)
 
 
 def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -209,16 +275,29 @@ def hybrid(
     default the smaller one is used.
     """
     _check(D, "hybrid")
+    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram)).to(D.dtype)
+
+
+def hybrid_factored(
+    D: torch.Tensor,
+    order: str = "row_then_right",
+    eps: float = 1e-8,
+    alpha: float = 1.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+    eta: EtaRule = "inverse",
+    gram: str = "auto",
+) -> Factored:
+    """:func:`hybrid` in factored form: the first stage is materialised, the second is not."""
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
     x = _maybe_center(D.to(_compute_dtype(D)), center)
     if order == "row_then_right":
-        z = _maybe_center(_row_scale(x, eta, eps), center)
-        u = _one_sided(z, eps, alpha, method, steps, center, gram)
-    else:
-        z = _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram), center)
-        u = _row_scale(z, eta, eps)
-    return _maybe_center(u, center).to(D.dtype)
+        z = materialize(_row_factors(x, eta, eps, center))
+        return _one_sided(z, eps, alpha, method, steps, center, gram)
+    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram))
+    return _row_factors(z, eta, eps, center)
 
 
-__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]
+__all__ = ["Factored", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]
