@@ -184,7 +184,6 @@ def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
 
 def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     cfg = make_cfg(data_dir, tmp_path / "single", steps=4).to_dict()
-    cfg["train"]["checkpoint_every"] = 0
     # float64 SVD polar factors: Muon's default bfloat16 iteration turns the all-reduce's
     # last-bit differences into ~1e-2 relative ones, which is not what this test is about
     # (and the row-norm rules of paper:olmoe:ii rather than b-i's nu-scaled hybrid, whose
@@ -201,6 +200,11 @@ def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     for name, a in single.model.state_dict().items():
         torch.testing.assert_close(ddp_state[name], a, rtol=2e-4, atol=2e-5, msg=name)
     assert records(tmp_path / "ddp", "meta")[0]["world_size"] == 2
+    # both ranks wrote the checkpoint: one copy of the replicated tensors, each rank's RNG
+    saved = read_checkpoint(tmp_path / "ddp" / "checkpoints")
+    assert (saved["step"], saved["world_size"], saved["strategy"]) == (4, 2, "ddp")
+    assert all(torch.equal(saved["model"][name], t) for name, t in ddp_state.items())
+    assert len(list((tmp_path / "ddp" / "checkpoints" / "step_00000004").glob("rank_*.json"))) == 2
 
 
 def test_data_vocabulary_larger_than_the_model_is_a_config_error(data_dir, tmp_path):
