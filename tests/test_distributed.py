@@ -87,6 +87,18 @@ def _check_recorder(rank: int, world: int) -> None:
     assert dist.all_reduce is original and not hasattr(torch.ops._c10d_functional.all_reduce, "_packet")
     dist.all_reduce(torch.ones(2))
     assert len(log) == len(ops)
+    # FSDP2's own parameter all-gathers and gradient reduce-scatters
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    layer = torch.nn.Linear(4, 6, bias=False)
+    fully_shard(layer, mesh=mesh)
+    with record_collectives() as fsdp:
+        layer(torch.randn(2, 4)).sum().backward()
+    if world > 1:
+        assert {"all_gather", "reduce_scatter"} <= set(fsdp.ops()), fsdp.ops()
+        assert max(r.bytes for r in fsdp if r.op == "all_gather") >= 6 * 4 * 4
     # an object collective is seen as the tensor collectives it makes, counted once
     with record_collectives() as objects:
         gathered = [None] * world

@@ -109,7 +109,9 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_resume_at_another_world_s
     one_to_two = tmp_path / "one-to-two"
     _copy_checkpoint(single, 4, one_to_two)
     _torchrun(["train", str(_write_toml(_cfg(data_dir, one_to_two, "fsdp2"), tmp_path / "run.toml")), "--resume"])
-    assert records(one_to_two, "meta")[0]["resumed_from"].endswith("step_00000004")
+    meta = records(one_to_two, "meta")[0]
+    assert meta["resumed_from"].endswith("step_00000004")
+    assert (meta["saved_world_size"], meta["saved_strategy"], meta["world_size"], meta["strategy"]) == (1, "single", 2, "fsdp2")
     assert records(one_to_two, "end")[-1]["status"] == "done"
     _assert_same_run(one_to_two, single)
 

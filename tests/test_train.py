@@ -129,6 +129,12 @@ def test_checkpoints_unpickle_nothing_but_dcp_metadata(tmp_path):
     with pytest.raises(CheckpointError, match=r"refusing to unpickle"):
         read_checkpoint(tmp_path / "step_00000001")
     assert latest_checkpoint(tmp_path) is None and load_checkpoint(tmp_path, {"x": torch.empty(2)}) is None
+    # the single-file checkpoints of earlier versions are not silently ignored by a resume
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "step_00000004.pt").write_bytes(b"old")
+    with pytest.raises(CheckpointError, match=r"single-file checkpoints \(step_\*\.pt\)"):
+        load_checkpoint(legacy, {"x": torch.empty(2)})
 
 
 def test_nonfinite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(data_dir, tmp_path):
@@ -215,3 +221,21 @@ def test_data_vocabulary_larger_than_the_model_is_a_config_error(data_dir, tmp_p
     cfg["model"]["overrides"]["vocab_size"] = vocab - 1
     with pytest.raises(ConfigError, match=rf"\[data\]\.train.* {vocab}-token .* only {vocab - 1}"):
         Trainer(from_dict(cfg), progress=False)
+
+
+def test_optimizer_hyperparameters_round_trip_through_json():
+    from equiopt.train.checkpoint import CheckpointError, param_groups_from_json, param_groups_to_json
+
+    eta = lambda t: 1 / (t + 1)  # noqa: E731  (a callable: not data, comes from the optimizer loaded into)
+    saved = [{"params": ["a", "b"], "lr": 0.25, "betas": (0.8, 0.9), "polar_dtype": torch.bfloat16,
+              "schedule": {"kind": "constant"}, "eta": eta, "lr_t": torch.tensor(0.5, dtype=torch.float64)}]
+    data = json.loads(json.dumps(param_groups_to_json(saved)))
+    assert "eta" not in data[0]
+    template = [{"params": ["a", "b"], "lr": 1.0, "betas": (0.9, 0.99), "polar_dtype": None, "schedule": {},
+                 "eta": "inverse", "lr_t": torch.tensor(1.0, dtype=torch.float64)}]
+    back = param_groups_from_json(data, template)[0]
+    assert back["lr"] == 0.25 and back["betas"] == (0.8, 0.9) and back["polar_dtype"] is torch.bfloat16
+    assert back["schedule"] == {"kind": "constant"} and back["eta"] == "inverse"
+    assert back["lr_t"].dtype == torch.float64 and float(back["lr_t"]) == 0.5
+    with pytest.raises(CheckpointError, match="other parameters"):
+        param_groups_from_json(data, [{**template[0], "params": ["a"]}])

@@ -25,15 +25,18 @@ broadcast, reduce, send or receive; the gathered output of an all-gather or gath
 full input of a reduce-scatter, scatter or all-to-all. ``group_size`` lets a reader
 derive what each rank sends (a ring all-reduce sends ``2 (n - 1) / n`` of it, an
 all-gather or reduce-scatter ``(n - 1) / n``). DTensor pads uneven shards before it
-gathers them; the padded size is what is counted. Collectives issued from C++ other
-than the ops above (a DDP reducer's bucket all-reduces, FSDP2's own all-gathers issued
-through its process group) are not seen.
+gathers them; the padded size is what is counted. FSDP2's parameter all-gathers and
+gradient reduce-scatters go through the c10d functions and are seen; collectives issued
+from C++ (a DDP reducer's bucket all-reduces) and functions imported by name into a
+module outside ``torch.distributed`` before the block (unless passed as
+``extra_modules``) are not.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -145,9 +148,11 @@ _C10D: dict[str, tuple[tuple[int, str], str, tuple[int, str]]] = {
     "reduce": ((0, "tensor"), "one", (3, "group")),
     "all_gather": ((0, "tensor_list"), "one", (2, "group")),
     "all_gather_into_tensor": ((0, "output_tensor"), "one", (2, "group")),
+    "all_gather_single": ((0, "output_tensor"), "one", (2, "group")),  # torch >= 2.13's name
     "all_gather_coalesced": ((0, "output_tensor_lists"), "one", (2, "group")),
     "reduce_scatter": ((1, "input_list"), "one", (3, "group")),
     "reduce_scatter_tensor": ((1, "input"), "one", (3, "group")),
+    "reduce_scatter_single": ((1, "input"), "one", (3, "group")),
     "all_to_all": ((1, "input_tensor_list"), "one", (2, "group")),
     "all_to_all_single": ((1, "input"), "one", (4, "group")),
     "gather": ((0, "tensor"), "world", (3, "group")),
@@ -198,8 +203,9 @@ def _call_recorded(make_record: Callable[[], CollectiveRecord], fn: Callable, ar
         return fn(*args, **kwargs)
     try:
         record = make_record()
-    except Exception:  # never let counting break the collective itself
-        record = None
+    except Exception as err:  # never let counting break the collective itself; say what was missed
+        warnings.warn(f"record_collectives: could not size a collective ({err!r}); it is recorded with 0 bytes")
+        record = getattr(make_record, "fallback", None)
     _local.depth = _depth() + 1
     try:
         return fn(*args, **kwargs)
@@ -223,7 +229,9 @@ def _c10d_wrapper(name: str, fn: Callable) -> Callable:
                                 tuple(first.shape) if first is not None else (), size, name)
 
     def wrapper(*args, **kwargs):
-        return _call_recorded(lambda: record(args, kwargs), fn, args, kwargs)
+        make = lambda: record(args, kwargs)  # noqa: E731
+        make.fallback = CollectiveRecord(_canonical(name), 0, None, (), None, name)
+        return _call_recorded(make, fn, args, kwargs)
 
     wrapper.__wrapped__ = fn
     wrapper.__name__ = getattr(fn, "__name__", name)
@@ -243,9 +251,14 @@ class _RecordingOp:
         return getattr(self._packet, item)
 
     def __call__(self, *args, **kwargs):
-        return _call_recorded(lambda: self._record(args), self._packet, args, kwargs)
+        make = lambda: self._record(args, kwargs)  # noqa: E731
+        make.fallback = CollectiveRecord(_canonical(self._name), 0, None, (), None, self._source)
+        return _call_recorded(make, self._packet, args, kwargs)
 
-    def _record(self, args: tuple) -> CollectiveRecord:
+    def _record(self, args: tuple, kwargs: dict) -> CollectiveRecord:
+        if kwargs:  # put keyword arguments in their schema positions
+            names = [a.name for a in self._packet.default._schema.arguments]
+            args = tuple(args) + tuple(kwargs[n] for n in names[len(args):] if n in kwargs)
         t_index, mult, g_index = self._spec
         tensors = args[t_index]
         nbytes = _nbytes(tensors)
@@ -268,7 +281,8 @@ def record_collectives(extra_modules: tuple[Any, ...] = ()) -> Iterator[Collecti
     """Record the collectives issued in the block into the :class:`CollectiveLog` it yields.
 
     Recorders nest (each sees everything issued inside it). ``extra_modules``: modules
-    outside ``torch.distributed`` that imported c10d functions by name.
+    outside ``torch.distributed`` that imported c10d functions by name (the outermost
+    recorder's are the ones patched).
     """
     import torch.distributed as dist
 

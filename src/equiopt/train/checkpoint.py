@@ -113,7 +113,8 @@ def _broadcast_int(value: int) -> int:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.broadcast(t, src=0)
     return int(t.item())
@@ -321,6 +322,9 @@ def load_checkpoint(
         directory = directory.parent
     else:
         candidates = list_checkpoints(directory)
+        if not candidates and any(directory.glob(f"{_PREFIX}*.pt")):
+            raise CheckpointError(f"{directory} holds only single-file checkpoints (step_*.pt) of an earlier equiopt, "
+                                  f"which this version does not resume; start a new run or resume with that version")
     choice = -1
     if rank == 0:
         choice = next((_step_of(p) for p in candidates if _readable(p)), -1)
@@ -420,6 +424,8 @@ def _to_json(value: Any) -> tuple[bool, Any]:
         return True, value
     if isinstance(value, torch.dtype):
         return True, {"__dtype__": str(value).removeprefix("torch.")}
+    if torch.is_tensor(value) and value.ndim == 0 and not hasattr(value, "placements"):  # a tensor lr, say
+        return True, {"__scalar__": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
     if isinstance(value, (list, tuple)):
         items = [_to_json(v) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
@@ -432,6 +438,9 @@ def _to_json(value: Any) -> tuple[bool, Any]:
 def _from_json(value: Any, like: Any) -> Any:
     if isinstance(value, dict) and set(value) == {"__dtype__"}:
         return getattr(torch, value["__dtype__"])
+    if isinstance(value, dict) and set(value) == {"__scalar__", "dtype"}:
+        device = like.device if torch.is_tensor(like) else None
+        return torch.tensor(value["__scalar__"], dtype=getattr(torch, value["dtype"]), device=device)
     if isinstance(like, tuple) and isinstance(value, list):
         return tuple(_from_json(v, l) for v, l in zip(value, like)) if len(value) == len(like) else tuple(value)
     return value

@@ -160,7 +160,8 @@ class Trainer:
                          recipe=str(cfg.optim.recipe), world_size=self.dist.world_size, strategy=self.strategy,
                          roles={r.name: r.role for r in table})
         else:
-            self.log.log("meta", self.step, self.tokens, resumed_from=str(restored))
+            self.log.log("meta", self.step, self.tokens, resumed_from=str(restored), world_size=self.dist.world_size,
+                         strategy=self.strategy, saved_world_size=self._saved_layout[0], saved_strategy=self._saved_layout[1])
 
     @property
     def strategy(self) -> str:
@@ -228,6 +229,7 @@ class Trainer:
         self.scheduler.load_state_dict(extras["scheduler"])
         self.loader.load_state_dict(extras["loader"])
         self.step, self.tokens = int(extras["step"]), int(extras["tokens"])
+        self._saved_layout = (extras.get("world_size"), extras.get("strategy"))
         if mine is not None:
             set_rng_state(mine["rng"], self.device)
         else:  # a rank the saving run did not have: a seed of its own, the same on every resume
