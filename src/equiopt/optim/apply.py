@@ -100,7 +100,8 @@ def adamw_(
     """
     b1, b2 = betas
     torch._foreach_add_(steps, okfs)
-    torch._foreach_lerp_(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1))
+    for m, g, w in zip(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1)):
+        m.lerp_(g, w)
     torch._foreach_mul_(exp_avg_sqs, torch._foreach_add(torch._foreach_mul(okfs, -(1.0 - b2)), 1.0))
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - b2)
     counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]

@@ -24,6 +24,15 @@ from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanit
 from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, lr_scale_factor, map_key, resolved, validate_group
 
 
+def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
+    """The step writes updates through the work views of a parameter, so they must alias it."""
+    if p.device.type == "meta" or not isinstance(p, torch.Tensor) or type(p.data) is not torch.Tensor:
+        return
+    base = p.untyped_storage().data_ptr()
+    if any(v.untyped_storage().data_ptr() != base for v in layout.to_work_list(p.detach(), name=name)):
+        raise ValueError(f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice")
+
+
 class NonFiniteGradientError(FloatingPointError, ValueError):
     """Raised for a NaN/Inf gradient when a group's ``nonfinite="raise"``."""
 
@@ -55,6 +64,12 @@ class EquivariantOptimizer(Optimizer):
     ``state_dtype`` holds momentum and Adam moments (default: float32 for bfloat16,
     float16 and float32 parameters, float64 for float64 ones); ``eager_state=True`` creates all state at construction so every rank
     and checkpoint sees the same keys from step 0.
+
+    ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
+    so momentum, row scaling, centring and the weight update fuse into few passes);
+    ``None`` (default) turns it on when every parameter is on a CUDA device. The step
+    has no host reads, so ``torch.compile(optimizer.step)`` works as well; pass
+    learning rates as tensors there if a schedule changes them (as with torch.optim).
     """
 
     def __init__(
@@ -80,9 +95,13 @@ class EquivariantOptimizer(Optimizer):
         nonfinite: str = "skip",
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
+        compile: bool | None = None,
     ):
         self.state_dtype = state_dtype
         self.eager_state = eager_state
+        self.compile = compile
+        self._compiled_step = None
+        self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
         defaults = dict(
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
@@ -129,6 +148,7 @@ class EquivariantOptimizer(Optimizer):
                         f"(2-D or more); give vectors and scalars rule 'adamw' or 'sgd'"
                     )
                 layout.check(tuple(p.shape), names[j])
+                _check_views(p, layout, names[j])
             layouts.append(layout)
         group["layouts"] = layouts
 
@@ -201,14 +221,55 @@ class EquivariantOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One optimizer step. No tensor is read back to the host (``nonfinite="raise"``
-        excepted), so the step neither stalls an accelerator nor breaks a compiled graph."""
+        excepted), so the step neither stalls an accelerator nor breaks a compiled graph.
+
+        Learning rates enter the update as device tensors (refreshed from the param
+        groups each step), so a schedule changes no compiled graph: under
+        ``torch.compile(optimizer.step)`` and with ``compile=True`` the step compiles a
+        bounded number of times, however many parameters and steps there are.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        lrs = self._lr_tensors()
+        if self._resolve_compile():
+            if self._compiled_step is None:
+                self._compiled_step = torch.compile(self._step_impl, fullgraph=True, dynamic=False)
+            self._compiled_step(lrs)
+        else:
+            self._step_impl(lrs)
+        return loss
+
+    def _resolve_compile(self) -> bool:
+        if self.compile is not None:
+            return bool(self.compile)
+        return all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+
+    @torch._dynamo.disable
+    def _lr_tensors(self) -> list[torch.Tensor]:
+        """Each group's learning rate as a 0-d tensor on its parameters' device (float64
+        where the device has it, so float64 runs keep their precision)."""
+        out = []
+        for index, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if torch.is_tensor(lr):
+                out.append(lr)
+                continue
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            cached = self._lr_cache.get(index)
+            if cached is None or cached.device != device:
+                cached = self._lr_cache[index] = torch.empty((), dtype=dtype, device=device)
+            cached.fill_(lr)
+            out.append(cached)
+        return out
+
+    @torch.no_grad()
+    def _step_impl(self, lrs: list[torch.Tensor]) -> None:
         self._last_flags = []
         buckets: dict[tuple, list] = defaultdict(list)
-        for group in self.param_groups:
+        for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
             if not live:
                 continue
@@ -225,13 +286,12 @@ class EquivariantOptimizer(Optimizer):
             okfs = self._ok_floats(flags, states, group)
             torch._foreach_add_([st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0))
             if group["rule"] == "adamw":
-                self._adamw(group, params, states, flags, okfs[0])
+                self._adamw(group, lr, params, states, flags, okfs[0])
                 continue
-            for j, p, st in zip(live, params, states):
-                self._matrix_step(group, j, p, st, flags, okfs[0], buckets)
+            for k, (j, p, st) in enumerate(zip(live, params, states)):
+                self._matrix_step(group, lr, j, p, st, flags[k], okfs[0][k], buckets)
         for (key, shape), items in buckets.items():
             self._run_bucket(key, shape, items)
-        return loss
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
@@ -250,30 +310,26 @@ class EquivariantOptimizer(Optimizer):
             per_param.append(ok64[k] if self._state_dtype(p) == torch.float64 else ok32[k])
         return per_param, list(ok32.unbind(0))
 
-    def _matrix_step(self, group, j, p, state, flags, okfs, buckets) -> None:
-        k = sum(1 for q in group["params"][:j] if q.grad is not None)
-        ok, okf = flags[k], okfs[k]
+    def _matrix_step(self, group, lr, j, p, state, ok, okf, buckets) -> None:
         buf = state["momentum_buffer"]
         grad = sanitize(p.grad, ok, buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
-        decay_(p, group["lr"], group["weight_decay"], okf)
+        decay_(p, lr, group["weight_decay"], okf)
         if group["rule"] == "sgd":
-            p.add_((direction * (-group["lr"] * okf)).to(p.dtype))
+            p.add_((direction * (-lr * okf)).to(p.dtype))
             return
         layout = group["layouts"][j]
         key = map_key(group)
         for w, pw in zip(layout.to_work_list(direction), self._work_views(p, layout)):
             factor = lr_scale_factor(resolved(group, "lr_scale"), *w.shape[-2:]) if group["rule"] == "spectral" else 1.0
-            coef = okf * (-group["lr"] * factor)
+            coef = okf * (-lr * factor)
             buckets[(key, tuple(w.shape[-2:]))].append((w, pw, coef, group))
 
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-        views = layout.to_work_list(p.detach())
-        base = p.untyped_storage().data_ptr()
-        if any(v.untyped_storage().data_ptr() != base for v in views):
-            raise AssertionError(f"layout {layout!r} did not give views of the parameter")
-        return views
+        """The parameter's work matrices as views: the update is added to them in place
+        (every layout only reshapes, transposes and slices; checked when the group is built)."""
+        return layout.to_work_list(p.detach())
 
     def _run_bucket(self, key: tuple, shape: tuple[int, int], items: list) -> None:
         """Map every work matrix of one (map settings, shape) bucket and add it to its weights.
@@ -296,7 +352,7 @@ class EquivariantOptimizer(Optimizer):
             piece = maps.Factored(*[None if t[i] is None else t[i].reshape(*lead, *t[i].shape[-2:]) for t in parts])
             add_factored_(pw, piece, coef)
 
-    def _adamw(self, group: dict, params: list, states: list, flags: torch.Tensor, okfs: list) -> None:
+    def _adamw(self, group: dict, lr, params: list, states: list, flags: torch.Tensor, okfs: list) -> None:
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
         buckets: dict[tuple, list] = defaultdict(list)
         for k, (p, st) in enumerate(zip(params, states)):
@@ -309,7 +365,7 @@ class EquivariantOptimizer(Optimizer):
                 [st["exp_avg_sq"] for _, st, _, _ in items],
                 [st["step"] for _, st, _, _ in items],
                 [okf.to(s_dtype) for _, _, _, okf in items],
-                group["lr"], group["betas"], group["adam_eps"], group["weight_decay"],
+                lr, group["betas"], group["adam_eps"], group["weight_decay"],
             )
 
 
