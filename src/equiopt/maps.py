@@ -101,13 +101,32 @@ def eta_scale(norms: torch.Tensor, eta: EtaRule = "inverse", eps: float = 1e-8, 
     raise ValueError(f"unknown row-scaling rule eta={eta!r}; valid: {', '.join(ETA_RULES)} or a callable")
 
 
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """``||x_i:||`` as a column ``(..., m, 1)``.
+
+    Under ``torch.compile`` on a CPU the squared norms go through a matrix-vector product:
+    Inductor's C++ backend (torch 2.13) fails to generate the fused kernel of an in-place
+    momentum update, a row reduction of it and a row-scaled write (``KeyError`` in its
+    outer-loop fusion); the product keeps the reduction out of that fusion.
+    """
+    if x.device.type == "cpu" and _compiling():
+        ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
+        return ((x * x) @ ones).sqrt()
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
 def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool) -> Factored:
     """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
 
     The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
     computed as one vector-matrix product instead of a second pass over the matrix.
     """
-    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    norms = _row_norms(x)
     s = eta_scale(norms, eta, eps, x.shape[-1])
     shift = (s.mT @ x) / x.shape[-2] if centered else None
     return Factored(x, row=s, shift=shift)

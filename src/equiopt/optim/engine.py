@@ -66,10 +66,11 @@ class EquivariantOptimizer(Optimizer):
     and checkpoint sees the same keys from step 0.
 
     ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
-    so momentum, row scaling, centring and the weight update fuse into few passes);
-    ``None`` (default) turns it on when every parameter is on a CUDA device. The step
-    has no host reads, so ``torch.compile(optimizer.step)`` works as well; pass
-    learning rates as tensors there if a schedule changes them (as with torch.optim).
+    so momentum, row scaling, centring and the weight update fuse into few passes):
+    ``True`` (Inductor), a backend name, ``False``, or ``None`` (default: on when every
+    parameter is on a CUDA device). The step has no host reads, so
+    ``torch.compile(optimizer.step)`` works as well; learning rates enter as device
+    tensors, so a schedule does not recompile either way.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class EquivariantOptimizer(Optimizer):
         nonfinite: str = "skip",
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
-        compile: bool | None = None,
+        compile: bool | str | None = None,
     ):
         self.state_dtype = state_dtype
         self.eager_state = eager_state
@@ -233,18 +234,23 @@ class EquivariantOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         lrs = self._lr_tensors()
-        if self._resolve_compile():
+        backend = self._resolve_compile()
+        if backend:
             if self._compiled_step is None:
-                self._compiled_step = torch.compile(self._step_impl, fullgraph=True, dynamic=False)
+                self._compiled_step = torch.compile(self._step_impl, backend=backend, fullgraph=True, dynamic=False)
             self._compiled_step(lrs)
         else:
             self._step_impl(lrs)
         return loss
 
-    def _resolve_compile(self) -> bool:
-        if self.compile is not None:
-            return bool(self.compile)
-        return all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+    def _resolve_compile(self) -> str | None:
+        """The ``torch.compile`` backend of the step, or None for eager."""
+        setting = self.compile
+        if setting is None:
+            setting = all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+        if isinstance(setting, str):
+            return setting
+        return "inductor" if setting else None
 
     @torch._dynamo.disable
     def _lr_tensors(self) -> list[torch.Tensor]:
