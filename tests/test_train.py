@@ -8,7 +8,10 @@ import torch.multiprocessing as mp
 
 from equiopt.data.prepare import prepare
 from equiopt.data.tokenizers import train_bpe
-from equiopt.train import ConfigError, NonFiniteLossError, Trainer, from_dict, load_checkpoint, save_checkpoint, train
+from equiopt.train import (
+    ConfigError, NonFiniteLossError, Trainer, from_dict, latest_checkpoint, load_checkpoint, read_checkpoint,
+    save_checkpoint, train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,25 +77,64 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):
 
 
 def test_checkpoint_write_is_atomic_under_a_crash(tmp_path, monkeypatch):
-    save_checkpoint(tmp_path, 1, {"x": torch.ones(3)})
-    real_save = torch.save
+    import torch.distributed.checkpoint as dcp
 
-    def crash(obj, f, *a, **k):
-        f.write(b"partial bytes")
+    save_checkpoint(tmp_path, 1, {"x": torch.ones(3), "opt": {"m": torch.arange(4.0)}}, {"step": 1})
+    real_write = dcp.FileSystemWriter.write_data
+
+    def crash(self, plan, planner):  # the data files are half written when the process dies
+        (self.path / "__0_0.distcp").write_bytes(b"partial bytes")
         raise KeyboardInterrupt("killed mid-save")
 
-    monkeypatch.setattr(torch, "save", crash)
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", crash)
+    with pytest.raises(BaseException, match="killed mid-save"):  # DCP re-raises it as its CheckpointException
+        save_checkpoint(tmp_path, 2, {"x": torch.zeros(3), "opt": {"m": torch.zeros(4)}}, {"step": 2})
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", real_write)
+    # a crash after the data, before the rename: still the old checkpoint
+    monkeypatch.setattr("equiopt.train.checkpoint._fsync_dir", lambda path: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path, 2, {"x": torch.zeros(3)})
-    monkeypatch.setattr(torch, "save", real_save)
-    path, state = load_checkpoint(tmp_path)
-    assert path.name == "step_00000001.pt" and torch.equal(state["x"], torch.ones(3))
-    assert not list(tmp_path.glob("*.tmp")) and (tmp_path / "latest").read_text() == "step_00000001.pt"
-    # a corrupt newest file (e.g. copied half-way by hand) is skipped
-    save_checkpoint(tmp_path, 3, {"x": torch.full((3,), 3.0)})
-    (tmp_path / "step_00000003.pt").write_bytes(b"garbage")
-    path, state = load_checkpoint(tmp_path)
-    assert path.name == "step_00000001.pt"
+        save_checkpoint(tmp_path, 3, {"x": torch.zeros(3), "opt": {"m": torch.zeros(4)}}, {"step": 3})
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "step_00000001" and latest_checkpoint(tmp_path).name == "step_00000001"
+    template = {"x": torch.empty(3), "opt": {"m": torch.empty(4)}}
+    path, extras, _ = load_checkpoint(tmp_path, template)
+    assert path.name == "step_00000001" and extras["step"] == 1
+    assert torch.equal(template["x"], torch.ones(3)) and torch.equal(template["opt"]["m"], torch.arange(4.0))
+    # the next save clears what the crashed ones left; keep=2 keeps the newest two
+    for step in (4, 5):
+        save_checkpoint(tmp_path, step, {"x": torch.full((3,), float(step)), "opt": {"m": torch.zeros(4)}}, {"step": step})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000002.partial", ".step_00000003.partial",
+                                                           "latest", "step_00000004", "step_00000005"]
+    assert read_checkpoint(tmp_path)["x"].tolist() == [5.0] * 3
+    # a damaged newest checkpoint (e.g. copied half-way by hand) is skipped
+    (tmp_path / "step_00000005" / ".metadata").write_bytes(b"garbage")
+    assert latest_checkpoint(tmp_path).name == "step_00000004"
+    assert load_checkpoint(tmp_path, template)[1]["step"] == 4 and template["x"].tolist() == [4.0] * 3
+
+
+def test_checkpoints_unpickle_nothing_but_dcp_metadata(tmp_path):
+    import pickle
+
+    from equiopt.train import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"'extra\.note' is a str, not a tensor"):
+        save_checkpoint(tmp_path, 1, {"x": torch.ones(2), "extra": {"note": "hi"}})
+    save_checkpoint(tmp_path, 1, {"x": torch.ones(2)})
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (tmp_path / "step_00000001" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"refusing to unpickle"):
+        read_checkpoint(tmp_path / "step_00000001")
+    assert latest_checkpoint(tmp_path) is None and load_checkpoint(tmp_path, {"x": torch.empty(2)}) is None
+    # the single-file checkpoints of earlier versions are not silently ignored by a resume
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "step_00000004.pt").write_bytes(b"old")
+    with pytest.raises(CheckpointError, match=r"single-file checkpoints \(step_\*\.pt\)"):
+        load_checkpoint(legacy, {"x": torch.empty(2)})
 
 
 def test_nonfinite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(data_dir, tmp_path):
@@ -108,7 +150,7 @@ def test_nonfinite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(data
         trainer.run()
     end = records(tmp_path / "nan", "end")[-1]
     assert end["status"] == "nonfinite"
-    path, state = load_checkpoint(tmp_path / "nan" / "checkpoints")
+    state = read_checkpoint(tmp_path / "nan" / "checkpoints")
     assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
@@ -148,7 +190,6 @@ def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
 
 def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     cfg = make_cfg(data_dir, tmp_path / "single", steps=4).to_dict()
-    cfg["train"]["checkpoint_every"] = 0
     # float64 SVD polar factors: Muon's default bfloat16 iteration turns the all-reduce's
     # last-bit differences into ~1e-2 relative ones, which is not what this test is about
     # (and the row-norm rules of paper:olmoe:ii rather than b-i's nu-scaled hybrid, whose
@@ -165,6 +206,11 @@ def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     for name, a in single.model.state_dict().items():
         torch.testing.assert_close(ddp_state[name], a, rtol=2e-4, atol=2e-5, msg=name)
     assert records(tmp_path / "ddp", "meta")[0]["world_size"] == 2
+    # both ranks wrote the checkpoint: one copy of the replicated tensors, each rank's RNG
+    saved = read_checkpoint(tmp_path / "ddp" / "checkpoints")
+    assert (saved["step"], saved["world_size"], saved["strategy"]) == (4, 2, "ddp")
+    assert all(torch.equal(saved["model"][name], t) for name, t in ddp_state.items())
+    assert len(list((tmp_path / "ddp" / "checkpoints" / "step_00000004").glob("rank_*.json"))) == 2
 
 
 def test_data_vocabulary_larger_than_the_model_is_a_config_error(data_dir, tmp_path):
@@ -175,3 +221,21 @@ def test_data_vocabulary_larger_than_the_model_is_a_config_error(data_dir, tmp_p
     cfg["model"]["overrides"]["vocab_size"] = vocab - 1
     with pytest.raises(ConfigError, match=rf"\[data\]\.train.* {vocab}-token .* only {vocab - 1}"):
         Trainer(from_dict(cfg), progress=False)
+
+
+def test_optimizer_hyperparameters_round_trip_through_json():
+    from equiopt.train.checkpoint import CheckpointError, param_groups_from_json, param_groups_to_json
+
+    eta = lambda t: 1 / (t + 1)  # noqa: E731  (a callable: not data, comes from the optimizer loaded into)
+    saved = [{"params": ["a", "b"], "lr": 0.25, "betas": (0.8, 0.9), "polar_dtype": torch.bfloat16,
+              "schedule": {"kind": "constant"}, "eta": eta, "lr_t": torch.tensor(0.5, dtype=torch.float64)}]
+    data = json.loads(json.dumps(param_groups_to_json(saved)))
+    assert "eta" not in data[0]
+    template = [{"params": ["a", "b"], "lr": 1.0, "betas": (0.9, 0.99), "polar_dtype": None, "schedule": {},
+                 "eta": "inverse", "lr_t": torch.tensor(1.0, dtype=torch.float64)}]
+    back = param_groups_from_json(data, template)[0]
+    assert back["lr"] == 0.25 and back["betas"] == (0.8, 0.9) and back["polar_dtype"] is torch.bfloat16
+    assert back["schedule"] == {"kind": "constant"} and back["eta"] == "inverse"
+    assert back["lr_t"].dtype == torch.float64 and float(back["lr_t"]) == 0.5
+    with pytest.raises(CheckpointError, match="other parameters"):
+        param_groups_from_json(data, [{**template[0], "params": ["a"]}])

@@ -3,7 +3,9 @@
 A config has five tables (every field optional unless marked)::
 
     [run]    name, out_dir, seed, device ("auto" | "cpu" | "cuda"), compile (bool),
-             autocast ("auto": bf16 on CUDA, off on CPU | "bf16" | "off")
+             autocast ("auto": bf16 on CUDA, off on CPU | "bf16" | "off"),
+             strategy (under torchrun: "ddp", the default, replicates the model;
+             "fsdp2" shards every parameter by rows with fully_shard)
     [model]  family + size (equiopt.models), or hf_config (path of a config.json or a
              transformers config dict), and overrides (config fields)
     [data]   train (prepared shard directory), val (default: train's validation split),
@@ -46,6 +48,7 @@ class RunConfig:
     device: str = "auto"
     compile: bool = False
     autocast: str = "auto"
+    strategy: str = "ddp"
 
 
 @dataclass
@@ -164,6 +167,10 @@ def _check(cfg: Config, source: str) -> None:
     need(cfg.run.device in ("auto", "cpu", "cuda") or cfg.run.device.startswith("cuda:"), "[run].device",
          f"expected 'auto', 'cpu' or 'cuda[:N]', got {cfg.run.device!r}")
     need(cfg.run.autocast in ("auto", "bf16", "off"), "[run].autocast", f"expected 'auto', 'bf16' or 'off', got {cfg.run.autocast!r}")
+    from .parallel import STRATEGIES
+
+    need(cfg.run.strategy in STRATEGIES, "[run].strategy",
+         f"expected {' or '.join(map(repr, STRATEGIES))}, got {cfg.run.strategy!r}")
     need(bool(cfg.model.family) != (cfg.model.hf_config is not None), "[model]",
          "give exactly one of 'family' (equiopt.models) or 'hf_config'")
     if cfg.model.family:

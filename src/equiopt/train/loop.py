@@ -1,11 +1,13 @@
-"""The pre-training loop: one process or ``torchrun`` with DDP, CPU or CUDA.
+"""The pre-training loop: one process or ``torchrun`` with DDP or FSDP2, CPU or CUDA.
 
 Per optimizer step: ``grad_accum`` micro-batches (``batch_size / grad_accum`` sequences
 of all ranks together), bf16 autocast on CUDA, cross-entropy plus the optional router
 auxiliary terms, optional gradient clipping (off by default, as in the paper), then the
 recipe's optimizer and schedulers. Validation, final-logit and router diagnostics run
-at ``val_every``; per-role weight and update RMS at ``log_every``; checkpoints are
-atomic and ``resume=True`` continues exactly (on CPU bit for bit).
+at ``val_every``; per-role weight and update RMS at ``log_every``. Checkpoints are
+``torch.distributed.checkpoint`` directories written atomically by all ranks;
+``resume=True`` continues from the newest one at any world size and strategy (in one
+process on CPU bit for bit).
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ import gc
 import json
 import math
 import os
-import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,8 +30,12 @@ from torch import nn
 from .. import diagnostics as diag
 from ..data.loader import TokenLoader, ValidationBatches
 from ..roles import build_optimizer
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (
+    latest_checkpoint, load_checkpoint, param_groups_from_json, param_groups_to_json, rng_state, save_checkpoint,
+    set_rng_state,
+)
 from .config import Config, ConfigError, check_data
+from .parallel import gradient_sync, wrap_model
 from .runlog import RunLogger
 
 LOGIT_KEYS = {"raw_rms": "logits/rms", "centered_rms": "logits/centred_rms", "max_lse": "logits/max_lse",
@@ -105,21 +109,6 @@ def _top_k(model: nn.Module) -> int | None:
     return None
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 class Trainer:
     """Holds the model, optimizer, data and logs of one run; :meth:`run` trains it."""
 
@@ -131,18 +120,15 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg, self.device)
         self.top_k = _top_k(self.model)
+        # DDP wraps the model; FSDP2 shards it in place (its parameters become DTensors).
+        # The optimizer is built after, from the model itself: same names, same roles.
+        self.forward_model: nn.Module = wrap_model(self.model, cfg.run.strategy, self.device, self.dist.world_size)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim.recipe, total_steps=cfg.train.steps, overrides=cfg.optim.overrides or None,
             eager_state=True,
         )
         table = self.optimizer.role_table
         self.tracker = diag.WeightTracker.from_assignments(self.model, table)
-        self.forward_model: nn.Module = self.model
-        if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.forward_model = DistributedDataParallel(self.model, device_ids=ids)
         if cfg.run.compile:
             self.forward_model = torch.compile(self.forward_model)
         use_bf16 = cfg.run.autocast == "bf16" or (cfg.run.autocast == "auto" and self.device.type == "cuda")
@@ -172,10 +158,16 @@ class Trainer:
             from ..models import count_parameters
 
             self.log.log("meta", 0, 0, params=count_parameters(self.model), device=str(self.device),
-                         recipe=str(cfg.optim.recipe), world_size=self.dist.world_size,
+                         recipe=str(cfg.optim.recipe), world_size=self.dist.world_size, strategy=self.strategy,
                          roles={r.name: r.role for r in table})
         else:
-            self.log.log("meta", self.step, self.tokens, resumed_from=str(restored))
+            self.log.log("meta", self.step, self.tokens, resumed_from=str(restored), world_size=self.dist.world_size,
+                         strategy=self.strategy, saved_world_size=self._saved_layout[0], saved_strategy=self._saved_layout[1])
+
+    @property
+    def strategy(self) -> str:
+        """``"single"`` in one process, else the config's ``ddp`` or ``fsdp2``."""
+        return self.cfg.run.strategy if self.dist.enabled else "single"
 
     def release_ddp(self) -> None:
         """Drop the DistributedDataParallel wrapper now, while the process group is alive.
@@ -205,32 +197,44 @@ class Trainer:
                 )
 
     # ------------------------------------------------------------- checkpoints
-    def _state(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "tokens": self.tokens, "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "loader": self.loader.state_dict(), "rng": _rng_state(self.device), "config": self.cfg.to_dict(),
-        }
+    def _tensor_state(self) -> tuple[dict[str, Any], list[dict]]:
+        """This rank's model and optimizer tensors (sharded under FSDP2) and the optimizer's groups."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def save(self) -> Path | None:
-        path = None
-        if self.dist.main:
-            path = save_checkpoint(self.ckpt_dir, self.step, self._state(), keep=self.cfg.train.keep_checkpoints)
-        if self.dist.enabled:
-            dist.barrier()
-        return path
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}, optim_sd["param_groups"]
+
+    def save(self) -> Path:
+        """Write a checkpoint of this step (every rank takes part) and return its directory."""
+        tensors, groups = self._tensor_state()
+        extras = {
+            "step": self.step, "tokens": self.tokens, "strategy": self.strategy,
+            "optimizer": {"param_groups": param_groups_to_json(groups)},
+            "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+            "config": json.loads(json.dumps(self.cfg.to_dict(), default=str)),
+        }
+        return save_checkpoint(self.ckpt_dir, self.step, tensors, extras, {"rng": rng_state(self.device)},
+                               keep=self.cfg.train.keep_checkpoints)
 
     def _restore(self) -> Path | None:
-        found = load_checkpoint(self.ckpt_dir, map_location=self.device)
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        tensors, groups = self._tensor_state()
+        found = load_checkpoint(self.ckpt_dir, tensors)
         if found is None:
             return None
-        path, state = found
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
-        _set_rng_state(state["rng"], self.device)
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        path, extras, mine = found
+        groups = param_groups_from_json(extras["optimizer"]["param_groups"], groups)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": groups})
+        self.scheduler.load_state_dict(extras["scheduler"])
+        self.loader.load_state_dict(extras["loader"])
+        self.step, self.tokens = int(extras["step"]), int(extras["tokens"])
+        self._saved_layout = (extras.get("world_size"), extras.get("strategy"))
+        if mine is not None:
+            set_rng_state(mine["rng"], self.device)
+        else:  # a rank the saving run did not have: a seed of its own, the same on every resume
+            torch.manual_seed(self.cfg.run.seed + 1_000_003 * (self.dist.rank + 1) + self.step)
         return path
 
     # ---------------------------------------------------------------- forward
@@ -273,8 +277,7 @@ class Trainer:
         for micro in range(accum):
             x, y = self.loader.next_batch()
             sync = micro == accum - 1 or not self.dist.enabled
-            ctx = self.forward_model.no_sync() if not sync and hasattr(self.forward_model, "no_sync") else nullcontext()
-            with ctx:
+            with gradient_sync(self.forward_model, sync):
                 loss, ce, logits, router = self._forward(x, y, want_router)
                 (loss / accum).backward()
             loss_sum += float(loss.detach())
@@ -366,8 +369,8 @@ class Trainer:
                 if cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps):
                     self.save()
         except NonFiniteLossError as err:
-            found = load_checkpoint(self.ckpt_dir, map_location="cpu") if self.dist.main else None
-            keep = f"; the last good checkpoint is {found[0]}" if found else "; no checkpoint was written yet"
+            found = latest_checkpoint(self.ckpt_dir)
+            keep = f"; the last good checkpoint is {found}" if found else "; no checkpoint was written yet"
             status, message = "nonfinite", f"{err}{keep}. Lower the learning rate or enable clipping, then resume."
             self.log.log("end", self.step, self.tokens, status=status, message=message)
             self.log.close()
