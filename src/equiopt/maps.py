@@ -25,7 +25,7 @@ centring of the quotient maps costs a vector, not a pass over the matrix.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 
@@ -43,6 +43,30 @@ def _compute_dtype(D: torch.Tensor) -> torch.dtype:
 def _check(D: torch.Tensor, name: str) -> None:
     if D.ndim < 2:
         raise ValueError(f"{name} expects work matrices of shape (..., m, n), got shape {tuple(D.shape)}")
+
+
+class RowReducer(Protocol):
+    """The one cross-shard operation of the maps: a sum over the row (symmetry) axis.
+
+    When a work matrix is split by rows across ranks (FSDP2's ``Shard(0)`` of a
+    vocabulary, SwiGLU or expert matrix), every reduction the maps take over rows (the
+    column means of the centring, the centred-row shift ``s^T x / m``, the right Gram
+    ``x^T x`` and the shift ``mean(x) R``) is a partial sum on each shard.
+    ``sum(t)`` completes it (an all-reduce over the shard group; it may work in place
+    on ``t``, which is always a fresh tensor) and ``count`` is the global row count.
+    With ``rows=None`` the maps take the whole matrix as given (one process).
+    """
+
+    count: int
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+def _col_mean(x: torch.Tensor, rows: Optional[RowReducer]) -> torch.Tensor:
+    """Column means over the rows, ``(..., 1, n)``: local, or completed by ``rows``."""
+    if rows is None:
+        return x.mean(dim=-2, keepdim=True)
+    return rows.sum(x.sum(dim=-2, keepdim=True)) / rows.count
 
 
 class Factored(NamedTuple):
@@ -120,7 +144,7 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
-def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool) -> Factored:
+def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, rows: Optional[RowReducer] = None) -> Factored:
     """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
 
     The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
@@ -128,12 +152,14 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool) -> F
     """
     norms = _row_norms(x)
     s = eta_scale(norms, eta, eps, x.shape[-1])
-    shift = (s.mT @ x) / x.shape[-2] if centered else None
+    shift = None
+    if centered:
+        shift = (s.mT @ x) / x.shape[-2] if rows is None else rows.sum(s.mT @ x) / rows.count
     return Factored(x, row=s, shift=shift)
 
 
-def _maybe_center(D: torch.Tensor, flag: bool) -> torch.Tensor:
-    return D - D.mean(dim=-2, keepdim=True) if flag else D
+def _maybe_center(D: torch.Tensor, flag: bool, rows: Optional[RowReducer] = None) -> torch.Tensor:
+    return D - _col_mean(D, rows) if flag else D
 
 
 def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> torch.Tensor:
@@ -147,16 +173,30 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
     return materialize(row_norm_factored(D, eps, center, eta)).to(D.dtype)
 
 
-def row_norm_factored(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> Factored:
-    """:func:`row_norm` in factored form, in the compute dtype (float32 or float64)."""
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _row_factors(x, eta, eps, center)
+def row_norm_factored(
+    D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse", rows: Optional[RowReducer] = None
+) -> Factored:
+    """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
+
+    ``rows``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole)."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center, rows)
+    return _row_factors(x, eta, eps, center, rows)
 
 
 GRAM_SIDES = ("auto", "right", "left")
 
 
-def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str) -> Factored:
+def gram_side(m: int, n: int, gram: str = "auto") -> str:
+    """``"left"`` or ``"right"``: the Gram matrix a one-sided map of an ``m x n`` matrix forms."""
+    if gram not in GRAM_SIDES:
+        raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
+    return "left" if gram == "left" or (gram == "auto" and m < n) else "right"
+
+
+def _one_sided(
+    x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
+    rows: Optional[RowReducer] = None,
+) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -169,14 +209,22 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     ``nu^alpha`` is folded into the small factor ``R``. With ``centered`` (``x`` already
     centred) the result is projected by ``Pi`` through its column means, ``mean(x) R``
     on the right side and ``mean_rows(R) x`` on the left: vectors, not passes.
+
+    With ``rows`` (a row-sharded ``x``) only the right side can be formed from shards:
+    the partial Grams are summed by ``rows``, ``R`` is computed from the reduced Gram
+    and ``x R`` stays local.
     """
-    if gram not in GRAM_SIDES:
-        raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
+    m = x.shape[-2] if rows is None else rows.count
+    left = gram_side(m, x.shape[-1], gram) == "left"
+    if rows is not None and (left or method == "gram_newton_schulz"):
+        raise ValueError("a row-sharded work matrix takes only the right Gram with a damped inverse square root; "
+                         "gather it to one rank for the left Gram or the Gram Newton-Schulz polar factor")
     if method == "gram_newton_schulz":
         return _one_sided_polar(x, eps, alpha, steps, centered)
-    m, n = x.shape[-2], x.shape[-1]
-    left = gram == "left" or (gram == "auto" and m < n)
-    C = x @ x.mT if left else x.mT @ x
+    if left:
+        C = x @ x.mT
+    else:
+        C = x.mT @ x if rows is None else rows.sum(x.mT @ x)
     A = C
     if left and centered:
         # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
@@ -191,7 +239,7 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         R = R * nu.pow(alpha)[..., None, None]
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
-    return Factored(x, right=R, shift=x.mean(dim=-2, keepdim=True) @ R if centered else None)
+    return Factored(x, right=R, shift=_col_mean(x, rows) @ R if centered else None)
 
 
 def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool) -> Factored:
@@ -213,10 +261,13 @@ def one_sided_factored(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
+    rows: Optional[RowReducer] = None,
 ) -> Factored:
-    """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form."""
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _one_sided(x, eps, alpha, method, steps, center, gram)
+    """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
+
+    ``rows``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center, rows)
+    return _one_sided(x, eps, alpha, method, steps, center, gram, rows)
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -307,16 +358,19 @@ def hybrid_factored(
     steps: int = 5,
     eta: EtaRule = "inverse",
     gram: str = "auto",
+    rows: Optional[RowReducer] = None,
 ) -> Factored:
-    """:func:`hybrid` in factored form: the first stage is materialised, the second is not."""
+    """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
+
+    ``rows``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    x = _maybe_center(D.to(_compute_dtype(D)), center, rows)
     if order == "row_then_right":
-        z = materialize(_row_factors(x, eta, eps, center))
-        return _one_sided(z, eps, alpha, method, steps, center, gram)
-    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram))
-    return _row_factors(z, eta, eps, center)
+        z = materialize(_row_factors(x, eta, eps, center, rows))
+        return _one_sided(z, eps, alpha, method, steps, center, gram, rows)
+    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, rows))
+    return _row_factors(z, eta, eps, center, rows)
 
 
-__all__ = ["Factored", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]
+__all__ = ["Factored", "RowReducer", "gram_side", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]

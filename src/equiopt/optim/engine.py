@@ -20,8 +20,10 @@ from torch.optim import Optimizer
 
 from ..layouts import Layout, parse_layout
 from .. import maps
+from ..distributed.placements import Sharding, describe_sharding
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, lr_scale_factor, map_key, resolved, validate_group
+from .sharded import ShardRowSum, gather_rows, global_flags, local, plan
 
 
 def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
@@ -31,6 +33,11 @@ def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
     base = p.untyped_storage().data_ptr()
     if any(v.untyped_storage().data_ptr() != base for v in layout.to_work_list(p.detach(), name=name)):
         raise ValueError(f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice")
+
+
+def _map(key: tuple, eta, D: torch.Tensor, rows) -> maps.Factored:
+    """:func:`factored_map`, with the row reducer of a row-sharded ``D`` when there is one."""
+    return factored_map(key, eta, D) if rows is None else factored_map(key, eta, D, rows)
 
 
 class NonFiniteGradientError(FloatingPointError, ValueError):
@@ -104,6 +111,7 @@ class EquivariantOptimizer(Optimizer):
         self._compiled_step = None
         self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
+        self._shardings: dict[int, Sharding] = {}
         defaults = dict(
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
@@ -137,6 +145,8 @@ class EquivariantOptimizer(Optimizer):
             raise ValueError(f"{where}: 'layouts' has {len(per_param)} entries for {len(params)} parameters")
         layouts = []
         for j, p in enumerate(params):
+            # unsupported placements (tensor parallelism, Shard(1), Partial) fail here, by name
+            self._shardings[id(p)] = describe_sharding(p, names[j])
             spec = group["layout"] if per_param is None or per_param[j] is None else per_param[j]
             try:
                 layout = parse_layout(spec)
@@ -284,7 +294,8 @@ class EquivariantOptimizer(Optimizer):
             for p, name in zip(params, names):
                 if p.grad.is_sparse:
                     raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
-            flags = finite_flags([p.grad for p in params])
+            flags = finite_flags([local(p.grad) for p in params])
+            flags = global_flags(flags, [self._sharding(p) for p in params])
             if group["nonfinite"] == "raise":
                 self._raise_nonfinite(flags, names)
             self._last_flags.append((names, flags))
@@ -296,8 +307,8 @@ class EquivariantOptimizer(Optimizer):
                 continue
             for k, (j, p, st) in enumerate(zip(live, params, states)):
                 self._matrix_step(group, lr, j, p, st, flags[k], okfs[0][k], buckets)
-        for (key, shape), items in buckets.items():
-            self._run_bucket(key, shape, items)
+        for bucket, items in buckets.items():
+            self._run_bucket(bucket[0], bucket[1], items)
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
@@ -316,20 +327,58 @@ class EquivariantOptimizer(Optimizer):
             per_param.append(ok64[k] if self._state_dtype(p) == torch.float64 else ok32[k])
         return per_param, list(ok32.unbind(0))
 
+    def _sharding(self, p: torch.Tensor) -> Sharding:
+        found = self._shardings.get(id(p))
+        if found is None:
+            found = self._shardings[id(p)] = describe_sharding(p)
+        return found
+
     def _matrix_step(self, group, lr, j, p, state, ok, okf, buckets) -> None:
-        buf = state["momentum_buffer"]
-        grad = sanitize(p.grad, ok, buf.dtype)
+        """Momentum, decay and the map of one parameter; on a DTensor, of this rank's shard
+        (``p``, its gradient and state are DTensors; their local tensors are stepped)."""
+        buf = local(state["momentum_buffer"])
+        grad = sanitize(local(p.grad), ok, buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
+        sharding = self._sharding(p)
+        p = local(p)
         decay_(p, lr, group["weight_decay"], okf)
         if group["rule"] == "sgd":
             p.add_((direction * (-lr * okf)).to(p.dtype))
             return
         layout = group["layouts"][j]
         key = map_key(group)
-        for w, pw in zip(layout.to_work_list(direction), self._work_views(p, layout)):
-            factor = lr_scale_factor(resolved(group, "lr_scale"), *w.shape[-2:]) if group["rule"] == "spectral" else 1.0
+        how = plan(key, layout, sharding)
+        if how == "gather":
+            self._gathered_step(group, key, layout, sharding, p, direction, okf * (-lr))
+            return
+        rows = None
+        if how == "reduce":
+            rows = ShardRowSum(sharding.group, sharding.shape[0])
+        global_shapes = layout.work_shapes(sharding.shape)
+        for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
+            if rows is None and w.numel() == 0:
+                continue  # an empty shard of a stack of experts: nothing to map, nothing sent
+            factor = lr_scale_factor(resolved(group, "lr_scale"), *gshape[-2:]) if group["rule"] == "spectral" else 1.0
             coef = okf * (-lr * factor)
-            buckets[(key, tuple(w.shape[-2:]))].append((w, pw, coef, group))
+            if rows is None:
+                buckets[(key, tuple(w.shape[-2:]))].append((w, pw, coef, group, None))
+            else:
+                # one bucket per (global shape, shard group): every rank forms the same buckets
+                bucket = (key, tuple(gshape[-2:]), "reduce", id(sharding.group))
+                buckets[bucket].append((w, pw, coef, group, rows))
+
+    def _gathered_step(self, group, key, layout, sharding, p, direction, coef) -> None:
+        """The map of a row-sharded parameter that needs whole work matrices: all-gather the
+        direction, map it whole (same result on every rank), add this rank's rows."""
+        full = gather_rows(direction, sharding)
+        updates = []
+        for w in layout.to_work_list(full):
+            factor = lr_scale_factor(resolved(group, "lr_scale"), *w.shape[-2:]) if group["rule"] == "spectral" else 1.0
+            u = maps.materialize(factored_map(key, group["eta"], w))
+            updates.append(u * factor if factor != 1.0 else u)
+        update = layout.from_work(updates)
+        start, stop = sharding.rows
+        p.add_((update[start:stop] * coef).to(p.dtype))
 
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -344,16 +393,17 @@ class EquivariantOptimizer(Optimizer):
         batch would cost a full copy. Maps built on matrix products run as one batched
         call; the batch is a concatenation only when the bucket holds several tensors.
         """
-        group = items[0][3]
+        group, rows = items[0][3], items[0][4]
         if key[0] == "row" or len(items) == 1:
-            for w, pw, coef, _ in items:
-                add_factored_(pw, factored_map(key, group["eta"], w), coef)
+            for w, pw, coef, _, _ in items:
+                add_factored_(pw, _map(key, group["eta"], w, rows), coef)
             return
-        flat = [w.reshape(-1, *shape) for w, _, _, _ in items]
-        f = factored_map(key, group["eta"], torch.cat(flat))
+        shape = tuple(items[0][0].shape[-2:])
+        flat = [w.reshape(-1, *shape) for w, _, _, _, _ in items]
+        f = _map(key, group["eta"], torch.cat(flat), rows)
         sizes = [x.shape[0] for x in flat]
         parts = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
-        for i, (w, pw, coef, _) in enumerate(items):
+        for i, (w, pw, coef, _, _) in enumerate(items):
             lead = w.shape[:-2]
             piece = maps.Factored(*[None if t[i] is None else t[i].reshape(*lead, *t[i].shape[-2:]) for t in parts])
             add_factored_(pw, piece, coef)
@@ -362,15 +412,15 @@ class EquivariantOptimizer(Optimizer):
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
         buckets: dict[tuple, list] = defaultdict(list)
         for k, (p, st) in enumerate(zip(params, states)):
-            buckets[(p.dtype, p.device, st["exp_avg"].dtype)].append((p, st, flags[k], okfs[k]))
+            buckets[(p.dtype, p.device, st["exp_avg"].dtype)].append((local(p), st, flags[k], okfs[k], local(p.grad)))
         for (_, _, s_dtype), items in buckets.items():
             adamw_(
-                [p for p, _, _, _ in items],
-                [sanitize(p.grad, ok, s_dtype) for p, _, ok, _ in items],
-                [st["exp_avg"] for _, st, _, _ in items],
-                [st["exp_avg_sq"] for _, st, _, _ in items],
-                [st["step"] for _, st, _, _ in items],
-                [okf.to(s_dtype) for _, _, _, okf in items],
+                [p for p, _, _, _, _ in items],
+                [sanitize(g, ok, s_dtype) for _, _, ok, _, g in items],
+                [local(st["exp_avg"]) for _, st, _, _, _ in items],
+                [local(st["exp_avg_sq"]) for _, st, _, _, _ in items],
+                [st["step"] for _, st, _, _, _ in items],
+                [okf.to(s_dtype) for _, _, _, okf, _ in items],
                 lr, group["betas"], group["adam_eps"], group["weight_decay"],
             )
 

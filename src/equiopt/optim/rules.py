@@ -73,17 +73,37 @@ def map_key(group: dict) -> tuple:
     )
 
 
-def factored_map(key: tuple, eta, D: torch.Tensor) -> maps.Factored:
+def factored_map(key: tuple, eta, D: torch.Tensor, rows: maps.RowReducer | None = None) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`) on a batch of work matrices, in
-    factored form (:class:`equiopt.maps.Factored`), in the compute dtype."""
+    factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
+
+    ``rows``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the rows
+    (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`)."""
     rule, order, center, eps, alpha, method, steps, _, polar_dtype = key
     if rule == "spectral":
+        if rows is not None:
+            raise ValueError("the spectral map needs the whole matrix; gather a row-sharded one first")
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
     if rule in ("right", "left"):
-        return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps)
+        return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps, rows=rows)
     if rule == "row":
-        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta)
-    return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta)
+        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, rows=rows)
+    return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
+                                rows=rows)
+
+
+def reducible(key: tuple, rows: int, cols: int) -> bool:
+    """Whether the map of ``key`` on an ``rows x cols`` work matrix split by rows across
+    ranks runs on the shards with a :class:`~equiopt.maps.RowReducer` (sums over rows
+    only): row-norm always; one-sided and hybrid maps when they form the right
+    (``cols x cols``) Gram with a damped inverse square root. Spectral maps, left Grams
+    and the Gram Newton-Schulz polar factor need the whole matrix."""
+    rule, method = key[0], key[5]
+    if rule == "row":
+        return True
+    if rule in ("right", "left", "hybrid"):
+        return method != "gram_newton_schulz" and maps.gram_side(rows, cols) == "right"
+    return False
 
 
 def apply_map(key: tuple, eta, D: torch.Tensor) -> torch.Tensor:
