@@ -17,11 +17,10 @@ from test_train import data_dir, make_cfg, records  # noqa: F401  (data_dir is a
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-# AdamW on every parameter, with the recipe's learning rates and schedules: what is tested
-# here is the harness (sharding, gradient accumulation and clipping, checkpoints). The matrix
-# rules step row-sharded DTensors in the optimizer's own tests; once they do here too, use
-# {"recipe": "paper:olmoe:ii", "overrides": {"*": {"method": "exact"}}} as the DDP test does.
-RECIPE = {"recipe": "paper:olmoe:ii", "overrides": {"*": {"rule": "adamw", "lr": 3e-3}}, "clip_grad_norm": 0.5}
+# The paper's OLMoE recipe (ii): Muon on attention and experts, row-norm on embedding and
+# head, left-spectral routers, AdamW on vectors; exact solvers so that one process and two
+# agree to float rounding.
+RECIPE = {"recipe": "paper:olmoe:ii", "overrides": {"*": {"method": "exact"}}, "clip_grad_norm": 0.5}
 STEPS = 8
 
 
