@@ -318,7 +318,7 @@ class EquivariantOptimizer(Optimizer):
 
     def _matrix_step(self, group, lr, j, p, state, ok, okf, buckets) -> None:
         buf = state["momentum_buffer"]
-        grad = sanitize(p.grad, ok, buf.dtype)
+        grad = sanitize(p.grad, buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
         decay_(p, lr, group["weight_decay"], okf)
         if group["rule"] == "sgd":
@@ -366,7 +366,7 @@ class EquivariantOptimizer(Optimizer):
         for (_, _, s_dtype), items in buckets.items():
             adamw_(
                 [p for p, _, _, _ in items],
-                [sanitize(p.grad, ok, s_dtype) for p, _, ok, _ in items],
+                [sanitize(p.grad, s_dtype) for p, _, _, _ in items],
                 [st["exp_avg"] for _, st, _, _ in items],
                 [st["exp_avg_sq"] for _, st, _, _ in items],
                 [st["step"] for _, st, _, _ in items],
