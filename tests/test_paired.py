@@ -95,3 +95,24 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
     assert "**(chosen)** (at the grid's edge: widen it)" in text  # b's best is the smallest multiplier
     assert str(arms[1].runs[0.25][0]) in text  # every value names the run directory that logged it
     assert (tmp_path / "report" / "sweep.png").exists() and (tmp_path / "report" / "paired.png").exists()
+
+
+def test_cli_compare_with_baseline_writes_a_paired_report(tmp_path, monkeypatch, capsys):
+    from equiopt import cli
+
+    vals = {"a": [5.0, 5.1, 5.2], "b": [4.9, 5.0, 5.3]}
+
+    def fake_run_seed(config, sets, seed, force):
+        arm = Path(config).stem
+        out = tmp_path / "runs" / f"{arm}-s{seed}"
+        write_run(out, f"{arm}-s{seed}", seed, vals[arm][seed], recipe=f"paper:qwen3:{'a-i' if arm == 'a' else 'a-ii'}")
+        return [str(out)]
+
+    monkeypatch.setattr(cli, "_run_seed", fake_run_seed)
+    report = tmp_path / "cmp" / "report.md"
+    cli.main(["compare", "cfg/a.toml", "cfg/b.toml", "--seeds", "3", "--baseline", "cfg/a.toml",
+              "--report", str(report), "--out", str(tmp_path / "plots")])
+    out = capsys.readouterr().out
+    assert "2 of 3" in out and "mean diff in val/loss vs a" in out
+    text = report.read_text()
+    assert "equiopt compare cfg/a.toml" in text and "2 of 3" in text and str(tmp_path / "runs" / "b-s2") in text
