@@ -126,13 +126,13 @@ def test_per_parameter_layouts_and_batching_across_params(monkeypatch):
     from equiopt.optim import engine
 
     calls = []
-    real = engine.apply_map
+    real = engine.factored_map
 
     def spy(key, eta, D):
         calls.append(tuple(D.shape))
         return real(key, eta, D)
 
-    monkeypatch.setattr(engine, "apply_map", spy)
+    monkeypatch.setattr(engine, "factored_map", spy)
     up, down, other = make_params((16, 4), (4, 16), (16, 4), dtype=torch.float32)
     opt = EquivariantOptimizer(
         [{"params": [up, down], "layouts": ["row", Col()], "lr": 0.1}, {"params": [other], "lr": 0.2}],
@@ -283,7 +283,9 @@ def test_nonfinite_gradient_is_skipped_and_counted():
     assert torch.equal(p.detach(), before_p) and torch.equal(opt.state[p]["momentum_buffer"], before_state)
     assert not torch.equal(q.detach(), before_q)
     assert opt.nonfinite_steps == 1 and opt.last_nonfinite == ["a"]
-    assert opt.state_dict()["nonfinite_steps"] == 1
+    fresh = EquivariantOptimizer([{"params": [p, q], "names": ["a", "b"]}], rule="hybrid", lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.nonfinite_steps == 1  # the counters live in per-parameter state
     strict = EquivariantOptimizer([{"params": [p], "names": ["a"]}], rule="row", nonfinite="raise")
     p.grad = torch.full_like(p, float("inf"))
     with pytest.raises(NonFiniteGradientError, match="'a'"):
@@ -310,7 +312,7 @@ def test_eager_state_creates_every_key():
     p, v = make_params((8, 4), (4,))
     opt = EquivariantOptimizer([{"params": [p]}, {"params": [v], "rule": "adamw"}], eager_state=True)
     sd = opt.state_dict()["state"]
-    assert set(sd[0]) == {"momentum_buffer"} and set(sd[1]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(sd[0]) == {"momentum_buffer", "nonfinite"} and set(sd[1]) == {"step", "exp_avg", "exp_avg_sq", "nonfinite"}
 
 
 def test_presets_fix_their_rule():

@@ -216,9 +216,10 @@ def test_build_optimizer_groups_and_horizontal_updates_after_one_step():
         for r in watched:
             update = r.layout.to_work_list(r.param.detach())[0]
             assert update.abs().max() > 0, r.name
-            column_sums = update.sum(dim=-2).abs().max() / update.abs().max()
+            column_sums = update.double().sum(dim=-2).abs().max() / update.abs().max()
             if r.role in ("lm_head", "router"):
-                assert column_sums < 1e-7 * update.shape[-2], r.name  # horizontal: 1^T U = 0 (float32 sums)
+                # horizontal: 1^T U = 0 up to the float32 rounding of an m-term sum
+                assert column_sums < 4 * torch.finfo(torch.float32).eps * update.shape[-2], r.name
             else:
                 assert column_sums > 1e-2, r.name  # the embedding is not centred
         roles = {g["role"]: g for g in opt.param_groups}

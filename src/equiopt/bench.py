@@ -1,9 +1,14 @@
-"""Benchmarks (not tests): ``python -m equiopt.bench [--speed] [--accuracy] [--device cuda]``.
+"""Benchmarks (not tests): ``python -m equiopt.bench [--speed] [--accuracy] [--stack] [--device cuda]``.
 
 (a) Optimizer step time of each rule as a ratio to torch's AdamW on the same parameters
     in the same process (foreach on CPU, fused on CUDA), on parameters shaped like the
     paper's (Qwen3-0.6B-style embedding 151936 x 1024, SwiGLU 3072 x 1024, OLMoE-style
     router 32 x 2048 and expert stacks), divided by ``--shrink`` (default 4 on CPU, 1 on CUDA).
+(c) ``--stack``: each paper recipe's whole optimizer stack on a Qwen3-style model
+    (CPU: vocabulary 32768, hidden 256, 4 layers, untied, 20 M parameters; CUDA: the
+    paper's Qwen3-0.6B), as a ratio to torch's AdamW over all parameters, as a fraction
+    of one forward+backward pass (B x T tokens), and its optimizer state and (CUDA)
+    peak extra memory.
 (b) Accuracy of the right-spectral map and its nuclear-norm estimate ``nu`` against
     float64, for condition numbers 1e1, 1e3, 1e5 and entry scales 1e-4 to 1, for the
     default oracle and for Algorithm 3 as the paper's code runs it (Frobenius
@@ -86,6 +91,70 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -
             print(f"{label:36s} {rule:26s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
 
 
+STACK_RECIPES = ["paper:qwen3:a-i", "paper:qwen3:a-ii", "paper:qwen3:a-iii", "paper:qwen3:b-i", "paper:qwen3:b-ii", "paper:qwen3:b-iii"]
+
+
+def _stack_model(device: torch.device):
+    from . import models
+
+    if device.type == "cuda":
+        return models.build("qwen3", "paper", device=device, seed=0)
+    return models.build("qwen3", "small", vocab_size=32768, hidden_size=256, num_hidden_layers=4,
+                        intermediate_size=768, seed=0, device=device)
+
+
+def _state_mib(opt) -> float:
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)) / 2**20
+
+
+def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, compile_step: bool | None) -> None:
+    from .roles import build_optimizer
+
+    model = _stack_model(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen, device=device)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    fwd_bwd()
+    _sync(device)
+    times = []
+    for _ in range(max(3, repeats // 2)):
+        start = time.perf_counter()
+        fwd_bwd()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    fb = sorted(times)[len(times) // 2]
+    grads = [p.grad.detach().clone() for p in params]
+    fused = device.type == "cuda"
+    adamw = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+    base = _time_steps(adamw, params, grads, device, repeats)
+    base_state = _state_mib(adamw)
+    del adamw
+    print(f"(c) whole optimizer stack, Qwen3-style model, {n / 1e6:.1f} M parameters, device {device}, "
+          f"torch {torch.__version__}; forward+backward B={batch} T={seq}: {1e3 * fb:.1f} ms; "
+          f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB")
+    print(f"{'recipe':20s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}")
+    for recipe in recipes:
+        opt, _ = build_optimizer(model, recipe, eager_state=True)
+        if compile_step is not None:
+            opt.compile = compile_step
+        peak = float("nan")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t = _time_steps(opt, params, grads, device, repeats)
+        if device.type == "cuda":
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        print(f"{recipe:20s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
+        del opt
+
+
 def _tall(m: int, n: int, cond: float, scale: float, gen: torch.Generator) -> torch.Tensor:
     u, _ = torch.linalg.qr(torch.randn(m, n, generator=gen, dtype=torch.float64))
     v, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
@@ -138,8 +207,18 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--tall", default="8192x1024", help="accuracy matrix size MxN (rows >= 8 cols)")
+    parser.add_argument("--stack", action="store_true", help="only the whole-stack table")
+    parser.add_argument("--recipes", default=",".join(STACK_RECIPES), help="comma-separated recipes for --stack")
+    parser.add_argument("--batch", type=int, default=None, help="--stack batch size (default 8)")
+    parser.add_argument("--seq", type=int, default=None, help="--stack sequence length (CPU 256, CUDA 1024)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.stack:
+        seq = args.seq or (1024 if device.type == "cuda" else 256)
+        comp = {"auto": None, "on": True, "off": False}[args.compile]
+        stack(device, args.recipes.split(","), args.repeats or (20 if device.type == "cuda" else 7), args.batch or 8, seq, comp)
+        return
     both = not (args.speed or args.accuracy)
     if args.speed or both:
         shrink = args.shrink or (1 if device.type == "cuda" else 4)

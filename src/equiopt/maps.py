@@ -14,11 +14,18 @@ LM-head row-norm update and Algorithm 2).
 Low-precision inputs (bfloat16, float16) are computed in float32 and returned in their
 own dtype; float32 and float64 inputs are computed in their dtype (the Gram inverse
 square root itself runs in float32 except for ``method="exact"``).
+
+Every map is computed in *factored form* (:class:`Factored`): ``U = s * (L X R) - 1 c``
+with at most one of the row scales ``s``, left factor ``L`` or right factor ``R``, and
+an optional row-shared shift ``c``. :func:`materialize` multiplies it out; the
+optimizer instead folds the learning rate into the small factor and accumulates the
+product straight into the parameter (one GEMM, no full-size update tensor), and the
+centring of the quotient maps costs a vector, not a pass over the matrix.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -37,6 +44,36 @@ def _compute_dtype(D: torch.Tensor) -> torch.dtype:
 def _check(D: torch.Tensor, name: str) -> None:
     if D.ndim < 2:
         raise ValueError(f"{name} expects work matrices of shape (..., m, n), got shape {tuple(D.shape)}")
+
+
+class Factored(NamedTuple):
+    """An update in factored form: ``U = row * (left @ x @ right) - shift``.
+
+    ``x`` has shape ``(..., m, n)``; ``row`` ``(..., m, 1)``, ``left`` ``(..., m, m)``,
+    ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional, and at most one
+    of ``row``, ``left``, ``right`` is set.
+    """
+
+    x: torch.Tensor
+    row: Optional[torch.Tensor] = None
+    left: Optional[torch.Tensor] = None
+    right: Optional[torch.Tensor] = None
+    shift: Optional[torch.Tensor] = None
+
+
+def materialize(f: Factored) -> torch.Tensor:
+    """The update ``U`` a :class:`Factored` stands for, as one tensor."""
+    if f.row is not None:
+        if f.shift is not None:
+            return torch.addcmul(-f.shift, f.x, f.row)
+        return f.x * f.row
+    if f.right is not None:
+        u = f.x @ f.right
+    elif f.left is not None:
+        u = f.left @ f.x
+    else:
+        return f.x if f.shift is None else f.x - f.shift
+    return u if f.shift is None else u.sub_(f.shift)
 
 
 def center(D: torch.Tensor) -> torch.Tensor:
@@ -65,9 +102,35 @@ def eta_scale(norms: torch.Tensor, eta: EtaRule = "inverse", eps: float = 1e-8, 
     raise ValueError(f"unknown row-scaling rule eta={eta!r}; valid: {', '.join(ETA_RULES)} or a callable")
 
 
-def _row_scale(D: torch.Tensor, eta: EtaRule, eps: float) -> torch.Tensor:
-    norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)
-    return D * eta_scale(norms, eta, eps, D.shape[-1])
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """``||x_i:||`` as a column ``(..., m, 1)``.
+
+    Under ``torch.compile`` on a CPU the squared norms go through a matrix-vector product:
+    Inductor's C++ backend (torch 2.13) fails to generate the fused kernel of an in-place
+    momentum update, a row reduction of it and a row-scaled write (``KeyError`` in its
+    outer-loop fusion); the product keeps the reduction out of that fusion.
+    """
+    if x.device.type == "cpu" and _compiling():
+        ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
+        return ((x * x) @ ones).sqrt()
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool) -> Factored:
+    """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
+
+    The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
+    computed as one vector-matrix product instead of a second pass over the matrix.
+    """
+    norms = _row_norms(x)
+    s = eta_scale(norms, eta, eps, x.shape[-1])
+    shift = (s.mT @ x) / x.shape[-2] if centered else None
+    return Factored(x, row=s, shift=shift)
 
 
 def _maybe_center(D: torch.Tensor, flag: bool) -> torch.Tensor:
@@ -82,15 +145,20 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
     Zero rows (tokens never seen, experts never routed) give zero rows.
     """
     _check(D, "row_norm")
+    return materialize(row_norm_factored(D, eps, center, eta)).to(D.dtype)
+
+
+def row_norm_factored(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> Factored:
+    """:func:`row_norm` in factored form, in the compute dtype (float32 or float64)."""
     x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_row_scale(x, eta, eps), center).to(D.dtype)
+    return _row_factors(x, eta, eps, center)
 
 
 GRAM_SIDES = ("auto", "right", "left")
 
 
 def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
-               scale: str = "nu", rows: torch.Tensor | None = None) -> torch.Tensor:
+               scale: str = "nu", rows: torch.Tensor | None = None) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -99,6 +167,10 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     ``gram="auto"`` forms the smaller Gram matrix: a wide SwiGLU expert block or a router
     never pays for an ``n x n`` inverse square root when an ``m x m`` one gives the same
     update. ``"right"``/``"left"`` force a side (the literal Algorithm 1 branches).
+
+    ``nu^alpha`` is folded into the small factor ``R``. With ``centered`` (``x`` already
+    centred) the result is projected by ``Pi`` through its column means, ``mean(x) R``
+    on the right side and ``mean_rows(R) x`` on the left: vectors, not passes.
     ``scale`` picks the factor in front of the damped polar factor, see :func:`_scale`
     (``rows``: the number of rows it counts, per matrix; default all ``m``).
     """
@@ -120,12 +192,13 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
         A = C + (mu / m) * torch.ones_like(C)
     R = inv_sqrt(A, eps, method, steps).to(x.dtype)
-    out = R @ x if left else x @ R
-    if alpha == 0 and scale == "nu":
-        return out
-    nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
-    fro2 = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)
-    return out * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)[..., None, None]
+    if alpha != 0 or scale != "nu":
+        nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
+        fro2 = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)
+        R = R * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)[..., None, None]
+    if left:
+        return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
+    return Factored(x, right=R, shift=x.mean(dim=-2, keepdim=True) @ R if centered else None)
 
 
 def _scale(nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, centered: bool, eps: float,
@@ -159,18 +232,33 @@ def _scale(nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, center
     return rho.clamp(max=1.0).pow(alpha) * (m * n / r) ** 0.5
 
 
-def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool = False,
-                     scale: str = "nu", rows: torch.Tensor | None = None) -> torch.Tensor:
+def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool, scale: str = "nu",
+                     rows: torch.Tensor | None = None) -> Factored:
     """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
     directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
     at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
     out = polar(x, method="gram_newton_schulz", steps=steps, dtype=torch.float32).to(x.dtype)
-    if alpha == 0 and scale == "nu":
-        return out
-    nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
-    fro2 = x.pow(2).sum(dim=(-2, -1))
-    m = x.shape[-2] if rows is None else rows
-    return out * _scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None]
+    if alpha != 0 or scale != "nu":
+        nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
+        fro2 = x.pow(2).sum(dim=(-2, -1))
+        m = x.shape[-2] if rows is None else rows
+        out = out * _scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None]
+    return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
+
+
+def one_sided_factored(
+    D: torch.Tensor,
+    eps: float = 1e-8,
+    alpha: float = 0.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+    gram: str = "auto",
+    scale: str = "nu",
+) -> Factored:
+    """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center)
+    return _one_sided(x, eps, alpha, method, steps, center, gram, scale)
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -195,8 +283,7 @@ def right_spectral(
     ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "right_spectral")
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram, scale), center).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
 
 
 def left_spectral(
@@ -219,8 +306,7 @@ def left_spectral(
     ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "left_spectral")
-    x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram, scale), center).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
 
 
 def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -266,22 +352,38 @@ def hybrid(
     stays left-permutation and right-orthogonal equivariant.
     """
     _check(D, "hybrid")
+    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale)).to(D.dtype)
+
+
+def hybrid_factored(
+    D: torch.Tensor,
+    order: str = "row_then_right",
+    eps: float = 1e-8,
+    alpha: float = 1.0,
+    center: bool = False,
+    method: str = "polar_express",
+    steps: int = 5,
+    eta: EtaRule = "inverse",
+    gram: str = "auto",
+    scale: str = "nu",
+) -> Factored:
+    """:func:`hybrid` in factored form: the first stage is materialised, the second is not."""
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
     x = _maybe_center(D.to(_compute_dtype(D)), center)
     if order == "row_then_right":
-        z = _maybe_center(_row_scale(x, eta, eps), center)
+        z = materialize(_row_factors(x, eta, eps, center))
         rows = None
-        if scale == "rms":
+        if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             sq = z.pow(2).sum(-1)
             rows = (sq.sum(-1).pow(2) / sq.pow(2).sum(-1).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
-        u = _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows)
-    else:
-        z = _maybe_center(_one_sided(x, eps, alpha, method, steps, center, gram, scale), center)
-        u = _row_scale(z, eta, eps)
-        if scale == "rms":
-            u = u * x.shape[-1] ** 0.5
-    return _maybe_center(u, center).to(D.dtype)
+        return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows)
+    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale))
+    f = _row_factors(z, eta, eps, center)
+    if scale == "rms":  # rows of unit RMS
+        k = z.shape[-1] ** 0.5
+        f = f._replace(row=f.row * k, shift=None if f.shift is None else f.shift * k)
+    return f
 
 
-__all__ = ["center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES"]
+__all__ = ["Factored", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES"]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
 # Muon's quintic Newton-Schulz coefficients (K. Jordan et al., "Muon: An optimizer for
 # hidden layers in neural networks", 2024). They are tuned so that the iteration's
 # slope at 0 is large (3.4445) and singular values settle in about [0.7, 1.2] after
@@ -87,6 +89,13 @@ def minimax_quintic(lo: float, hi: float, iters: int = 100) -> tuple[float, floa
     return a, b, c, err
 
 
+def schedule(lo: float, steps: int, hi: float = 1.0, safety: float = 1.0) -> tuple[tuple[float, float, float], ...]:
+    """:func:`greedy_schedule` for use inside a traced step: a compiler calls it once at
+    trace time and bakes the coefficients in as constants (they depend on Python numbers
+    only), instead of tracing the Remez iteration."""
+    return greedy_schedule(lo, steps, hi, safety)
+
+
 @functools.lru_cache(maxsize=None)
 def greedy_schedule(lo: float, steps: int, hi: float = 1.0, safety: float = 1.0) -> tuple[tuple[float, float, float], ...]:
     """The greedy Polar Express schedule for singular values in ``[lo, hi]``.
@@ -120,3 +129,7 @@ def schedule_bounds(lo: float, coeffs, hi: float = 1.0, samples: int = 20001) ->
     for a, b, c in coeffs:
         x = x * (a + x * x * (b + c * x * x))
     return float(x.min()), float(x.max())
+
+
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
+    schedule = torch.compiler.assume_constant_result(schedule)

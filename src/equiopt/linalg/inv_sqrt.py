@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from .coefficients import NEWTON_SCHULZ_CUBIC, greedy_schedule
+from .coefficients import NEWTON_SCHULZ_CUBIC
+from .coefficients import schedule as _schedule
 
 INV_SQRT_METHODS = ("polar_express", "newton_schulz", "exact")
 
@@ -119,7 +120,7 @@ def _coupled_polar_express(a: torch.Tensor, steps: int) -> torch.Tensor:
     a2 = a @ a
     alpha = NORM_SAFETY * torch.linalg.matrix_norm(a2).sqrt()
     alpha = alpha.clamp_min(torch.finfo(a.dtype).tiny)[..., None, None]
-    schedule = greedy_schedule(POLAR_EXPRESS_LOWER, steps + 1, 1.0, SCHEDULE_SAFETY)
+    schedule = _schedule(POLAR_EXPRESS_LOWER, steps + 1, 1.0, SCHEDULE_SAFETY)
     # Stage 1 from Z = I: R = I - Y, R^2 = I - 2Y + Y^2 with Y^2 = A^2 / alpha^2.
     y = a / alpha
     r = eye - y

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .coefficients import MUON_NS_COEFFICIENTS, greedy_schedule
+from .coefficients import MUON_NS_COEFFICIENTS, schedule
 
 POLAR_METHODS = ("polar_express", "newton_schulz", "gram_newton_schulz", "exact")
 
@@ -45,7 +45,7 @@ NORM_FLOOR = 1e-7
 def _coefficients(method: str, steps: int):
     if method == "newton_schulz":
         return (MUON_NS_COEFFICIENTS,) * steps
-    return greedy_schedule(POLAR_LOWER, steps, 1.0, POLAR_SAFETY)
+    return schedule(POLAR_LOWER, steps, 1.0, POLAR_SAFETY)
 
 
 def polar(

@@ -12,7 +12,6 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -20,7 +19,18 @@ import torch
 from torch.optim import Optimizer
 
 from ..layouts import Layout, parse_layout
-from .rules import ELEMENTWISE_RULES, MATRIX_RULES, apply_map, lr_scale_factor, map_key, resolved, validate_group
+from .. import maps
+from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
+from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, lr_scale_factor, map_key, resolved, validate_group
+
+
+def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
+    """The step writes updates through the work views of a parameter, so they must alias it."""
+    if p.device.type == "meta" or not isinstance(p, torch.Tensor) or type(p.data) is not torch.Tensor:
+        return
+    base = p.untyped_storage().data_ptr()
+    if any(v.untyped_storage().data_ptr() != base for v in layout.to_work_list(p.detach(), name=name)):
+        raise ValueError(f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice")
 
 
 class NonFiniteGradientError(FloatingPointError, ValueError):
@@ -54,6 +64,13 @@ class EquivariantOptimizer(Optimizer):
     ``state_dtype`` holds momentum and Adam moments (default: float32 for bfloat16,
     float16 and float32 parameters, float64 for float64 ones); ``eager_state=True`` creates all state at construction so every rank
     and checkpoint sees the same keys from step 0.
+
+    ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
+    so momentum, row scaling, centring and the weight update fuse into few passes):
+    ``True`` (Inductor), a backend name, ``False``, or ``None`` (default: on when every
+    parameter is on a CUDA device). The step has no host reads, so
+    ``torch.compile(optimizer.step)`` works as well; learning rates enter as device
+    tensors, so a schedule does not recompile either way.
     """
 
     def __init__(
@@ -80,11 +97,14 @@ class EquivariantOptimizer(Optimizer):
         scale: str | None = None,
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
+        compile: bool | str | None = None,
     ):
         self.state_dtype = state_dtype
         self.eager_state = eager_state
-        self.nonfinite_steps = 0
-        self.last_nonfinite: list[str] = []
+        self.compile = compile
+        self._compiled_step = None
+        self._lr_cache: dict[int, torch.Tensor] = {}
+        self._last_flags: list = []
         defaults = dict(
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
@@ -130,6 +150,7 @@ class EquivariantOptimizer(Optimizer):
                         f"(2-D or more); give vectors and scalars rule 'adamw' or 'sgd'"
                     )
                 layout.check(tuple(p.shape), names[j])
+                _check_views(p, layout, names[j])
             layouts.append(layout)
         group["layouts"] = layouts
 
@@ -141,11 +162,12 @@ class EquivariantOptimizer(Optimizer):
         dtype = self._state_dtype(p)
         zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)  # noqa: E731
         if group["rule"] == "adamw":
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = zeros()
             state["exp_avg_sq"] = zeros()
         else:
             state["momentum_buffer"] = zeros()
+        state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return state
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
@@ -153,141 +175,205 @@ class EquivariantOptimizer(Optimizer):
             return self.state_dtype
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
+    @property
+    def nonfinite_steps(self) -> int:
+        """Parameter-steps skipped for a NaN/Inf gradient, summed over parameters.
+
+        The counts live on the device, one per parameter (``state[p]["nonfinite"]``, so
+        every checkpoint format keeps them); reading this property reads them back.
+        """
+        counts = [st["nonfinite"] for st in self.state.values() if "nonfinite" in st]
+        return int(torch.stack([c.detach().cpu() for c in counts]).sum()) if counts else 0
+
+    @property
+    def last_nonfinite(self) -> list[str]:
+        """Names of the parameters skipped by the last step (reads the flags back)."""
+        names = []
+        for group_names, flags in self._last_flags:
+            names.extend(n for n, ok in zip(group_names, flags.cpu().tolist()) if not ok)
+        return names
+
     def state_dict(self) -> dict:
         """torch's state dict, with layouts as spec strings so ``torch.load(weights_only=True)`` reads it."""
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["layouts"] = [layout.spec for layout in group["layouts"]]
-        sd["nonfinite_steps"] = self.nonfinite_steps
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         sd = dict(state_dict)
-        self.nonfinite_steps = int(sd.pop("nonfinite_steps", 0))
+        sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
         saved = sd["state"]
         super().load_state_dict(sd)
         for group in self.param_groups:
             group["layouts"] = [parse_layout(spec) for spec in group["layouts"]]
         # torch casts floating state to each parameter's dtype; keep the saved dtypes
-        # (float32 moments of bfloat16 parameters) so a round trip is exact.
+        # (float32 moments of bfloat16 parameters) so a round trip is exact, and keep
+        # the counters on the parameter's device so the step never mixes devices.
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             for key, value in saved.get(i, {}).items():
-                if torch.is_tensor(value) and value.is_floating_point() and key != "step":
+                if torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, dtype=value.dtype, copy=True)
+            if self.state[p] and "nonfinite" not in self.state[p]:
+                self.state[p]["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
+        """One optimizer step. No tensor is read back to the host (``nonfinite="raise"``
+        excepted), so the step neither stalls an accelerator nor breaks a compiled graph.
+
+        Learning rates enter the update as device tensors (refreshed from the param
+        groups each step), so a schedule changes no compiled graph: under
+        ``torch.compile(optimizer.step)`` and with ``compile=True`` the step compiles a
+        bounded number of times, however many parameters and steps there are.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_nonfinite = []
-        buckets: dict[tuple, list] = defaultdict(list)
-        jobs = []
-        for group in self.param_groups:
-            live = self._finite_params(group)
-            if not live:
-                continue
-            if group["rule"] == "adamw":
-                self._adamw(group, live)
-                continue
-            for p, layout in live:
-                direction = self._momentum_direction(p, group)
-                if group["rule"] == "sgd":
-                    self._apply(p, group, direction, 1.0)
-                    continue
-                work = layout.to_work_list(direction)
-                job = (p, group, layout, [None] * len(work))
-                jobs.append(job)
-                key = map_key(group)
-                for k, w in enumerate(work):
-                    buckets[(key, tuple(w.shape[-2:]))].append((w, job, k))
-        for (key, shape), items in buckets.items():
-            self._run_bucket(key, shape, items)
-        for p, group, layout, out in jobs:
-            self._apply(p, group, layout.from_work_list(out), 1.0)
+        lrs = self._lr_tensors()
+        backend = self._resolve_compile()
+        if backend:
+            if self._compiled_step is None:
+                self._compiled_step = torch.compile(self._step_impl, backend=backend, fullgraph=True, dynamic=False)
+            self._compiled_step(lrs)
+        else:
+            self._step_impl(lrs)
         return loss
 
-    def _finite_params(self, group: dict) -> list[tuple[torch.Tensor, Layout]]:
-        live = [(p, layout, name) for p, layout, name in zip(group["params"], group["layouts"], group["names"]) if p.grad is not None]
-        if not live:
-            return []
-        for p, _, name in live:
-            if p.grad.is_sparse:
-                raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
-        # One reduction per gradient and one host sync per group: a NaN or Inf anywhere
-        # makes the sum non-finite (a finite gradient overflows it only beyond ~1e38).
-        flags = torch.stack([p.grad.sum().isfinite() for p, _, _ in live]).tolist()
-        bad = [name for (_, _, name), ok in zip(live, flags) if not ok]
-        if bad:
+    def _resolve_compile(self) -> str | None:
+        """The ``torch.compile`` backend of the step, or None for eager."""
+        setting = self.compile
+        if setting is None:
+            setting = all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+        if isinstance(setting, str):
+            return setting
+        return "inductor" if setting else None
+
+    @torch._dynamo.disable
+    def _lr_tensors(self) -> list[torch.Tensor]:
+        """Each group's learning rate as a 0-d tensor on its parameters' device (float64
+        where the device has it, so float64 runs keep their precision)."""
+        out = []
+        for index, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if torch.is_tensor(lr):
+                out.append(lr)
+                continue
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            cached = self._lr_cache.get(index)
+            if cached is None or cached.device != device:
+                cached = self._lr_cache[index] = torch.empty((), dtype=dtype, device=device)
+            cached.fill_(lr)
+            out.append(cached)
+        return out
+
+    @torch.no_grad()
+    def _step_impl(self, lrs: list[torch.Tensor]) -> None:
+        self._last_flags = []
+        buckets: dict[tuple, list] = defaultdict(list)
+        for group, lr in zip(self.param_groups, lrs):
+            live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
+            if not live:
+                continue
+            params = [group["params"][j] for j in live]
+            names = [group["names"][j] for j in live]
+            for p, name in zip(params, names):
+                if p.grad.is_sparse:
+                    raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
+            flags = finite_flags([p.grad for p in params])
             if group["nonfinite"] == "raise":
-                raise NonFiniteGradientError(f"non-finite gradient in {', '.join(repr(b) for b in bad)}")
-            self.nonfinite_steps += len(bad)
-            self.last_nonfinite.extend(bad)
-        return [(p, layout) for (p, layout, _), ok in zip(live, flags) if ok]
-
-    def _momentum_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        state = self._init_state(p, group)
-        buf = state["momentum_buffer"]
-        grad = p.grad.to(buf.dtype)
-        beta = group["beta"]
-        buf.lerp_(grad, 1.0 - beta)
-        if resolved(group, "nesterov"):
-            return grad.lerp(buf, beta)
-        return buf
-
-    def _run_bucket(self, key: tuple, shape: tuple[int, int], items: list) -> None:
-        group = items[0][1][1]
-        flat = [w.reshape(-1, *shape) for w, _, _ in items]
-        batch = flat[0] if len(flat) == 1 else torch.cat(flat)
-        result = apply_map(key, group["eta"], batch)
-        sizes = [f.shape[0] for f in flat]
-        for (w, (p, grp, layout, out), k), piece in zip(items, torch.split(result, sizes)):
-            factor = lr_scale_factor(resolved(grp, "lr_scale"), *shape) if grp["rule"] == "spectral" else 1.0
-            piece = piece.reshape(w.shape)
-            out[k] = piece if factor == 1.0 else piece * factor
+                self._raise_nonfinite(flags, names)
+            self._last_flags.append((names, flags))
+            states = [self._init_state(p, group) for p in params]
+            okfs = self._ok_floats(flags, states, group)
+            torch._foreach_add_([st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0))
+            if group["rule"] == "adamw":
+                self._adamw(group, lr, params, states, flags, okfs[0])
+                continue
+            for k, (j, p, st) in enumerate(zip(live, params, states)):
+                self._matrix_step(group, lr, j, p, st, flags[k], okfs[0][k], buckets)
+        for (key, shape), items in buckets.items():
+            self._run_bucket(key, shape, items)
 
     @staticmethod
-    def _apply(p: torch.Tensor, group: dict, update: torch.Tensor, scale: float) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd:
-            p.mul_(1.0 - lr * wd)
-        p.add_(update.to(p.dtype), alpha=-lr * scale)
+    def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
+        """``nonfinite="raise"``: the one policy that reads back (one host sync per group)."""
+        bad = [name for name, ok in zip(names, flags.cpu().tolist()) if not ok]
+        if bad:
+            raise NonFiniteGradientError(f"non-finite gradient in {', '.join(repr(b) for b in bad)}")
 
-    def _adamw(self, group: dict, live: list) -> None:
+    def _ok_floats(self, flags: torch.Tensor, states: list[dict], group: dict):
+        """Per parameter, its finite flag as a 0-d tensor in its state dtype (for step
+        sizes) and in float32 (for the counters)."""
+        ok32 = flags.to(torch.float32)
+        ok64 = flags.to(torch.float64) if any(self._state_dtype(p) == torch.float64 for p in group["params"]) else None
+        per_param = []
+        for k, p in enumerate(p for p in group["params"] if p.grad is not None):
+            per_param.append(ok64[k] if self._state_dtype(p) == torch.float64 else ok32[k])
+        return per_param, list(ok32.unbind(0))
+
+    def _matrix_step(self, group, lr, j, p, state, ok, okf, buckets) -> None:
+        buf = state["momentum_buffer"]
+        grad = sanitize(p.grad, ok, buf.dtype)
+        direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
+        decay_(p, lr, group["weight_decay"], okf)
+        if group["rule"] == "sgd":
+            p.add_((direction * (-lr * okf)).to(p.dtype))
+            return
+        layout = group["layouts"][j]
+        key = map_key(group)
+        for w, pw in zip(layout.to_work_list(direction), self._work_views(p, layout)):
+            factor = lr_scale_factor(resolved(group, "lr_scale"), *w.shape[-2:]) if group["rule"] == "spectral" else 1.0
+            coef = okf * (-lr * factor)
+            buckets[(key, tuple(w.shape[-2:]))].append((w, pw, coef, group))
+
+    @staticmethod
+    def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+        """The parameter's work matrices as views: the update is added to them in place
+        (every layout only reshapes, transposes and slices; checked when the group is built)."""
+        return layout.to_work_list(p.detach())
+
+    def _run_bucket(self, key: tuple, shape: tuple[int, int], items: list) -> None:
+        """Map every work matrix of one (map settings, shape) bucket and add it to its weights.
+
+        Row-wise maps (``row``) run per matrix: they gain nothing from batching and a
+        batch would cost a full copy. Maps built on matrix products run as one batched
+        call; the batch is a concatenation only when the bucket holds several tensors.
+        """
+        group = items[0][3]
+        if key[0] == "row" or len(items) == 1:
+            for w, pw, coef, _ in items:
+                add_factored_(pw, factored_map(key, group["eta"], w), coef)
+            return
+        flat = [w.reshape(-1, *shape) for w, _, _, _ in items]
+        f = factored_map(key, group["eta"], torch.cat(flat))
+        sizes = [x.shape[0] for x in flat]
+        parts = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
+        for i, (w, pw, coef, _) in enumerate(items):
+            lead = w.shape[:-2]
+            piece = maps.Factored(*[None if t[i] is None else t[i].reshape(*lead, *t[i].shape[-2:]) for t in parts])
+            add_factored_(pw, piece, coef)
+
+    def _adamw(self, group: dict, lr, params: list, states: list, flags: torch.Tensor, okfs: list) -> None:
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
-        b1, b2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["adam_eps"]
         buckets: dict[tuple, list] = defaultdict(list)
-        for p, _ in live:
-            state = self._init_state(p, group)
-            state["step"] += 1
-            buckets[(p.dtype, p.device, state["exp_avg"].dtype)].append((p, state))
-        for (p_dtype, _, s_dtype), items in buckets.items():
-            params = [p for p, _ in items]
-            grads = [p.grad if p.grad.dtype == s_dtype else p.grad.to(s_dtype) for p in params]
-            m = [st["exp_avg"] for _, st in items]
-            v = [st["exp_avg_sq"] for _, st in items]
-            steps = [float(st["step"]) for _, st in items]
-            torch._foreach_lerp_(m, grads, 1.0 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, [math.sqrt(1.0 - b2**k) for k in steps])
-            torch._foreach_add_(denom, eps)
-            step_sizes = [-lr / (1.0 - b1**k) for k in steps]
-            if wd:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            if p_dtype == s_dtype:
-                torch._foreach_addcdiv_(params, m, denom, step_sizes)
-            else:
-                updates = torch._foreach_div(m, denom)
-                torch._foreach_mul_(updates, step_sizes)
-                for p, u in zip(params, updates):
-                    p.add_(u.to(p_dtype))
+        for k, (p, st) in enumerate(zip(params, states)):
+            buckets[(p.dtype, p.device, st["exp_avg"].dtype)].append((p, st, flags[k], okfs[k]))
+        for (_, _, s_dtype), items in buckets.items():
+            adamw_(
+                [p for p, _, _, _ in items],
+                [sanitize(p.grad, ok, s_dtype) for p, _, ok, _ in items],
+                [st["exp_avg"] for _, st, _, _ in items],
+                [st["exp_avg_sq"] for _, st, _, _ in items],
+                [st["step"] for _, st, _, _ in items],
+                [okf.to(s_dtype) for _, _, _, okf in items],
+                lr, group["betas"], group["adam_eps"], group["weight_decay"],
+            )
 
 
 __all__ = ["EquivariantOptimizer", "NonFiniteGradientError", "ELEMENTWISE_RULES", "MATRIX_RULES"]

@@ -74,19 +74,24 @@ def map_key(group: dict) -> tuple:
     )
 
 
-def apply_map(key: tuple, eta, D: torch.Tensor) -> torch.Tensor:
-    """Apply the map identified by ``key`` (see :func:`map_key`) to a batch of work matrices."""
+def factored_map(key: tuple, eta, D: torch.Tensor) -> maps.Factored:
+    """The map identified by ``key`` (see :func:`map_key`) on a batch of work matrices, in
+    factored form (:class:`equiopt.maps.Factored`), in the compute dtype."""
     rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale = key
     if rule == "spectral":
-        return maps.spectral(D, method=method, steps=steps, dtype=polar_dtype)
-    if rule == "right":
-        return maps.right_spectral(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps, scale=scale)
-    if rule == "left":
-        return maps.left_spectral(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps, scale=scale)
+        return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
+    if rule in ("right", "left"):
+        return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
+                                       scale=scale)
     if rule == "row":
-        return maps.row_norm(D, eps=eps, center=center, eta=eta)
-    return maps.hybrid(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
-                       scale=scale)
+        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta)
+    return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
+                                scale=scale)
+
+
+def apply_map(key: tuple, eta, D: torch.Tensor) -> torch.Tensor:
+    """The map identified by ``key`` on a batch of work matrices, as one tensor of ``D``'s dtype."""
+    return maps.materialize(factored_map(key, eta, D)).to(D.dtype)
 
 
 def validate_group(group: dict, where: str) -> None:

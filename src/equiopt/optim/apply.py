@@ -1,0 +1,123 @@
+"""Applying updates to parameters without host reads (the optimizer's last stage).
+
+Every function here takes the per-parameter *finite flag* ``ok`` (a 0-d tensor, 1 where
+the gradient was finite, 0 where it was not) and folds it into the step size, so a
+parameter whose gradient had a NaN or Inf keeps its weights and state bit for bit while
+no Python branch ever looks at a tensor value.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..maps import Factored, materialize
+
+INF_NORM = float("inf")
+
+
+def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1-D bool tensor: is each gradient free of NaN and Inf? (one max-abs reduction each;
+    unlike a sum, the max cannot overflow, so only a genuine NaN/Inf clears a flag)."""
+    return torch.stack([n.float() for n in torch._foreach_norm(list(grads), INF_NORM)]).isfinite()
+
+
+def sanitize(grad: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad`` in ``dtype`` where ``ok``, zeros where not (so ``0 * NaN`` never happens)."""
+    return torch.where(ok, grad, 0).to(dtype)
+
+
+def momentum_(buf: torch.Tensor, grad: torch.Tensor, okf: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:
+    """EMA momentum ``M <- beta M + (1 - beta) G`` in place (a no-op where ``okf`` is 0);
+    returns the direction ``D``: ``M``, or ``beta M + (1 - beta) G`` with Nesterov."""
+    buf.lerp_(grad, okf * (1.0 - beta))
+    if nesterov:
+        return grad.lerp(buf, beta)
+    return buf
+
+
+def decay_(p: torch.Tensor, lr, weight_decay: float, okf: torch.Tensor) -> None:
+    """Decoupled weight decay ``W <- (1 - lr wd) W`` (multiplies by exactly 1 where skipped)."""
+    if weight_decay:
+        p.mul_(1.0 - (lr * weight_decay) * okf)
+
+
+def _gemm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``out += a @ b`` in place for 2-D or 3-D operands; False if the shapes don't allow it."""
+    if out.ndim == 2 and a.ndim == 2 and b.ndim == 2:
+        out.addmm_(a, b)
+        return True
+    if out.ndim == 3 and a.ndim == 3 and b.ndim == 3:
+        out.baddbmm_(a, b)
+        return True
+    return False
+
+
+def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
+    """``pw += coef * U`` for the update ``U`` that ``f`` stands for, in place.
+
+    ``pw`` is a work view of the parameter (writing to it writes the parameter). The
+    scalar ``coef`` (``-lr * shape factor * ok``) is folded into the small factor, so a
+    one-sided or hybrid update is a single accumulating GEMM into the weights and a
+    row-norm update a single ``addcmul``; no full-size update tensor is formed.
+    """
+    if pw.dtype != f.x.dtype:
+        # Low-precision weights: form the update in the compute dtype, round once.
+        pw.add_((materialize(f) * coef).to(pw.dtype))
+        return
+    if f.row is not None:
+        pw.addcmul_(f.x, f.row * coef)
+    elif f.right is not None:
+        if not _gemm_(pw, f.x, f.right * coef):
+            pw.add_(f.x @ (f.right * coef))
+    elif f.left is not None:
+        if not _gemm_(pw, f.left * coef, f.x):
+            pw.add_((f.left * coef) @ f.x)
+    else:
+        pw.addcmul_(f.x, coef)
+    if f.shift is not None:
+        pw.addcmul_(f.shift, coef, value=-1.0)
+
+
+def adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    okfs: list[torch.Tensor],
+    lr,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW with bias correction and decoupled decay on tensor-valued step counters.
+
+    ``grads`` are already sanitised and in the moments' dtype. A skipped parameter keeps
+    its step count and moments (its lerp weights are 0) and its weights: its step size
+    is 0, folded in as a division of the denominator by it (``m / inf = 0``).
+    """
+    b1, b2 = betas
+    torch._foreach_add_(steps, okfs)
+    for m, g, w in zip(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1)):
+        m.lerp_(g, w)
+    torch._foreach_mul_(exp_avg_sqs, torch._foreach_add(torch._foreach_mul(okfs, -(1.0 - b2)), 1.0))
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - b2)
+    counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]
+    bc1 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b1, counts)), 1.0)
+    bc2 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b2, counts)), 1.0)
+    # step size -lr * ok / bc1, and sqrt(v) / sqrt(bc2) + eps divided by it
+    neg_steps = torch._foreach_div(torch._foreach_mul(okfs, -lr), bc1)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, torch._foreach_sqrt(bc2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(denom, neg_steps)
+    if weight_decay:
+        torch._foreach_mul_(params, torch._foreach_add(torch._foreach_mul(okfs, -lr * weight_decay), 1.0))
+    same = [p.dtype == m.dtype for p, m in zip(params, exp_avgs)]
+    if all(same):
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        return
+    for p, m, d in zip(params, exp_avgs, denom):
+        p.add_((m / d).to(p.dtype))
