@@ -34,6 +34,7 @@ from .linalg import inv_sqrt, polar
 EtaRule = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 ETA_RULES = ("inverse", "normalize", "rms")
 HYBRID_ORDERS = ("row_then_right", "right_then_row", "left_then_row")
+SCALES = ("nu", "rms")
 
 
 def _compute_dtype(D: torch.Tensor) -> torch.dtype:
@@ -156,7 +157,8 @@ def row_norm_factored(D: torch.Tensor, eps: float = 1e-8, center: bool = False, 
 GRAM_SIDES = ("auto", "right", "left")
 
 
-def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str) -> Factored:
+def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
+               scale: str = "nu", rows: torch.Tensor | None = None) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -169,11 +171,15 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     ``nu^alpha`` is folded into the small factor ``R``. With ``centered`` (``x`` already
     centred) the result is projected by ``Pi`` through its column means, ``mean(x) R``
     on the right side and ``mean_rows(R) x`` on the left: vectors, not passes.
+    ``scale`` picks the factor in front of the damped polar factor, see :func:`_scale`
+    (``rows``: the number of rows it counts, per matrix; default all ``m``).
     """
     if gram not in GRAM_SIDES:
         raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
     if method == "gram_newton_schulz":
-        return _one_sided_polar(x, eps, alpha, steps, centered)
+        return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows)
     m, n = x.shape[-2], x.shape[-1]
     left = gram == "left" or (gram == "auto" and m < n)
     C = x @ x.mT if left else x.mT @ x
@@ -186,22 +192,57 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
         A = C + (mu / m) * torch.ones_like(C)
     R = inv_sqrt(A, eps, method, steps).to(x.dtype)
-    if alpha != 0:
+    if alpha != 0 or scale != "nu":
         nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
-        R = R * nu.pow(alpha)[..., None, None]
+        fro2 = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)
+        R = R * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)[..., None, None]
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
     return Factored(x, right=R, shift=x.mean(dim=-2, keepdim=True) @ R if centered else None)
 
 
-def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool) -> Factored:
+def _scale(nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, centered: bool, eps: float,
+           scale: str) -> torch.Tensor:
+    """The factor multiplying the damped polar factor ``P = D (D^T D + eps I)^(-1/2)``.
+
+    ``"nu"`` (the paper's Algorithms 1-2): ``nu^alpha``. ``nu`` estimates the nuclear norm
+    of ``D``, so the step grows with the scale of ``D`` and with its shape: for the
+    hybrid's row-normalised ``Z`` (unit rows, ``m >= n``, well conditioned) ``nu = sqrt(m n)``
+    and every row of ``nu P`` has norm ``n``, so the best learning rate moves with the width.
+
+    ``"rms"`` (scale-transferable): ``rho^alpha sqrt(m n / r)`` with ``r = min(m, n)``
+    (``min(m - 1, n)`` when centred: the rank bound) and ``rho = nu / (sqrt(r) ||D||_F)``,
+    the normalised nu: ``nu`` divided by the value it takes for a well-conditioned matrix of
+    the same shape and Frobenius norm. Since ``||P||_F^2 <= rank(D) <= r`` and
+    ``nu <= sqrt(rank) ||D||_F``, the update's RMS ``||U||_F / sqrt(m n)`` is at most 1, and
+    equals 1 (up to the damping) exactly when ``D`` has ``r`` equal singular values, for
+    every width, vocabulary and scale of ``D``: the learning rate is the update RMS of a
+    well-conditioned step, as for AdamW. ``rho`` in ``(0, 1]`` keeps the role of
+    ``nu^alpha``: steps along low-rank or ill-conditioned directions are shortened. ``nu``,
+    ``||D||_F^2 = tr C`` and the shape are invariant under ``D -> Q1 D Q2`` for orthogonal
+    (hence permutation) ``Q1``, ``Q2``, so the map keeps every equivariance the paper's has.
+    """
+    if scale == "nu":
+        return nu.pow(alpha)
+    if isinstance(m, torch.Tensor):  # a per-matrix (soft) count of rows, see hybrid
+        r = torch.minimum(m, torch.full_like(m, float(n))).clamp_min(1.0)
+    else:
+        r = max(1, min(m - 1 if centered else m, n))
+    rho = nu / (r**0.5 * fro2.clamp_min(0).sqrt().clamp_min(eps))
+    return rho.clamp(max=1.0).pow(alpha) * (m * n / r) ** 0.5
+
+
+def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool, scale: str = "nu",
+                     rows: torch.Tensor | None = None) -> Factored:
     """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
     directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
     at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
     out = polar(x, method="gram_newton_schulz", steps=steps, dtype=torch.float32).to(x.dtype)
-    if alpha != 0:
+    if alpha != 0 or scale != "nu":
         nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
-        out = out * nu.pow(alpha)[..., None, None]
+        fro2 = x.pow(2).sum(dim=(-2, -1))
+        m = x.shape[-2] if rows is None else rows
+        out = out * _scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None]
     return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
 
 
@@ -213,10 +254,11 @@ def one_sided_factored(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
+    scale: str = "nu",
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form."""
     x = _maybe_center(D.to(_compute_dtype(D)), center)
-    return _one_sided(x, eps, alpha, method, steps, center, gram)
+    return _one_sided(x, eps, alpha, method, steps, center, gram, scale)
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -230,6 +272,7 @@ def right_spectral(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
+    scale: str = "nu",
 ) -> torch.Tensor:
     """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
 
@@ -237,9 +280,10 @@ def right_spectral(
     ``center=True`` the input is centred and the result projected: the LM-head form
     ``Pi D_c (D_c^T D_c + eps I)^(-1/2)``. ``gram`` picks the Gram matrix that is
     inverted (default: the smaller; the result is the same, see :func:`_one_sided`).
+    ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "right_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
 
 
 def left_spectral(
@@ -250,6 +294,7 @@ def left_spectral(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
+    scale: str = "nu",
 ) -> torch.Tensor:
     """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
 
@@ -258,9 +303,10 @@ def left_spectral(
     final projection removes what rounding leaves along ``1`` (amplified by
     ``eps^(-1/2)`` there, since ``1`` spans the Gram's null space). It is the same
     function of ``D`` as :func:`right_spectral`; ``gram`` picks the side computed.
+    ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "left_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
 
 
 def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -282,6 +328,7 @@ def hybrid(
     steps: int = 5,
     eta: EtaRule = "inverse",
     gram: str = "auto",
+    scale: str = "nu",
 ) -> torch.Tensor:
     """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
 
@@ -292,9 +339,20 @@ def hybrid(
     the identity otherwise. ``"right_then_row"`` and ``"left_then_row"`` differ only in the
     Gram matrix the literal algorithm forms (the maps agree); ``gram`` chooses it, and by
     default the smaller one is used.
+
+    ``scale="rms"`` (scale-transferable, see :func:`_scale`): in ``"row_then_right"`` the
+    one-sided stage uses ``rho^alpha sqrt(k n / r)``, ``r = min(k, n)``, instead of
+    ``nu^alpha``, where ``k = (sum_i s_i)^2 / sum_i s_i^2`` with ``s_i = ||Z_i:||^2`` counts
+    the rows the row-norm stage left nonzero (``k = m`` when every row has the same norm;
+    the number of tokens seen, not the vocabulary, for an embedding's sparse gradient); in
+    the two ``*_then_row`` orders, whose last stage fixes every row's norm to about 1
+    whatever the first stage's scale, the result is multiplied by ``sqrt(n)``. Either way
+    the nonzero rows of a step along a well-conditioned direction have RMS about 1, for
+    every width and vocabulary. ``k`` is a symmetric function of the row norms, so the map
+    stays left-permutation and right-orthogonal equivariant.
     """
     _check(D, "hybrid")
-    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram)).to(D.dtype)
+    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale)).to(D.dtype)
 
 
 def hybrid_factored(
@@ -307,6 +365,7 @@ def hybrid_factored(
     steps: int = 5,
     eta: EtaRule = "inverse",
     gram: str = "auto",
+    scale: str = "nu",
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not."""
     if order not in HYBRID_ORDERS:
@@ -314,9 +373,17 @@ def hybrid_factored(
     x = _maybe_center(D.to(_compute_dtype(D)), center)
     if order == "row_then_right":
         z = materialize(_row_factors(x, eta, eps, center))
-        return _one_sided(z, eps, alpha, method, steps, center, gram)
-    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram))
-    return _row_factors(z, eta, eps, center)
+        rows = None
+        if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
+            sq = z.pow(2).sum(-1)
+            rows = (sq.sum(-1).pow(2) / sq.pow(2).sum(-1).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
+        return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows)
+    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale))
+    f = _row_factors(z, eta, eps, center)
+    if scale == "rms":  # rows of unit RMS
+        k = z.shape[-1] ** 0.5
+        f = f._replace(row=f.row * k, shift=None if f.shift is None else f.shift * k)
+    return f
 
 
-__all__ = ["Factored", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]
+__all__ = ["Factored", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES"]

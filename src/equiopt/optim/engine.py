@@ -94,6 +94,7 @@ class EquivariantOptimizer(Optimizer):
         lr_scale: str | None = None,
         polar_dtype: torch.dtype | None = None,
         nonfinite: str = "skip",
+        scale: str | None = None,
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
         compile: bool | str | None = None,
@@ -108,7 +109,7 @@ class EquivariantOptimizer(Optimizer):
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
             eta=eta, betas=tuple(betas), adam_eps=adam_eps, lr_scale=lr_scale, polar_dtype=polar_dtype,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, scale=scale,
         )
         super().__init__(params, defaults)
 
