@@ -26,6 +26,9 @@ def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     flags = []
     for g in grads:
+        if g.numel() == 0:  # an empty shard (uneven sharding) has nothing to check
+            flags.append(torch.ones((), dtype=torch.bool, device=g.device))
+            continue
         lo, hi = torch.aminmax(g)
         flags.append((0.5 * lo.float() + 0.5 * hi.float()).isfinite())
     return torch.stack(flags)
