@@ -128,3 +128,19 @@ def test_readme_prepares_the_data_every_config_reads():
         assert f"--out {data_dir(scale, 'qwen3')}" in readme
     needed = {load_config(p).data.ood_val for p in CONFIGS.rglob("*.toml")} - {""}
     assert all(f"--out {d}" in readme for d in needed)
+
+
+def test_downsized_scales_use_the_transferable_embedding_update_and_paper_scale_stays_the_papers():
+    from equiopt.train.experiments import DOWNSIZED
+
+    changed = 0
+    for e in experiments():
+        paper = from_dict(run_config(e, "paper")).optim
+        assert paper.overrides == (e.optim_overrides or {})  # the paper's settings exactly
+        for scale in ("gpu", "cpu"):
+            small = from_dict(run_config(e, scale)).optim
+            extra = {r: v for r, v in small.overrides.items() if v != (e.optim_overrides or {}).get(r)}
+            for role, change in extra.items():
+                assert role in DOWNSIZED and all(small.overrides[role][k] == v for k, v in change.items() if k in DOWNSIZED[role])
+            changed += bool(extra)
+    assert changed >= 2 * 8  # qwen3 and gemma3 (ii) configs at both downsized scales

@@ -87,6 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--seeds", type=int, default=1, help="run each config with seeds 0..N-1")
     cmp.add_argument("--force", action="store_true", help="retrain runs that are already done")
     cmp.add_argument("--out", default=None, help="directory for the figures")
+    cmp.add_argument("--baseline", default=None, metavar="NAME",
+                     help="run name (or config path) of the baseline: adds paired per-seed differences with mean, "
+                          "95%% Student-t CI and sign counts")
+    cmp.add_argument("--metric", default="val/loss", help="logged key compared (default %(default)s)")
+    cmp.add_argument("--sweep-lr", default=None, metavar="M1,M2,...",
+                     help="tune each config's lrs on this grid of multipliers (resumable; seeds paired), then "
+                          "compare best against best (needs --baseline)")
+    cmp.add_argument("--sweep-roles", default=None, metavar="ROLE,...",
+                     help="roles whose lr the sweep multiplies (default: all)")
+    cmp.add_argument("--report", default=None, metavar="PATH.md", help="write a markdown report (and figures) here")
     sub.add_parser("plot", help="draw the paper's figures from run directories: equiopt plot RUN... [--out DIR]",
                    add_help=False)
     sub.add_parser("table", help="final validation losses of run directories, mean and std over seeds",
@@ -117,17 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "train":
         _run_configs([args.config], _parse_sets(args.set), resume=args.resume)
     elif args.command == "compare":
-        from .train.compare_table import compare_table
-        from .train.plots import plot_runs
-
-        sets = _parse_sets(args.set)
-        out_dirs = []
-        for config in args.configs:
-            for seed in range(args.seeds):
-                out_dirs += _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
-        print(compare_table(out_dirs))
-        for path in plot_runs(out_dirs, args.out or str(Path(out_dirs[0]).parent / "plots")):
-            print(path)
+        return _compare(args, argv)
     elif args.command == "plot":
         from .train.plots import main_plot
 
@@ -150,6 +150,78 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_main(rest)
     return 0
+
+
+def _compare(args, argv) -> int:
+    """``equiopt compare``: train (or reuse) the runs, print the table, paired differences and figures."""
+    from .train.compare_table import compare_rows, compare_table
+    from .train.paired import paired_rows, paired_table, sweep, sweep_report
+    from .train.plots import plot_runs
+
+    sets = _parse_sets(args.set)
+    command = "equiopt " + " ".join(sys.argv[1:] if argv is None else argv)
+    seeds = list(range(args.seeds))
+    if args.sweep_lr:
+        if not args.baseline:
+            raise SystemExit("equiopt compare --sweep-lr: name the baseline with --baseline")
+        mults = [float(m) for m in args.sweep_lr.split(",") if m.strip()]
+        roles = [r.strip() for r in args.sweep_roles.split(",")] if args.sweep_roles else None
+        try:
+            arms = sweep(args.configs, mults, seeds, roles=roles, sets=sets, force=args.force)
+            baseline = _baseline_label(args.baseline, args.configs, arms)
+            print(sweep_report(arms, baseline, args.metric, out=args.report, command=command))
+        except ValueError as err:
+            raise SystemExit(f"equiopt compare: {err}") from None
+        if args.report:
+            print(f"report: {args.report}")
+        return 0
+    out_dirs = []
+    for config in args.configs:
+        for seed in seeds:
+            out_dirs += _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
+    table = compare_table(out_dirs, metric=args.metric)
+    text = [table]
+    if args.baseline:
+        rows = compare_rows(out_dirs, metric=args.metric)
+        labels = {}
+        for config, row_label in zip(args.configs, _labels_by_config(args.configs, rows, out_dirs, args.seeds)):
+            labels[config] = row_label
+        baseline = labels.get(args.baseline, args.baseline)
+        try:
+            text += ["", paired_table(paired_rows(rows, baseline, metric=args.metric))]
+        except ValueError as err:
+            raise SystemExit(f"equiopt compare: {err}") from None
+    print("\n".join(text))
+    figures = plot_runs(out_dirs, args.out or str(Path(out_dirs[0]).parent / "plots"))
+    for path in figures:
+        print(path)
+    if args.report:
+        report = Path(args.report)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        runs = "\n".join(f"- `{d}`" for d in out_dirs)
+        figs = "\n".join(f"![{Path(p).stem}]({Path(p).resolve()})" for p in figures)
+        report.write_text(f"# Comparison\n\nCommand:\n\n```bash\n{command}\n```\n\n" + "\n".join(text)
+                          + f"\n\nRuns (each value is the last record of the metric in its `log.jsonl`):\n\n{runs}\n\n"
+                          + figs + "\n")
+        print(f"report: {report}")
+    return 0
+
+
+def _labels_by_config(configs, rows, out_dirs, n_seeds) -> list[str]:
+    """The compare-table label of each config's runs (configs run in order, ``n_seeds`` each)."""
+    out = []
+    for i, _ in enumerate(configs):
+        first = str(Path(out_dirs[i * max(1, n_seeds)]))
+        match = [r.label for r in rows if first in r.paths]
+        out.append(match[0] if match else "")
+    return out
+
+
+def _baseline_label(baseline: str, configs, arms) -> str:
+    for config, arm in zip(configs, arms):
+        if baseline == config:
+            return arm.label
+    return baseline
 
 
 def _run_seed(config: str, sets: dict, seed: int | None, force: bool) -> list[str]:

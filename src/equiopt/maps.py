@@ -34,6 +34,7 @@ from .linalg import inv_sqrt, polar
 EtaRule = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 ETA_RULES = ("inverse", "normalize", "rms")
 HYBRID_ORDERS = ("row_then_right", "right_then_row", "left_then_row")
+SCALES = ("nu", "rms")
 
 
 def _compute_dtype(D: torch.Tensor) -> torch.dtype:
@@ -51,10 +52,10 @@ class RowReducer(Protocol):
     When a work matrix is split by rows across ranks (FSDP2's ``Shard(0)`` of a
     vocabulary, SwiGLU or expert matrix), every reduction the maps take over rows (the
     column means of the centring, the centred-row shift ``s^T x / m``, the right Gram
-    ``x^T x`` and the shift ``mean(x) R``) is a partial sum on each shard.
-    ``sum(t)`` completes it (an all-reduce over the shard group; it may work in place
-    on ``t``, which is always a fresh tensor) and ``count`` is the global row count.
-    With ``rows=None`` the maps take the whole matrix as given (one process).
+    ``x^T x``, the shift ``mean(x) R`` and the soft row count of the ``"rms"`` scale)
+    is a partial sum on each shard. ``sum(t)`` completes it (an all-reduce over the
+    shard group; it may work in place on ``t``, always a fresh tensor) and ``count`` is
+    the global row count. With ``reducer=None`` the maps take the matrix as whole.
     """
 
     count: int
@@ -62,11 +63,17 @@ class RowReducer(Protocol):
     def sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
-def _col_mean(x: torch.Tensor, rows: Optional[RowReducer]) -> torch.Tensor:
-    """Column means over the rows, ``(..., 1, n)``: local, or completed by ``rows``."""
-    if rows is None:
+def _col_mean(x: torch.Tensor, reducer: Optional[RowReducer]) -> torch.Tensor:
+    """Column means over the rows, ``(..., 1, n)``: local, or completed by ``reducer``."""
+    if reducer is None:
         return x.mean(dim=-2, keepdim=True)
-    return rows.sum(x.sum(dim=-2, keepdim=True)) / rows.count
+    return reducer.sum(x.sum(dim=-2, keepdim=True)) / reducer.count
+
+
+def _row_sum(t: torch.Tensor, reducer: Optional[RowReducer]) -> torch.Tensor:
+    """``t.sum(-1)`` of per-row values ``t`` (``(..., m)``), completed by ``reducer``."""
+    s = t.sum(-1)
+    return s if reducer is None else reducer.sum(s)
 
 
 class Factored(NamedTuple):
@@ -144,7 +151,7 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
-def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, rows: Optional[RowReducer] = None) -> Factored:
+def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, reducer: Optional[RowReducer] = None) -> Factored:
     """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
 
     The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
@@ -154,12 +161,12 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, rows
     s = eta_scale(norms, eta, eps, x.shape[-1])
     shift = None
     if centered:
-        shift = (s.mT @ x) / x.shape[-2] if rows is None else rows.sum(s.mT @ x) / rows.count
+        shift = (s.mT @ x) / x.shape[-2] if reducer is None else reducer.sum(s.mT @ x) / reducer.count
     return Factored(x, row=s, shift=shift)
 
 
-def _maybe_center(D: torch.Tensor, flag: bool, rows: Optional[RowReducer] = None) -> torch.Tensor:
-    return D - _col_mean(D, rows) if flag else D
+def _maybe_center(D: torch.Tensor, flag: bool, reducer: Optional[RowReducer] = None) -> torch.Tensor:
+    return D - _col_mean(D, reducer) if flag else D
 
 
 def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> torch.Tensor:
@@ -174,13 +181,14 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
 
 
 def row_norm_factored(
-    D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse", rows: Optional[RowReducer] = None
+    D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse",
+    reducer: Optional[RowReducer] = None,
 ) -> Factored:
     """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
 
-    ``rows``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole)."""
-    x = _maybe_center(D.to(_compute_dtype(D)), center, rows)
-    return _row_factors(x, eta, eps, center, rows)
+    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole)."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer)
+    return _row_factors(x, eta, eps, center, reducer)
 
 
 GRAM_SIDES = ("auto", "right", "left")
@@ -193,10 +201,8 @@ def gram_side(m: int, n: int, gram: str = "auto") -> str:
     return "left" if gram == "left" or (gram == "auto" and m < n) else "right"
 
 
-def _one_sided(
-    x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
-    rows: Optional[RowReducer] = None,
-) -> Factored:
+def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
+               scale: str = "nu", rows: torch.Tensor | None = None, reducer: Optional[RowReducer] = None) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -209,22 +215,26 @@ def _one_sided(
     ``nu^alpha`` is folded into the small factor ``R``. With ``centered`` (``x`` already
     centred) the result is projected by ``Pi`` through its column means, ``mean(x) R``
     on the right side and ``mean_rows(R) x`` on the left: vectors, not passes.
+    ``scale`` picks the factor in front of the damped polar factor, see :func:`_scale`
+    (``rows``: the number of rows it counts, per matrix; default all ``m``).
 
-    With ``rows`` (a row-sharded ``x``) only the right side can be formed from shards:
-    the partial Grams are summed by ``rows``, ``R`` is computed from the reduced Gram
-    and ``x R`` stays local.
+    With ``reducer`` (a row-sharded ``x``) only the right side can be formed from shards:
+    the partial Grams are summed by ``reducer``, ``R`` is computed from the reduced Gram
+    on every rank and ``x R`` stays local.
     """
-    m = x.shape[-2] if rows is None else rows.count
-    left = gram_side(m, x.shape[-1], gram) == "left"
-    if rows is not None and (left or method == "gram_newton_schulz"):
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+    m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
+    left = gram_side(m, n, gram) == "left"
+    if reducer is not None and (left or method == "gram_newton_schulz"):
         raise ValueError("a row-sharded work matrix takes only the right Gram with a damped inverse square root; "
                          "gather it to one rank for the left Gram or the Gram Newton-Schulz polar factor")
     if method == "gram_newton_schulz":
-        return _one_sided_polar(x, eps, alpha, steps, centered)
+        return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows)
     if left:
         C = x @ x.mT
     else:
-        C = x.mT @ x if rows is None else rows.sum(x.mT @ x)
+        C = x.mT @ x if reducer is None else reducer.sum(x.mT @ x)
     A = C
     if left and centered:
         # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
@@ -234,22 +244,57 @@ def _one_sided(
         mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
         A = C + (mu / m) * torch.ones_like(C)
     R = inv_sqrt(A, eps, method, steps).to(x.dtype)
-    if alpha != 0:
+    if alpha != 0 or scale != "nu":
         nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
-        R = R * nu.pow(alpha)[..., None, None]
+        fro2 = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)
+        R = R * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)[..., None, None]
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
-    return Factored(x, right=R, shift=_col_mean(x, rows) @ R if centered else None)
+    return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None)
 
 
-def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool) -> Factored:
+def _scale(nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, centered: bool, eps: float,
+           scale: str) -> torch.Tensor:
+    """The factor multiplying the damped polar factor ``P = D (D^T D + eps I)^(-1/2)``.
+
+    ``"nu"`` (the paper's Algorithms 1-2): ``nu^alpha``. ``nu`` estimates the nuclear norm
+    of ``D``, so the step grows with the scale of ``D`` and with its shape: for the
+    hybrid's row-normalised ``Z`` (unit rows, ``m >= n``, well conditioned) ``nu = sqrt(m n)``
+    and every row of ``nu P`` has norm ``n``, so the best learning rate moves with the width.
+
+    ``"rms"`` (scale-transferable): ``rho^alpha sqrt(m n / r)`` with ``r = min(m, n)``
+    (``min(m - 1, n)`` when centred: the rank bound) and ``rho = nu / (sqrt(r) ||D||_F)``,
+    the normalised nu: ``nu`` divided by the value it takes for a well-conditioned matrix of
+    the same shape and Frobenius norm. Since ``||P||_F^2 <= rank(D) <= r`` and
+    ``nu <= sqrt(rank) ||D||_F``, the update's RMS ``||U||_F / sqrt(m n)`` is at most 1, and
+    equals 1 (up to the damping) exactly when ``D`` has ``r`` equal singular values, for
+    every width, vocabulary and scale of ``D``: the learning rate is the update RMS of a
+    well-conditioned step, as for AdamW. ``rho`` in ``(0, 1]`` keeps the role of
+    ``nu^alpha``: steps along low-rank or ill-conditioned directions are shortened. ``nu``,
+    ``||D||_F^2 = tr C`` and the shape are invariant under ``D -> Q1 D Q2`` for orthogonal
+    (hence permutation) ``Q1``, ``Q2``, so the map keeps every equivariance the paper's has.
+    """
+    if scale == "nu":
+        return nu.pow(alpha)
+    if isinstance(m, torch.Tensor):  # a per-matrix (soft) count of rows, see hybrid
+        r = torch.minimum(m, torch.full_like(m, float(n))).clamp_min(1.0)
+    else:
+        r = max(1, min(m - 1 if centered else m, n))
+    rho = nu / (r**0.5 * fro2.clamp_min(0).sqrt().clamp_min(eps))
+    return rho.clamp(max=1.0).pow(alpha) * (m * n / r) ** 0.5
+
+
+def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool, scale: str = "nu",
+                     rows: torch.Tensor | None = None) -> Factored:
     """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
     directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
     at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
     out = polar(x, method="gram_newton_schulz", steps=steps, dtype=torch.float32).to(x.dtype)
-    if alpha != 0:
+    if alpha != 0 or scale != "nu":
         nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
-        out = out * nu.pow(alpha)[..., None, None]
+        fro2 = x.pow(2).sum(dim=(-2, -1))
+        m = x.shape[-2] if rows is None else rows
+        out = out * _scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None]
     return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
 
 
@@ -261,13 +306,14 @@ def one_sided_factored(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
-    rows: Optional[RowReducer] = None,
+    scale: str = "nu",
+    reducer: Optional[RowReducer] = None,
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
-    ``rows``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
-    x = _maybe_center(D.to(_compute_dtype(D)), center, rows)
-    return _one_sided(x, eps, alpha, method, steps, center, gram, rows)
+    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer)
+    return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer)
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -281,6 +327,7 @@ def right_spectral(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
+    scale: str = "nu",
 ) -> torch.Tensor:
     """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
 
@@ -288,9 +335,10 @@ def right_spectral(
     ``center=True`` the input is centred and the result projected: the LM-head form
     ``Pi D_c (D_c^T D_c + eps I)^(-1/2)``. ``gram`` picks the Gram matrix that is
     inverted (default: the smaller; the result is the same, see :func:`_one_sided`).
+    ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "right_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
 
 
 def left_spectral(
@@ -301,6 +349,7 @@ def left_spectral(
     method: str = "polar_express",
     steps: int = 5,
     gram: str = "auto",
+    scale: str = "nu",
 ) -> torch.Tensor:
     """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
 
@@ -309,9 +358,10 @@ def left_spectral(
     final projection removes what rounding leaves along ``1`` (amplified by
     ``eps^(-1/2)`` there, since ``1`` spans the Gram's null space). It is the same
     function of ``D`` as :func:`right_spectral`; ``gram`` picks the side computed.
+    ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "left_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
 
 
 def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -333,6 +383,7 @@ def hybrid(
     steps: int = 5,
     eta: EtaRule = "inverse",
     gram: str = "auto",
+    scale: str = "nu",
 ) -> torch.Tensor:
     """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
 
@@ -343,9 +394,20 @@ def hybrid(
     the identity otherwise. ``"right_then_row"`` and ``"left_then_row"`` differ only in the
     Gram matrix the literal algorithm forms (the maps agree); ``gram`` chooses it, and by
     default the smaller one is used.
+
+    ``scale="rms"`` (scale-transferable, see :func:`_scale`): in ``"row_then_right"`` the
+    one-sided stage uses ``rho^alpha sqrt(k n / r)``, ``r = min(k, n)``, instead of
+    ``nu^alpha``, where ``k = (sum_i s_i)^2 / sum_i s_i^2`` with ``s_i = ||Z_i:||^2`` counts
+    the rows the row-norm stage left nonzero (``k = m`` when every row has the same norm;
+    the number of tokens seen, not the vocabulary, for an embedding's sparse gradient); in
+    the two ``*_then_row`` orders, whose last stage fixes every row's norm to about 1
+    whatever the first stage's scale, the result is multiplied by ``sqrt(n)``. Either way
+    the nonzero rows of a step along a well-conditioned direction have RMS about 1, for
+    every width and vocabulary. ``k`` is a symmetric function of the row norms, so the map
+    stays left-permutation and right-orthogonal equivariant.
     """
     _check(D, "hybrid")
-    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram)).to(D.dtype)
+    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale)).to(D.dtype)
 
 
 def hybrid_factored(
@@ -358,19 +420,28 @@ def hybrid_factored(
     steps: int = 5,
     eta: EtaRule = "inverse",
     gram: str = "auto",
-    rows: Optional[RowReducer] = None,
+    scale: str = "nu",
+    reducer: Optional[RowReducer] = None,
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
-    ``rows``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
+    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
-    x = _maybe_center(D.to(_compute_dtype(D)), center, rows)
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer)
     if order == "row_then_right":
-        z = materialize(_row_factors(x, eta, eps, center, rows))
-        return _one_sided(z, eps, alpha, method, steps, center, gram, rows)
-    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, rows))
-    return _row_factors(z, eta, eps, center, rows)
+        z = materialize(_row_factors(x, eta, eps, center, reducer))
+        rows = None
+        if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
+            sq = z.pow(2).sum(-1)
+            rows = (_row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
+        return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer)
+    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer))
+    f = _row_factors(z, eta, eps, center, reducer)
+    if scale == "rms":  # rows of unit RMS
+        k = z.shape[-1] ** 0.5
+        f = f._replace(row=f.row * k, shift=None if f.shift is None else f.shift * k)
+    return f
 
 
-__all__ = ["Factored", "RowReducer", "gram_side", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS"]
+__all__ = ["Factored", "RowReducer", "gram_side", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES"]

@@ -86,9 +86,13 @@ def polar(
     if method == "gram_newton_schulz":
         x = _gram_iterate(x, coeffs, restart_every)
     else:
+        lead = x.shape[:-2]
+        x = x.reshape(-1, *x.shape[-2:])
         for a, b, c in coeffs:
+            # x <- a x + (b G + c G^2) x with G = x x^T, as two fused multiply-adds
             g = x @ x.mT
-            x = a * x + (b * g + c * (g @ g)) @ x
+            x = torch.baddbmm(x, torch.baddbmm(g, g, g, beta=b, alpha=c), x, beta=a)
+        x = x.reshape(*lead, *x.shape[-2:])
     return (x.mT if tall else x).to(out_dtype)
 
 

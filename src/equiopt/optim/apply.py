@@ -26,7 +26,7 @@ def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     flags = []
     for g in grads:
-        if g.numel() == 0:  # an empty shard: nothing to check
+        if g.numel() == 0:  # an empty shard (uneven sharding) has nothing to check
             flags.append(torch.ones((), dtype=torch.bool, device=g.device))
             continue
         lo, hi = torch.aminmax(g)
@@ -34,11 +34,14 @@ def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(flags)
 
 
-def sanitize(grad: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``grad`` in ``dtype``, zeroed in place where not ``ok`` (so ``0 * NaN`` never
-    happens downstream): a skipped parameter's ``.grad`` is left at zero."""
-    grad.masked_fill_(~ok, 0)
-    return grad.to(dtype)
+def sanitize(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad`` in ``dtype`` with its NaN and Inf entries set to 0 in place.
+
+    The skip itself is the 0 step weight of a non-finite parameter; this only keeps
+    ``0 * NaN`` out of the arithmetic (a finite gradient is left as it is; a skipped
+    parameter's ``.grad`` keeps its finite entries and zeros where it had NaN/Inf).
+    """
+    return torch.nan_to_num_(grad, nan=0.0, posinf=0.0, neginf=0.0).to(dtype)
 
 
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, okf: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:
@@ -115,8 +118,8 @@ def adamw_(
     torch._foreach_add_(steps, okfs)
     for m, g, w in zip(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1)):
         m.lerp_(g, w)
-    torch._foreach_mul_(exp_avg_sqs, torch._foreach_add(torch._foreach_mul(okfs, -(1.0 - b2)), 1.0))
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - b2)
+    for v, g, w in zip(exp_avg_sqs, grads, torch._foreach_mul(okfs, 1.0 - b2)):
+        v.lerp_(g * g, w)
     counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]
     bc1 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b1, counts)), 1.0)
     bc2 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b2, counts)), 1.0)

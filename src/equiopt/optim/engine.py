@@ -101,6 +101,7 @@ class EquivariantOptimizer(Optimizer):
         lr_scale: str | None = None,
         polar_dtype: torch.dtype | None = None,
         nonfinite: str = "skip",
+        scale: str | None = None,
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
         compile: bool | str | None = None,
@@ -116,7 +117,7 @@ class EquivariantOptimizer(Optimizer):
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
             eta=eta, betas=tuple(betas), adam_eps=adam_eps, lr_scale=lr_scale, polar_dtype=polar_dtype,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, scale=scale,
         )
         super().__init__(params, defaults)
 
@@ -337,7 +338,7 @@ class EquivariantOptimizer(Optimizer):
         """Momentum, decay and the map of one parameter; on a DTensor, of this rank's shard
         (``p``, its gradient and state are DTensors; their local tensors are stepped)."""
         buf = local(state["momentum_buffer"])
-        grad = sanitize(local(p.grad), ok, buf.dtype)
+        grad = sanitize(local(p.grad), buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
         sharding = self._sharding(p)
         p = local(p)
@@ -416,7 +417,7 @@ class EquivariantOptimizer(Optimizer):
         for (_, _, s_dtype), items in buckets.items():
             adamw_(
                 [p for p, _, _, _, _ in items],
-                [sanitize(g, ok, s_dtype) for _, _, ok, _, g in items],
+                [sanitize(g, s_dtype) for _, _, _, _, g in items],
                 [local(st["exp_avg"]) for _, st, _, _, _ in items],
                 [local(st["exp_avg_sq"]) for _, st, _, _, _ in items],
                 [st["step"] for _, st, _, _, _ in items],

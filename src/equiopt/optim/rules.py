@@ -22,13 +22,13 @@ NONFINITE_POLICIES = ("skip", "raise")
 
 # Defaults that depend on the rule; a group that leaves a key at None gets these.
 RULE_DEFAULTS = {
-    "spectral": {"nesterov": True, "lr_scale": "spectral", "alpha": 0.0},
-    "right": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "left": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "row": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "hybrid": {"nesterov": False, "lr_scale": "none", "alpha": 1.0},
-    "adamw": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "sgd": {"nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "spectral": {"scale": "nu", "nesterov": True, "lr_scale": "spectral", "alpha": 0.0},
+    "right": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "left": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "row": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "hybrid": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 1.0},
+    "adamw": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
+    "sgd": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
 }
 
 
@@ -70,26 +70,28 @@ def map_key(group: dict) -> tuple:
         int(group["steps"]),
         eta_key,
         group.get("polar_dtype"),
+        resolved(group, "scale"),
     )
 
 
-def factored_map(key: tuple, eta, D: torch.Tensor, rows: maps.RowReducer | None = None) -> maps.Factored:
+def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`) on a batch of work matrices, in
     factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
 
-    ``rows``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the rows
-    (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`)."""
-    rule, order, center, eps, alpha, method, steps, _, polar_dtype = key
+    ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
+    rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`)."""
+    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale = key
     if rule == "spectral":
-        if rows is not None:
+        if reducer is not None:
             raise ValueError("the spectral map needs the whole matrix; gather a row-sharded one first")
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
     if rule in ("right", "left"):
-        return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps, rows=rows)
+        return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
+                                       scale=scale, reducer=reducer)
     if rule == "row":
-        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, rows=rows)
+        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer)
     return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
-                                rows=rows)
+                                scale=scale, reducer=reducer)
 
 
 def reducible(key: tuple, rows: int, cols: int) -> bool:
@@ -126,6 +128,8 @@ def validate_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: unknown eta {group['eta']!r}; valid: {', '.join(maps.ETA_RULES)} or a callable")
     if resolved(group, "lr_scale") not in LR_SCALES:
         raise ValueError(f"{where}: unknown lr_scale {group['lr_scale']!r}; valid: {', '.join(LR_SCALES)}")
+    if resolved(group, "scale") not in maps.SCALES:
+        raise ValueError(f"{where}: unknown scale {group['scale']!r}; valid: {', '.join(maps.SCALES)}")
     if group["nonfinite"] not in NONFINITE_POLICIES:
         raise ValueError(f"{where}: unknown nonfinite policy {group['nonfinite']!r}; valid: {', '.join(NONFINITE_POLICIES)}")
     checks = [

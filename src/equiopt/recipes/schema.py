@@ -18,6 +18,7 @@ from typing import Any
 
 from ..linalg import POLAR_METHODS
 from ..maps import ETA_RULES, HYBRID_ORDERS, ONE_SIDED_METHODS
+from ..maps import SCALES as MAP_SCALES
 
 __all__ = [
     "ROLES",
@@ -28,6 +29,7 @@ __all__ = [
     "RULE_METHODS",
     "ETAS",
     "LR_SCALES",
+    "SCALES",
     "SCHEDULE_KINDS",
     "FIELDS",
     "ENGINE_KEYS",
@@ -89,6 +91,11 @@ ETAS: tuple[str, ...] = tuple(ETA_RULES)
 #: shape factor.
 LR_SCALES: tuple[str, ...] = ("none", "spectral", "match_adamw")
 
+#: Update-size conventions of the one-sided and hybrid rules (:data:`equiopt.maps.SCALES`):
+#: ``nu`` (the paper's ``nu^alpha``) and ``rms`` (scale-transferable: a well-conditioned
+#: step has RMS 1 at every width and vocabulary, so the lr is the update RMS).
+SCALES: tuple[str, ...] = tuple(MAP_SCALES)
+
 #: Learning-rate schedule kinds, see :mod:`equiopt.recipes.schedules`.
 SCHEDULE_KINDS: tuple[str, ...] = ("warmup_cosine", "stable_decay", "constant")
 
@@ -106,12 +113,12 @@ _SPECTRAL_SOLVER = ("method", "steps")
 #: ``schedule`` are accepted by all).
 RULE_FIELDS: dict[str, tuple[str, ...]] = {
     "spectral": _COMMON + _MATRIX_COMMON + ("lr_scale",) + _SPECTRAL_SOLVER,
-    "right": _COMMON + _MATRIX_COMMON + ("center", "alpha", "eps") + _SPECTRAL_SOLVER,
-    "left": _COMMON + _MATRIX_COMMON + ("center", "alpha", "eps") + _SPECTRAL_SOLVER,
+    "right": _COMMON + _MATRIX_COMMON + ("center", "alpha", "eps", "scale") + _SPECTRAL_SOLVER,
+    "left": _COMMON + _MATRIX_COMMON + ("center", "alpha", "eps", "scale") + _SPECTRAL_SOLVER,
     "row": _COMMON + _MATRIX_COMMON + ("center", "eps", "eta"),
     "hybrid": _COMMON
     + _MATRIX_COMMON
-    + ("center", "alpha", "eps", "order", "eta")
+    + ("center", "alpha", "eps", "order", "eta", "scale")
     + _SPECTRAL_SOLVER,
     "adamw": _COMMON + ("betas", "adam_eps"),
     "sgd": _COMMON + ("beta", "nesterov"),
@@ -181,15 +188,17 @@ RULE_DEFAULTS: dict[str, dict[str, Any]] = {
     "right": {
         **{k: v for k, v in _MATRIX_DEFAULTS.items() if k != "eta"},
         "alpha": 0.0,
+        "scale": "nu",
     },
     "left": {
         **{k: v for k, v in _MATRIX_DEFAULTS.items() if k != "eta"},
         "alpha": 0.0,
+        "scale": "nu",
     },
     "row": {
         k: v for k, v in _MATRIX_DEFAULTS.items() if k not in ("method", "steps")
     },
-    "hybrid": {**_MATRIX_DEFAULTS, "alpha": 1.0, "order": "row_then_right"},
+    "hybrid": {**_MATRIX_DEFAULTS, "alpha": 1.0, "order": "row_then_right", "scale": "nu"},
     "adamw": {"weight_decay": 0.0, "betas": (0.9, 0.95), "adam_eps": 1e-8},
     "sgd": {"weight_decay": 0.0, "beta": 0.0, "nesterov": False},
 }
@@ -356,6 +365,7 @@ _CHECKS = {
     "order": _choice(ORDERS),
     "eta": _choice(ETAS),
     "lr_scale": _choice(LR_SCALES),
+    "scale": _choice(SCALES),
     "betas": _betas,
     "adam_eps": _positive,
     "polar_dtype": _dtype,

@@ -38,6 +38,8 @@ def build_optimizer(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     rules: Any = None,
     eager_state: bool = False,
+    compile: bool | str | None = None,
+    state_dtype: torch.dtype | None = None,
     **role_options: Any,
 ) -> tuple[EquivariantOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """``(optimizer, scheduler)`` for ``model`` from a recipe (name, TOML path or Recipe).
@@ -51,12 +53,14 @@ def build_optimizer(
     are passed to it); ``overrides`` replace recipe fields per role (``"*"`` for all).
     Without ``total_steps`` the scheduler holds every group's base lr (after AdamW
     warm-up); with it, the recipe's schedules run to 0 at ``total_steps``.
+    ``eager_state``, ``compile`` and ``state_dtype`` are the optimizer's own options
+    (see :class:`~equiopt.optim.EquivariantOptimizer`).
     """
     rec = get_recipe(recipe)
     if overrides:
         rec = rec.with_overrides(overrides)
     table = assign_roles(model, rules=rules, **role_options)
-    optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state)
+    optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state, compile=compile, state_dtype=state_dtype)
     optimizer.role_table = table
     optimizer.recipe = rec
     return optimizer, build_scheduler(optimizer, total_steps)

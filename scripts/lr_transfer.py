@@ -1,0 +1,249 @@
+"""Learning-rate transfer of the embedding's HybridPolarGradM across width and vocabulary.
+
+Small Qwen3-style models (2 layers, widths and vocabularies given on the command line)
+train on the poetry corpus tokenised with a byte-level BPE of each vocabulary size
+(``equiopt data``, see configs/README.md). Every run uses the recipe
+``paper:qwen3:a-ii`` (Muon on attention and MLPs, HybridPolarGradM row-norm/right-spectral
+with alpha = 1 on the embedding) with one change that keeps the embedding alone under
+test: the LM head uses the paper's (a)(iii) head settings (AdamW, lr 1e-3), and the
+AdamW warm-up is shortened to fit the short runs. For each size, the embedding's lr is
+swept on a grid for two update sizes: ``nu`` (the paper's nu^alpha) and ``rms`` (the
+scale-transferable option ``scale = "rms"``). The final validation loss of every run is
+written to ``results.csv``; ``summary.json`` has the best lr per size and how far it moves.
+
+Resumable: a run whose row is already in ``results.csv`` is skipped. One run at a time,
+one thread.
+
+    PYTHONPATH=src python3 scripts/lr_transfer.py --out results/lr_transfer
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FIELDS = ["vocab", "width", "scale", "lr", "seed", "steps", "val_loss", "train_loss", "emb_weight_rms",
+          "emb_update_rms", "status", "seconds"]
+
+
+def model_overrides(vocab: int, width: int) -> dict:
+    heads = 4
+    return {"vocab_size": vocab, "hidden_size": width, "intermediate_size": 3 * width, "num_hidden_layers": 2,
+            "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": width // heads}
+
+
+def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -> dict:
+    name = f"v{vocab}-d{width}-{scale}-lr{lr:g}-s{seed}"
+    return {
+        "run": {"name": name, "out_dir": str(Path(args.runs) / name), "seed": seed, "device": "cpu"},
+        "model": {"family": "qwen3", "size": "tiny", "overrides": model_overrides(vocab, width)},
+        "data": {"train": args.data.format(vocab=vocab), "seq_len": args.seq_len, "batch_size": args.batch_size},
+        "optim": {
+            "recipe": "paper:qwen3:a-ii",
+            "overrides": {
+                "embedding": {"lr": lr, "scale": scale},
+                "lm_head": {"rule": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0},
+                "vector": {"schedule": {"kind": "warmup_cosine", "warmup_steps": max(1, args.steps // 10)}},
+            },
+        },
+        "train": {"steps": args.steps, "log_every": args.steps, "val_every": args.steps,
+                  "val_batches": args.val_batches, "checkpoint_every": 0, "tensorboard": False},
+    }
+
+
+def last_train_metrics(out_dir: Path) -> dict:
+    found = {}
+    path = out_dir / "log.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "train":
+                found = rec
+    return found
+
+
+def one_run(args, vocab, width, scale, lr, seed) -> dict:
+    from equiopt.train.config import from_dict
+    from equiopt.train.loop import NonFiniteLossError, train
+
+    cfg = from_dict(run_config(args, vocab, width, scale, lr, seed), source="lr_transfer")
+    start = time.time()
+    try:
+        result = train(cfg, progress=False)
+        status, val = result["status"], result.get("val/loss", float("nan"))
+    except NonFiniteLossError:
+        status, val = "nonfinite", float("nan")
+    tr = last_train_metrics(cfg.out_path)
+    return {"vocab": vocab, "width": width, "scale": scale, "lr": lr, "seed": seed, "steps": args.steps,
+            "val_loss": val, "train_loss": tr.get("loss", float("nan")),
+            "emb_weight_rms": tr.get("weight_rms/embedding", float("nan")),
+            "emb_update_rms": tr.get("update_rms/embedding", float("nan")), "status": status,
+            "seconds": round(time.time() - start, 1)}
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def key(row) -> tuple:
+    return (int(row["vocab"]), int(row["width"]), row["scale"], float(f"{float(row['lr']):.6g}"), int(row["seed"]),
+            int(row["steps"]))
+
+
+def _vertex(lrs: list[float], means: list[float], i: int) -> float | None:
+    """The minimum of the parabola through the grid's best point and its two neighbours, in log2(lr)."""
+    if i == 0 or i == len(lrs) - 1 or not all(math.isfinite(m) for m in means[i - 1:i + 2]):
+        return None
+    import numpy as np
+
+    a, b, _ = np.polyfit([math.log2(v) for v in lrs[i - 1:i + 2]], means[i - 1:i + 2], 2)
+    return float(2 ** (-b / (2 * a))) if a > 0 else None
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Best lr per (scale, size) by mean final validation loss over seeds (non-finite = +inf),
+    on the grid and as the vertex of a parabola in log2(lr) through the best point and its
+    neighbours; and how far each moves across sizes (max / min)."""
+    table: dict = {}
+    for r in rows:
+        v = float(r["val_loss"])
+        v = v if math.isfinite(v) else math.inf
+        table.setdefault(r["scale"], {}).setdefault((int(r["vocab"]), int(r["width"])), {}).setdefault(
+            float(r["lr"]), []).append(v)
+    out = {}
+    for scale, sizes in table.items():
+        best = {}
+        for (vocab, width), by_lr in sorted(sizes.items()):
+            grid = sorted(by_lr)
+            means = [sum(by_lr[lr]) / len(by_lr[lr]) for lr in grid]
+            i = min(range(len(grid)), key=lambda j: means[j])
+            best[f"v{vocab}-d{width}"] = {
+                "vocab": vocab, "width": width, "seeds": min(len(v) for v in by_lr.values()),
+                "best_lr": grid[i], "best_val_loss": means[i], "at_grid_edge": i in (0, len(grid) - 1),
+                "fit_lr": _vertex(grid, means, i), "mean_val_loss_by_lr": dict(zip(map(str, grid), means))}
+        lrs = [b["best_lr"] for b in best.values()]
+        fits = [b["fit_lr"] for b in best.values() if b["fit_lr"] is not None]
+        out[scale] = {"best": best, "best_lr_ratio_max_over_min": max(lrs) / min(lrs),
+                      "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None}
+    return out
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr | best mean val loss |",
+             "|---|---|---|---|---|---|---|"]
+    for scale in ("nu", "rms"):
+        if scale not in summary:
+            continue
+        for b in summary[scale]["best"].values():
+            fit = f"{b['fit_lr']:.3g}" if b["fit_lr"] is not None else "-"
+            edge = " (grid edge)" if b["at_grid_edge"] else ""
+            lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | "
+                         f"{b['best_val_loss']:.4f} |")
+    lines.append("")
+    for scale in ("nu", "rms"):
+        if scale in summary:
+            s = summary[scale]
+            fit = s["fit_lr_ratio_max_over_min"]
+            lines.append(f"- `{scale}`: best lr max/min across sizes = {s['best_lr_ratio_max_over_min']:.3g} on the grid"
+                         + (f", {fit:.3g} from the parabola fits" if fit else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scales = sorted({r["scale"] for r in rows})
+    fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 4.5), squeeze=False)
+    for ax, scale in zip(axes[0], scales):
+        sizes = sorted({(int(r["vocab"]), int(r["width"])) for r in rows if r["scale"] == scale})
+        for vocab, width in sizes:
+            pts = {}
+            for r in rows:
+                if r["scale"] == scale and int(r["vocab"]) == vocab and int(r["width"]) == width:
+                    pts.setdefault(float(r["lr"]), []).append(float(r["val_loss"]))
+            lrs = sorted(pts)
+            ys = [sum(pts[lr]) / len(pts[lr]) for lr in lrs]
+            ls = "-" if vocab == max(s[0] for s in sizes) else "--"
+            ax.plot(lrs, ys, ls, marker="o", label=f"vocab {vocab}, width {width}")
+            finite = [(lr, y) for lr, y in zip(lrs, ys) if math.isfinite(y)]
+            if finite:
+                lb, yb = min(finite, key=lambda t: t[1])
+                ax.plot([lb], [yb], "k*", markersize=10)
+        ax.set_xscale("log")
+        ax.set_xlabel("embedding learning rate")
+        ax.set_ylabel("final validation loss")
+        title = "paper: nu^alpha (alpha = 1)" if scale == "nu" else 'scale = "rms"'
+        ax.set_title(f"HybridPolarGradM embedding, {title}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/lr_transfer")
+    p.add_argument("--runs", default="runs/lr_transfer", help="run directories (logs; not committed)")
+    p.add_argument("--data", default="data/poetry-bpe{vocab}")
+    p.add_argument("--widths", default="32,64,128")
+    p.add_argument("--vocabs", default="1024,4096")
+    p.add_argument("--scales", default="rms,nu")
+    p.add_argument("--grid-rms", default="0.004,0.008,0.016,0.032,0.064,0.128")
+    p.add_argument("--grid-nu", default="0.001,0.002,0.004,0.008,0.016,0.032")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--plot-only", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / "results.csv"
+    rows = read_rows(csv_path)
+    done = {key(r) for r in rows}
+    if not args.plot_only:
+        grids = {"rms": args.grid_rms, "nu": args.grid_nu}
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for vocab in [int(v) for v in args.vocabs.split(",")]:
+                for width in [int(w) for w in args.widths.split(",")]:
+                    for scale in args.scales.split(","):
+                        for lr in [float(x) for x in grids[scale].split(",")]:
+                            k = (vocab, width, scale, float(f"{lr:.6g}"), seed, args.steps)
+                            if k in done:
+                                continue
+                            row = one_run(args, vocab, width, scale, lr, seed)
+                            print(json.dumps(row), flush=True)
+                            new = not csv_path.exists()
+                            with csv_path.open("a", newline="") as f:
+                                w = csv.DictWriter(f, fieldnames=FIELDS)
+                                if new:
+                                    w.writeheader()
+                                w.writerow(row)
+                            rows.append({k2: str(v) for k2, v in row.items()})
+                            done.add(k)
+    summary = summarise(rows)
+    summary["command"] = "PYTHONPATH=src python3 scripts/lr_transfer.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(markdown(summary))
+    plot(rows, out / "lr_vs_loss.png")
+    print(json.dumps({k: v for k, v in summary.items() if k != "command"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

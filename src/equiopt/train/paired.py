@@ -1,0 +1,427 @@
+"""Paired comparisons against a baseline, and learning-rate sweeps that tune every arm.
+
+An optimizer comparison is only as good as its baseline's tuning and its seed noise. Two
+tools answer both:
+
+:func:`paired_rows` / :func:`paired_table`
+    For every configuration against a named baseline, the per-seed differences
+    ``value(arm, seed) - value(baseline, seed)`` over the seeds both ran (same seed =
+    same initialisation and data order, so the differences cancel the shared noise), their
+    mean, a 95 % Student-t confidence interval ``mean +- t_{0.975, n-1} s / sqrt(n)`` and how
+    many seeds agree in sign (the arm is better on ``k`` of ``n`` seeds).
+
+:func:`sweep` / :func:`sweep_report`
+    Each arm (a run config) is trained at every multiplier of a learning-rate grid (the
+    multiplier scales the lr of the chosen roles, all roles by default) and every seed;
+    a run whose log already ends with ``status: done`` is skipped, so an interrupted
+    sweep resumes. Each arm's best multiplier is the one with the lowest mean final
+    metric over the seeds (a run that diverged counts as +inf); the report then compares
+    best against best, paired by seed, and lists every number with the run directory
+    whose ``log.jsonl`` holds it. The lr is chosen on the same validation batches that
+    the comparison reports; the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .compare_table import HIGHER_IS_BETTER, CompareRow, compare_rows
+
+__all__ = ["t_quantile", "PairedRow", "paired_rows", "paired_table", "SweepArm", "sweep", "sweep_report",
+           "select_baseline"]
+
+
+# ------------------------------------------------------------------ statistics
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularised incomplete beta function (Lentz's method)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    front = math.exp(lbeta + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """CDF of Student's t distribution with ``df`` degrees of freedom."""
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2.0, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The ``q`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
+    if not 0 < q < 1 or df <= 0:
+        raise ValueError(f"need 0 < q < 1 and df > 0, got q={q}, df={df}")
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, df) < q:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+# ------------------------------------------------------------ paired compare
+@dataclass
+class PairedRow:
+    """An arm against the baseline over the seeds both have a finite value for.
+
+    ``diffs[i] = values[i] - baseline_values[i]`` for ``seeds[i]``; ``ci`` is the 95 %
+    Student-t interval of the mean difference (``None`` below two seeds); ``better`` counts
+    the seeds on which the arm beats the baseline (lower, or higher for
+    :data:`HIGHER_IS_BETTER` metrics), ``worse`` those on which it loses.
+    """
+
+    label: str
+    baseline: str
+    metric: str
+    seeds: list[Any]
+    values: list[float]
+    baseline_values: list[float]
+    diffs: list[float]
+    mean: float | None
+    std: float | None
+    ci: tuple[float, float] | None
+    better: int
+    worse: int
+    unpaired: list[Any] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    baseline_paths: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def select_baseline(rows: Sequence[CompareRow], baseline: str) -> CompareRow:
+    """The row whose label is ``baseline``, else the only one whose label or a run path contains it."""
+    exact = [r for r in rows if r.label == baseline]
+    if len(exact) == 1:
+        return exact[0]
+    found = [r for r in rows if baseline in r.label or any(baseline in p for p in r.paths)]
+    if len(found) == 1:
+        return found[0]
+    labels = ", ".join(repr(r.label) for r in rows)
+    what = "no configuration" if not found else f"{len(found)} configurations"
+    raise ValueError(f"baseline {baseline!r}: {what} match; configurations: {labels}")
+
+
+def _pair(row: CompareRow, base: CompareRow, metric: str) -> PairedRow:
+    higher = metric in HIGHER_IS_BETTER
+    by_seed = {s: (v, p) for s, v, p in zip(base.seeds, base.values, base.paths)}
+    seeds, vals, bvals, diffs, paths, bpaths, unpaired = [], [], [], [], [], [], []
+    for s, v, p in zip(row.seeds, row.values, row.paths):
+        if s not in by_seed or not math.isfinite(v) or not math.isfinite(by_seed[s][0]):
+            unpaired.append(s)
+            continue
+        b, bp = by_seed[s]
+        seeds.append(s), vals.append(v), bvals.append(b), diffs.append(v - b), paths.append(p), bpaths.append(bp)
+    mean = statistics.fmean(diffs) if diffs else None
+    std = statistics.stdev(diffs) if len(diffs) > 1 else None
+    ci = None
+    if std is not None:
+        half = t_quantile(0.975, len(diffs) - 1) * std / math.sqrt(len(diffs))
+        ci = (mean - half, mean + half)
+    better = sum(1 for d in diffs if (d > 0 if higher else d < 0))
+    worse = sum(1 for d in diffs if (d < 0 if higher else d > 0))
+    return PairedRow(row.label, base.label, metric, seeds, vals, bvals, diffs, mean, std, ci, better, worse,
+                     unpaired, paths, bpaths)
+
+
+def paired_rows(run_dirs: Iterable[Any] | Sequence[CompareRow], baseline: str, metric: str = "val/loss",
+                ignore: Iterable[str] = ()) -> list[PairedRow]:
+    """Every configuration but the baseline, paired with it by seed (see :class:`PairedRow`).
+    ``run_dirs``: what :func:`~equiopt.train.compare_table.compare_rows` takes, or its rows."""
+    items = list(run_dirs)
+    rows = items if items and all(isinstance(r, CompareRow) for r in items) else \
+        compare_rows(items, metric=metric, ignore=ignore)
+    base = select_baseline(rows, baseline)
+    return [_pair(r, base, metric) for r in rows if r is not base]
+
+
+def _f(v: float | None, digits: int, sign: bool = False) -> str:
+    if v is None or not math.isfinite(v):
+        return "-" if v is None else str(v)
+    return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
+
+
+def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
+    """Markdown: one line per arm with the mean paired difference, its 95 % CI, the sign
+    count and every seed's difference."""
+    if not rows:
+        return "(no configuration besides the baseline)"
+    metric, base = rows[0].metric, rows[0].baseline
+    better = "higher" if metric in HIGHER_IS_BETTER else "lower"
+    header = ["configuration", f"paired seeds", f"mean diff in {metric} vs {base}", "95 % CI (Student t)",
+              f"seeds {better} than baseline", "per-seed diff (seed: diff)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for r in rows:
+        ci = f"[{_f(r.ci[0], digits, True)}, {_f(r.ci[1], digits, True)}]" if r.ci else "- (one seed)"
+        per = ", ".join(f"{s}: {_f(d, digits, True)}" for s, d in zip(r.seeds, r.diffs))
+        if r.unpaired:
+            per += f" (unpaired: {', '.join(map(str, r.unpaired))})"
+        lines.append("| " + " | ".join([r.label.replace("|", "\\|"), str(r.n), _f(r.mean, digits, True), ci,
+                                        f"{r.better} of {r.n}", per]) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- sweeps
+@dataclass
+class SweepArm:
+    """One config swept over lr multipliers: ``runs[mult][seed] = run directory``."""
+
+    label: str
+    config: str
+    base_lrs: dict[str, float]
+    runs: dict[float, dict[int, str]] = field(default_factory=dict)
+
+
+def _base_lrs(cfg, roles: Sequence[str] | None) -> dict[str, float]:
+    from ..recipes import ROLES, get_recipe
+
+    recipe = get_recipe(cfg.optim.recipe)
+    if cfg.optim.overrides:
+        recipe = recipe.with_overrides(cfg.optim.overrides)
+    wanted = list(roles) if roles else list(ROLES)
+    unknown = [r for r in wanted if r not in ROLES]
+    if unknown:
+        raise ValueError(f"unknown role(s) {', '.join(unknown)}; valid: {', '.join(ROLES)}")
+    return {role: float(recipe.settings(role)["lr"]) for role in wanted}
+
+
+def _done(out: Path) -> bool:
+    log = out / "log.jsonl"
+    if not log.exists():
+        return False
+    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+    if not lines:
+        return False
+    try:
+        last = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return False
+    return last.get("kind") == "end" and last.get("status") in ("done", "nonfinite")
+
+
+def mult_tag(mult: float) -> str:
+    return f"lrx{mult:g}"
+
+
+def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[int], roles: Sequence[str] | None = None,
+          sets: dict | None = None, force: bool = False, train_fn=None, progress: bool = True) -> list[SweepArm]:
+    """Train every config at every lr multiplier and seed (resumable, see the module docstring).
+
+    The run of config ``c`` at multiplier ``m`` and seed ``s`` goes to
+    ``<c's out_dir>/lrx<m>-s<s>`` with run name ``<c's name>-lrx<m>-s<s>``; its
+    ``optim.overrides`` set ``lr = m * base lr`` for each swept role on top of the config's
+    own overrides. A run that diverges (``nonfinite``) is kept as a result, not retried.
+    """
+    from .config import load_config
+    from .loop import NonFiniteLossError, train
+
+    train_fn = train_fn or train
+    arms = []
+    for path in configs:
+        base_cfg = load_config(path, sets or {})
+        base = _base_lrs(base_cfg, roles)
+        arm = SweepArm(base_cfg.run.name, str(path), base)
+        for mult in multipliers:
+            for seed in seeds:
+                overrides = json.loads(json.dumps(base_cfg.optim.overrides or {}))
+                for role, lr in base.items():
+                    overrides.setdefault(role, {})["lr"] = lr * mult
+                tag = f"{mult_tag(mult)}-s{seed}"
+                run_sets = dict(sets or {})
+                run_sets.update({"run.seed": seed, "run.name": f"{base_cfg.run.name}-{tag}",
+                                 "run.out_dir": str(base_cfg.out_path / tag), "optim.overrides": overrides})
+                cfg = load_config(path, run_sets)
+                if force or not _done(cfg.out_path):
+                    try:
+                        train_fn(cfg, progress=progress)
+                    except NonFiniteLossError:
+                        pass
+                elif progress:
+                    print(f"{cfg.out_path}: already done, skipped")
+                arm.runs.setdefault(mult, {})[seed] = str(cfg.out_path)
+        arms.append(arm)
+    return arms
+
+
+def _final(path: str, metric: str) -> float:
+    from .plots import read_run
+
+    run = read_run(path)
+    v = run.final(metric)
+    return math.nan if v is None else v
+
+
+def _best(arm: SweepArm, metric: str) -> tuple[float, dict[float, float]]:
+    higher = metric in HIGHER_IS_BETTER
+    means = {}
+    for mult, by_seed in arm.runs.items():
+        vals = [_final(p, metric) for p in by_seed.values()]
+        bad = any(not math.isfinite(v) for v in vals)
+        mean = statistics.fmean(vals) if not bad else math.nan
+        means[mult] = mean
+    score = {m: (v if math.isfinite(v) else (-math.inf if higher else math.inf)) for m, v in means.items()}
+    best = (max if higher else min)(score, key=lambda m: (score[m], m))
+    return best, means
+
+
+def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], pairs: Sequence[PairedRow],
+            out: Path) -> list[Path]:
+    from .plots import _mpl
+
+    Figure = _mpl()[0]
+    paths = []
+    fig = Figure(figsize=(6.5, 4.5))
+    ax = fig.subplots()
+    for arm in arms:
+        mults = sorted(arm.runs)
+        means = []
+        for m in mults:
+            vals = [_final(p, metric) for p in arm.runs[m].values()]
+            ax.scatter([m] * len(vals), vals, s=12, alpha=0.5)
+            finite = [v for v in vals if math.isfinite(v)]
+            means.append(statistics.fmean(finite) if len(finite) == len(vals) and vals else math.nan)
+        line, = ax.plot(mults, means, marker="o", label=arm.label)
+        bm = best[arm.label]
+        ax.plot([bm], [means[mults.index(bm)]], "*", color=line.get_color(), markersize=14)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("learning-rate multiplier (of each arm's own lrs)")
+    ax.set_ylabel(f"final {metric}")
+    ax.set_title("lr sweep: points = seeds, line = mean, star = chosen")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = out / "sweep.png"
+    fig.savefig(p, dpi=110)
+    paths.append(p)
+    if pairs:
+        fig = Figure(figsize=(6.5, 0.6 + 0.55 * len(pairs) + 1.5))
+        ax = fig.subplots()
+        for i, r in enumerate(pairs):
+            ax.scatter(r.diffs, [i] * len(r.diffs), s=18, alpha=0.7)
+            if r.mean is not None:
+                ax.plot([r.mean], [i], "k|", markersize=18)
+            if r.ci:
+                ax.plot(list(r.ci), [i, i], "k-", linewidth=2)
+        ax.axvline(0.0, color="grey", linestyle="--")
+        ax.set_yticks(range(len(pairs)), [r.label for r in pairs])
+        ax.set_xlabel(f"{metric}: arm - baseline ({pairs[0].baseline}), per seed; bar = mean, line = 95 % CI")
+        fig.tight_layout()
+        p = out / "paired.png"
+        fig.savefig(p, dpi=110)
+        paths.append(p)
+    return paths
+
+
+def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/loss", out: str | Path | None = None,
+                 command: str = "", digits: int = 4) -> str:
+    """The markdown report of a sweep (see the module docstring); figures go next to
+    ``out`` (the report's path) when it is given, and the report is written there."""
+    best, grid = {}, {}
+    for arm in arms:
+        best[arm.label], grid[arm.label] = _best(arm, metric)
+    lines = ["# Learning-rate sweep and paired comparison", ""]
+    if command:
+        lines += ["Command:", "", "```bash", command, "```", ""]
+    lines += [f"Metric: final `{metric}` of each run (the last record of its `log.jsonl` holding it). "
+              "Each arm's lr multiplier is chosen by the lowest mean over seeds on this same metric "
+              "(a diverged run counts as +inf), then the chosen runs are compared with the baseline's "
+              "chosen runs seed by seed. Selecting and reporting on the same validation batches favours "
+              "every arm alike, slightly optimistically.", "", "## Grid", ""]
+    header = ["arm", "multiplier", "lrs", "mean", "per seed (seed: value, run directory)"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for arm in arms:
+        for mult in sorted(arm.runs):
+            lrs = ", ".join(f"{role} {lr * mult:.4g}" for role, lr in arm.base_lrs.items())
+            per = "; ".join(f"{s}: {_f(_final(p, metric), digits)} (`{p}`)" for s, p in sorted(arm.runs[mult].items()))
+            mean = _f(grid[arm.label][mult], digits)
+            mark = " **(chosen)**" if mult == best[arm.label] else ""
+            edge = ""
+            if mult == best[arm.label] and mult in (min(arm.runs), max(arm.runs)) and len(arm.runs) > 1:
+                edge = " (at the grid's edge: widen it)"
+            lines.append(f"| {arm.label} | {mult:g}{mark}{edge} | {lrs} | {mean} | {per} |")
+    lines += ["", "## Best against best", ""]
+    rows = []
+    for arm in arms:
+        by_seed = arm.runs[best[arm.label]]
+        seeds = sorted(by_seed)
+        values = [_final(by_seed[s], metric) for s in seeds]
+        finite = [v for v in values if math.isfinite(v)]
+        rows.append(CompareRow(label=arm.label, metric=metric, runs=[Path(by_seed[s]).name for s in seeds],
+                               paths=[by_seed[s] for s in seeds], seeds=seeds, values=values,
+                               mean=statistics.fmean(finite) if finite else None,
+                               std=statistics.stdev(finite) if len(finite) > 1 else None,
+                               best=min(finite) if finite else None, train_loss=None, train_losses=[],
+                               tokens=[], status=[]))
+    pairs = paired_rows(rows, baseline, metric)
+    base_row = select_baseline(rows, baseline)
+    lines += [f"Baseline: **{base_row.label}** at multiplier {best[base_row.label]:g}.", ""]
+    header = ["arm", "chosen multiplier", "mean", "std", "per seed"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for r in rows:
+        lines.append(f"| {r.label} | {best[r.label]:g} | {_f(r.mean, digits)} | {_f(r.std, digits)} | "
+                     + ", ".join(f"{s}: {_f(v, digits)}" for s, v in zip(r.seeds, r.values)) + " |")
+    lines += ["", paired_table(pairs, digits), ""]
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            figs = _figure(arms, metric, best, pairs, out.parent)
+        except ImportError:
+            figs = []
+        for p in figs:
+            lines += [f"![{p.stem}]({p.name})", ""]
+        text = "\n".join(lines)
+        out.write_text(text + "\n")
+        (out.parent / (out.stem + ".json")).write_text(json.dumps(
+            {"metric": metric, "baseline": base_row.label, "chosen": best,
+             "grid": {a: {f"{m:g}": (None if not math.isfinite(v) else v) for m, v in g.items()} for a, g in grid.items()},
+             "paired": [{k: v for k, v in p.as_dict().items()} for p in pairs], "command": command},
+            indent=2, default=str) + "\n")
+        return text
+    return "\n".join(lines)
