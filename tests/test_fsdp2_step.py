@@ -143,6 +143,17 @@ def _check_communication(world):
         ref.grad = grad.clone()
         EquivariantOptimizer([ref], lr=0.1, rule=rule, center=center, method="exact").step()
         assert _rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, center)
+    # the scale-transferable size (its soft row count is a sum over rows too), every hybrid order
+    for rule, order, center in (("right", "row_then_right", True), ("hybrid", "row_then_right", True),
+                                ("hybrid", "right_then_row", False), ("hybrid", "right_then_row", True)):
+        kw = dict(lr=0.1, rule=rule, order=order, center=center, method="exact", scale="rms")
+        w = torch.nn.Parameter(distribute_tensor(base.clone(), mesh, [Shard(0)]))
+        w.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        EquivariantOptimizer([w], **kw).step()
+        ref = torch.nn.Parameter(base.clone())
+        ref.grad = grad.clone()
+        EquivariantOptimizer([ref], **kw).step()
+        assert _rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, order, center)
     return totals
 
 
