@@ -203,3 +203,28 @@ def test_inductor_compiled_step_from_a_cold_cache_equals_eager(tmp_path):
     out = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "worst" in out.stdout
+
+
+def test_automatic_compile_warns_and_steps_eagerly_when_compiling_fails(monkeypatch):
+    """Under the automatic setting a failed compile costs a warning, not the run; an
+    explicit ``compile=`` raises."""
+    monkeypatch.setattr(EquivariantOptimizer, "_on_cuda", lambda self: True)
+    (p,), opt, _ = _one(compile=None)
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.Unsupported("no backend here")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    before = p.detach().clone()
+    with pytest.warns(UserWarning, match="stepping eagerly"):
+        opt.step()
+    assert not torch.equal(p.detach(), before) and opt._compile_failed
+    (q,), strict, _ = _one(compile="inductor")
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        strict.step()
+
+
+def _one(**options):
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 4, generator=g))
+    p.grad = torch.randn(8, 4, generator=g)
+    opt = EquivariantOptimizer([p], rule="row", lr=0.1, **options)
+    return (p,), opt, None

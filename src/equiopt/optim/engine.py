@@ -12,6 +12,7 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -110,6 +111,7 @@ class EquivariantOptimizer(Optimizer):
         self.eager_state = eager_state
         self.compile = compile
         self._compiled_step = None
+        self._compile_failed = False
         self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
         self._shardings: dict[int, Sharding] = {}
@@ -246,11 +248,20 @@ class EquivariantOptimizer(Optimizer):
                 loss = closure()
         lrs = self._lr_tensors()
         backend = self._resolve_compile()
-        if backend:
-            if self._compiled_step is None:
-                self._compiled_step = torch.compile(self._step_impl, backend=backend, fullgraph=True, dynamic=False)
+        if not backend:
+            self._step_impl(lrs)
+            return loss
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self._step_impl, backend=backend, fullgraph=True, dynamic=False)
+        try:
             self._compiled_step(lrs)
-        else:
+        except torch._dynamo.exc.TorchDynamoException as err:
+            if self.compile is not None:
+                raise
+            # The automatic choice (CUDA) must not cost a run: say why, and step eagerly.
+            warnings.warn(f"EquivariantOptimizer: compiling the step failed ({type(err).__name__}: {err}); "
+                          "stepping eagerly from now on (pass compile=False to silence, compile=True to raise)")
+            self._compile_failed = True
             self._step_impl(lrs)
         return loss
 
@@ -258,10 +269,14 @@ class EquivariantOptimizer(Optimizer):
         """The ``torch.compile`` backend of the step, or None for eager."""
         setting = self.compile
         if setting is None:
-            setting = all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+            # Automatic: on CUDA, unless a group must read its flags back to raise.
+            setting = not self._compile_failed and all(g["nonfinite"] != "raise" for g in self.param_groups) and self._on_cuda()
         if isinstance(setting, str):
             return setting
         return "inductor" if setting else None
+
+    def _on_cuda(self) -> bool:
+        return all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
 
     @torch._dynamo.disable
     def _lr_tensors(self) -> list[torch.Tensor]:
