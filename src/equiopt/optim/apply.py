@@ -118,15 +118,18 @@ def adamw_(
     torch._foreach_add_(steps, okfs)
     for m, g, w in zip(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1)):
         m.lerp_(g, w)
+    # One temporary per parameter serves as g^2 and then as the denominator sqrt(v).
+    denom = []
     for v, g, w in zip(exp_avg_sqs, grads, torch._foreach_mul(okfs, 1.0 - b2)):
-        v.lerp_(g * g, w)
+        t = g * g
+        v.lerp_(t, w)
+        denom.append(torch.sqrt(v, out=t))
     counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]
     bc1 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b1, counts)), 1.0)
     bc2 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b2, counts)), 1.0)
     # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)), c = sqrt(bc2):
     # two passes over the denominator, and a skipped step divides by 0 (m / inf = 0).
     c = torch._foreach_sqrt(bc2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denom, torch._foreach_mul(c, eps))
     torch._foreach_div_(denom, torch._foreach_div(torch._foreach_mul(torch._foreach_mul(okfs, -lr), c), bc1))
     if weight_decay:
