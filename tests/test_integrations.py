@@ -17,15 +17,6 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture
-def one_thread():
-    """Small models step faster on one thread than on a shared, loaded pair of cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def examples_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     return EXAMPLES

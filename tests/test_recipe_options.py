@@ -114,15 +114,6 @@ def test_unknown_hf_model_type_in_a_run_config(tmp_path):
     assert from_dict({"data": {"train": "x"}, "model": {"hf_config": str(path)}}).model.hf_config == str(path)
 
 
-@pytest.fixture
-def one_thread():
-    """Small models step faster on one thread than on a shared, loaded pair of cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_default_recipe_is_safe_and_trains(one_thread):
     """60 steps of a tiny model: the loss falls and the embedding stays near its initial scale
     (each entry moves by at most lr per step)."""

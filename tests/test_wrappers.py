@@ -109,15 +109,6 @@ def test_lightning_module(bare):
     _check_same(roles, Module(), "model.")
 
 
-@pytest.fixture
-def one_thread():
-    """Small models step faster on one thread than on a shared, loaded pair of cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_optimizer_through_a_wrapper_steps_like_the_bare_model(one_thread):
     torch.manual_seed(0)
     a = eo.models.build("qwen3", "tiny", seed=0)
