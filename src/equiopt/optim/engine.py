@@ -23,7 +23,7 @@ from ..layouts import Layout, parse_layout
 from .. import maps
 from ..distributed.placements import Sharding, describe_sharding
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, lr_scale_factor, map_key, resolved, validate_group
+from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, resolved, shape_factor, validate_group
 from .sharded import ShardRowSum, gather_rows, global_flags, local, plan
 
 
@@ -316,15 +316,15 @@ class EquivariantOptimizer(Optimizer):
                 self._raise_nonfinite(flags, names)
             self._last_flags.append((names, flags))
             states = [self._init_state(p, group) for p in params]
-            okfs = self._ok_floats(flags, states, group)
+            okfs = self._ok_floats(flags, params)
             torch._foreach_add_([st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0))
             if group["rule"] == "adamw":
-                self._adamw(group, lr, params, states, flags, okfs[0])
+                self._adamw(group, lr, params, states, okfs[0])
                 continue
             for k, (j, p, st) in enumerate(zip(live, params, states)):
                 self._matrix_step(group, lr, j, p, st, flags[k], okfs[0][k], buckets)
         for bucket, items in buckets.items():
-            self._run_bucket(bucket[0], bucket[1], items)
+            self._run_bucket(bucket[0], items)
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
@@ -333,14 +333,13 @@ class EquivariantOptimizer(Optimizer):
         if bad:
             raise NonFiniteGradientError(f"non-finite gradient in {', '.join(repr(b) for b in bad)}")
 
-    def _ok_floats(self, flags: torch.Tensor, states: list[dict], group: dict):
+    def _ok_floats(self, flags: torch.Tensor, params: list[torch.Tensor]):
         """Per parameter, its finite flag as a 0-d tensor in its state dtype (for step
         sizes) and in float32 (for the counters)."""
         ok32 = flags.to(torch.float32)
-        ok64 = flags.to(torch.float64) if any(self._state_dtype(p) == torch.float64 for p in group["params"]) else None
-        per_param = []
-        for k, p in enumerate(p for p in group["params"] if p.grad is not None):
-            per_param.append(ok64[k] if self._state_dtype(p) == torch.float64 else ok32[k])
+        wide = [self._state_dtype(p) == torch.float64 for p in params]
+        ok64 = flags.to(torch.float64) if any(wide) else None
+        per_param = [ok64[k] if w else ok32[k] for k, w in enumerate(wide)]
         return per_param, list(ok32.unbind(0))
 
     def _sharding(self, p: torch.Tensor) -> Sharding:
@@ -374,8 +373,7 @@ class EquivariantOptimizer(Optimizer):
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
             if rows is None and w.numel() == 0:
                 continue  # an empty shard of a stack of experts: nothing to map, nothing sent
-            factor = lr_scale_factor(resolved(group, "lr_scale"), *gshape[-2:]) if group["rule"] == "spectral" else 1.0
-            coef = okf * (-lr * factor)
+            coef = okf * (-lr * shape_factor(group, *gshape[-2:]))
             if rows is None:
                 buckets[(key, tuple(w.shape[-2:]))].append((w, pw, coef, group, None))
             else:
@@ -389,7 +387,7 @@ class EquivariantOptimizer(Optimizer):
         full = gather_rows(direction, sharding)
         updates = []
         for w in layout.to_work_list(full):
-            factor = lr_scale_factor(resolved(group, "lr_scale"), *w.shape[-2:]) if group["rule"] == "spectral" else 1.0
+            factor = shape_factor(group, *w.shape[-2:])
             u = maps.materialize(factored_map(key, group["eta"], w))
             updates.append(u * factor if factor != 1.0 else u)
         update = layout.from_work(updates)
@@ -402,7 +400,7 @@ class EquivariantOptimizer(Optimizer):
         (every layout only reshapes, transposes and slices; checked when the group is built)."""
         return layout.to_work_list(p.detach())
 
-    def _run_bucket(self, key: tuple, shape: tuple[int, int], items: list) -> None:
+    def _run_bucket(self, key: tuple, items: list) -> None:
         """Map every work matrix of one (map settings, shape) bucket and add it to its weights.
 
         Row-wise maps (``row``) run per matrix: they gain nothing from batching and a
@@ -424,19 +422,19 @@ class EquivariantOptimizer(Optimizer):
             piece = maps.Factored(*[None if t[i] is None else t[i].reshape(*lead, *t[i].shape[-2:]) for t in parts])
             add_factored_(pw, piece, coef)
 
-    def _adamw(self, group: dict, lr, params: list, states: list, flags: torch.Tensor, okfs: list) -> None:
+    def _adamw(self, group: dict, lr, params: list, states: list, okfs: list) -> None:
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
         buckets: dict[tuple, list] = defaultdict(list)
         for k, (p, st) in enumerate(zip(params, states)):
-            buckets[(p.dtype, p.device, st["exp_avg"].dtype)].append((local(p), st, flags[k], okfs[k], local(p.grad)))
+            buckets[(p.dtype, p.device, st["exp_avg"].dtype)].append((local(p), st, okfs[k], local(p.grad)))
         for (_, _, s_dtype), items in buckets.items():
             adamw_(
-                [p for p, _, _, _, _ in items],
-                [sanitize(g, s_dtype) for _, _, _, _, g in items],
-                [local(st["exp_avg"]) for _, st, _, _, _ in items],
-                [local(st["exp_avg_sq"]) for _, st, _, _, _ in items],
-                [st["step"] for _, st, _, _, _ in items],
-                [okf.to(s_dtype) for _, _, _, okf, _ in items],
+                [p for p, _, _, _ in items],
+                [sanitize(g, s_dtype) for _, _, _, g in items],
+                [local(st["exp_avg"]) for _, st, _, _ in items],
+                [local(st["exp_avg_sq"]) for _, st, _, _ in items],
+                [st["step"] for _, st, _, _ in items],
+                [okf.to(s_dtype) for _, _, okf, _ in items],
                 lr, group["betas"], group["adam_eps"], group["weight_decay"],
             )
 

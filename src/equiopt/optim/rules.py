@@ -54,6 +54,14 @@ def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
     raise ValueError(f"unknown lr_scale {kind!r}; valid: {', '.join(LR_SCALES)}")
 
 
+def shape_factor(group: dict, rows: int, cols: int) -> float:
+    """The group's learning-rate factor for a work matrix of ``rows x cols``: the
+    ``lr_scale`` factor for the spectral rule, 1 for every other rule."""
+    if group["rule"] != "spectral":
+        return 1.0
+    return lr_scale_factor(resolved(group, "lr_scale"), rows, cols)
+
+
 def map_key(group: dict) -> tuple:
     """Everything a matrix rule's map depends on (learning rate and decay excluded), so
     work matrices of different groups with equal keys and shapes share one batched call."""
