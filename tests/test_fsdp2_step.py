@@ -4,7 +4,8 @@ Every paper recipe of every family steps a ``fully_shard``-ed tiny model (3 rank
 uneven last shards) and must equal the single-process step on the same global
 gradient; the collectives of a step are recorded and checked against the plan: what
 each map sends (row-norm nothing, centred row-norm d-vectors, right/hybrid one d x d
-Gram per matrix) and that no vocabulary-sized tensor ever crosses ranks.
+Gram per matrix, Muon two all-to-alls with each matrix mapped on one owner rank) and
+that no vocabulary-sized tensor ever crosses ranks.
 """
 
 import copy
@@ -157,10 +158,54 @@ def _check_communication(world):
     return totals
 
 
+def _check_owner_based(world):
+    """Muon on row-sharded matrices: each is mapped whole on one owner rank (the work split
+    among the ranks), with exactly two all-to-alls (rows to owners, update rows back)."""
+    import equiopt.optim.engine as engine
+    from equiopt.distributed import record_collectives
+    from equiopt.optim import EquivariantOptimizer
+    from equiopt.optim.owners import map_cost
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(50, 24)] * 4 + [(31, 64), (64, 31), (7, 5)]  # uneven and tiny shards included
+    bases = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    params = [torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Shard(0)])) for b in bases]
+    for p, g in zip(params, grads):
+        p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+    kw = dict(lr=0.05, rule="spectral", polar_dtype=torch.float32)
+    opt = EquivariantOptimizer(params, **kw)
+    done, original = [], engine._map_whole
+    engine._map_whole = lambda jobs: done.extend(map_cost(D.shape) for _, _, D in jobs) or original(jobs)
+    try:
+        with record_collectives() as log:
+            opt.step()
+    finally:
+        engine._map_whole = original
+    assert log.ops() == ["all_reduce", "all_to_all", "all_to_all"], log.summary()
+    # what this rank sends: its rows of every matrix (to the owners), then the update rows it owns
+    assert log.records[1].bytes == sum(p.to_local().numel() * 4 for p in params)
+    loads = torch.zeros(world)
+    loads[dist.get_rank()] = float(sum(done))
+    dist.all_reduce(loads)
+    costs = [map_cost(s) for s in shapes]
+    assert float(loads.sum()) == sum(costs) and float(loads.max()) <= sum(costs) / world + max(costs), loads
+    assert int((loads > 0).sum()) == min(world, len(shapes)), loads
+    for p, b, g in zip(params, bases, grads):
+        ref = torch.nn.Parameter(b.clone())
+        ref.grad = g.clone()
+        EquivariantOptimizer([ref], **kw).step()
+        assert _rel(p.full_tensor(), ref.detach()) <= 1e-5
+
+
 def _worker(rank, world, rendezvous, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
+        _check_owner_based(world)
         _check_equal_steps(world)
         if world == 2:
             totals = _check_communication(world)

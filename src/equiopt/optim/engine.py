@@ -24,7 +24,12 @@ from .. import maps
 from ..distributed.placements import Sharding, describe_sharding
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, resolved, shape_factor, validate_group
-from .sharded import ShardRowSum, gather_rows, global_flags, local, plan
+from .owners import assign, from_owners, map_cost, share, to_owners
+from .sharded import ShardRowSum, global_flags, local, plan
+
+# Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
+# Row-norm maps and the element-wise rules cost less than sending their results.
+DIVIDED_RULES = ("spectral", "right", "left", "hybrid")
 
 
 def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
@@ -39,6 +44,34 @@ def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
 def _map(key: tuple, eta, D: torch.Tensor, rows) -> maps.Factored:
     """:func:`factored_map`, with the row reducer of a row-sharded ``D`` when there is one."""
     return factored_map(key, eta, D) if rows is None else factored_map(key, eta, D, rows)
+
+
+def _map_whole(jobs: list[tuple[tuple, Any, torch.Tensor]]) -> list[torch.Tensor]:
+    """Updates (materialised, in ``D``'s dtype) of ``(key, eta, D)`` jobs on whole work
+    matrices; jobs with equal keys and matrix shapes run as one batched call."""
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    for i, (key, _, D) in enumerate(jobs):
+        batches[(key, tuple(D.shape[-2:]), D.dtype)].append(i)
+    out: list[torch.Tensor | None] = [None] * len(jobs)
+    for (key, shape, _), members in batches.items():
+        flat = [jobs[i][2].reshape(-1, *shape) for i in members]
+        D = flat[0] if len(flat) == 1 else torch.cat(flat)
+        U = maps.materialize(factored_map(key, jobs[members[0]][1], D)).to(D.dtype)
+        for i, u in zip(members, torch.split(U, [x.shape[0] for x in flat])):
+            out[i] = u.reshape(jobs[i][2].shape)
+    return out  # type: ignore[return-value]
+
+
+def _replica_group(divide_work):
+    """The process group of ``divide_work`` (None: no division)."""
+    if divide_work is None or divide_work is False:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("divide_work needs an initialised torch.distributed process group (torchrun, "
+                         "init_process_group); pass divide_work=False for a single process")
+    return dist.group.WORLD if divide_work is True else divide_work
 
 
 class NonFiniteGradientError(FloatingPointError, ValueError):
@@ -69,6 +102,14 @@ class EquivariantOptimizer(Optimizer):
       ``"raise"`` (:class:`NonFiniteGradientError` before anything is modified).
     - ``names``: parameter names for messages (one per parameter).
 
+    ``divide_work``: a process group over which the plain (non-DTensor) parameters are
+    replicated, as under DDP, or ``True`` for the default group: each matrix-product map
+    (spectral, one-sided, hybrid) then runs on one rank of it, chosen to balance the work,
+    and its update is broadcast, so per-rank work falls with the world size and the
+    weights stay identical on every rank. Row-norm and element-wise rules, which cost
+    less than sending their results, run on every rank.
+    :func:`equiopt.build_optimizer` sets it from a DDP-wrapped model.
+
     ``state_dtype`` holds momentum and Adam moments (default: float32 for bfloat16,
     float16 and float32 parameters, float64 for float64 ones); ``eager_state=True`` creates all state at construction so every rank
     and checkpoint sees the same keys from step 0.
@@ -76,7 +117,8 @@ class EquivariantOptimizer(Optimizer):
     ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
     so momentum, row scaling, centring and the weight update fuse into few passes):
     ``True`` (Inductor), a backend name, ``False``, or ``None`` (default: on when every
-    parameter is on a CUDA device). The step has no host reads, so
+    parameter is on a CUDA device and the step sends nothing: no DTensor parameters and
+    no ``divide_work``). The step has no host reads, so
     ``torch.compile(optimizer.step)`` works as well; learning rates enter as device
     tensors, so a schedule does not recompile either way.
     """
@@ -106,8 +148,10 @@ class EquivariantOptimizer(Optimizer):
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
         compile: bool | str | None = None,
+        divide_work: Any = None,
     ):
         self.state_dtype = state_dtype
+        self._replicas = _replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
         self._compiled_step = None
@@ -276,7 +320,9 @@ class EquivariantOptimizer(Optimizer):
         return "inductor" if setting else None
 
     def _on_cuda(self) -> bool:
-        return all(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+        """Every parameter is a plain CUDA tensor and the step issues no collective."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return self._replicas is None and all(p.device.type == "cuda" and self._sharding(p).kind == "local" for p in params)
 
     @torch._dynamo.disable
     def _lr_tensors(self) -> list[torch.Tensor]:
@@ -301,6 +347,7 @@ class EquivariantOptimizer(Optimizer):
     def _step_impl(self, lrs: list[torch.Tensor]) -> None:
         self._last_flags = []
         buckets: dict[tuple, list] = defaultdict(list)
+        gathered: list[tuple] = []
         for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
             if not live:
@@ -322,9 +369,17 @@ class EquivariantOptimizer(Optimizer):
                 self._adamw(group, lr, params, states, okfs[0])
                 continue
             for k, (j, p, st) in enumerate(zip(live, params, states)):
-                self._matrix_step(group, lr, j, p, st, flags[k], okfs[0][k], buckets)
+                self._matrix_step(group, lr, j, p, st, okfs[0][k], buckets, gathered)
+        divided = []
         for bucket, items in buckets.items():
-            self._run_bucket(bucket[0], items)
+            if bucket[-1] == "divided":
+                divided.append((bucket[0], items))
+            else:
+                self._run_bucket(bucket[0], items)
+        if divided:
+            self._run_divided(divided)
+        if gathered:
+            self._run_gathered(gathered)
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
@@ -348,9 +403,14 @@ class EquivariantOptimizer(Optimizer):
             found = self._shardings[id(p)] = describe_sharding(p)
         return found
 
-    def _matrix_step(self, group, lr, j, p, state, ok, okf, buckets) -> None:
+    def _matrix_step(self, group, lr, j, p, state, okf, buckets, gathered) -> None:
         """Momentum, decay and the map of one parameter; on a DTensor, of this rank's shard
-        (``p``, its gradient and state are DTensors; their local tensors are stepped)."""
+        (``p``, its gradient and state are DTensors; their local tensors are stepped).
+
+        The map is queued: in ``buckets`` (batched by settings and shape; under
+        ``divide_work`` the matrix-product maps of plain parameters are marked to be divided
+        among the replicas) or in ``gathered`` (row-sharded work that needs whole matrices).
+        """
         buf = local(state["momentum_buffer"])
         grad = sanitize(local(p.grad), buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
@@ -364,35 +424,79 @@ class EquivariantOptimizer(Optimizer):
         key = map_key(group)
         how = plan(key, layout, sharding)
         if how == "gather":
-            self._gathered_step(group, key, layout, sharding, p, direction, okf * (-lr))
+            gathered.append((group, key, layout, sharding, p, direction, okf * (-lr)))
             return
         rows = None
         if how == "reduce":
             rows = ShardRowSum(sharding.group, sharding.shape[0])
+        divide = self._replicas is not None and sharding.kind == "local" and key[0] in DIVIDED_RULES
         global_shapes = layout.work_shapes(sharding.shape)
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
             if rows is None and w.numel() == 0:
                 continue  # an empty shard of a stack of experts: nothing to map, nothing sent
             coef = okf * (-lr * shape_factor(group, *gshape[-2:]))
-            if rows is None:
-                buckets[(key, tuple(w.shape[-2:]))].append((w, pw, coef, group, None))
-            else:
+            if rows is not None:
                 # one bucket per (global shape, shard group): every rank forms the same buckets
-                bucket = (key, tuple(gshape[-2:]), "reduce", id(sharding.group))
-                buckets[bucket].append((w, pw, coef, group, rows))
+                buckets[(key, tuple(gshape[-2:]), "reduce", id(sharding.group))].append((w, pw, coef, group, rows))
+            else:
+                buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
 
-    def _gathered_step(self, group, key, layout, sharding, p, direction, coef) -> None:
-        """The map of a row-sharded parameter that needs whole work matrices: all-gather the
-        direction, map it whole (same result on every rank), add this rank's rows."""
-        full = gather_rows(direction, sharding)
-        updates = []
-        for w in layout.to_work_list(full):
-            factor = shape_factor(group, *w.shape[-2:])
-            u = maps.materialize(factored_map(key, group["eta"], w))
-            updates.append(u * factor if factor != 1.0 else u)
-        update = layout.from_work(updates)
-        start, stop = sharding.rows
-        p.add_((update[start:stop] * coef).to(p.dtype))
+    def _run_gathered(self, tasks: list[tuple]) -> None:
+        """Maps of row-sharded parameters that need whole work matrices, spread over the
+        shard group: each parameter is mapped on one owner rank (:mod:`.owners`), which
+        receives its rows in one all-to-all and returns the update's rows in another."""
+        by_group: dict[tuple, list[tuple]] = defaultdict(list)
+        for task in tasks:
+            by_group[(id(task[3].group), task[5].dtype)].append(task)
+        for members in by_group.values():
+            sharding = members[0][3]
+            shapes = [t[3].shape for t in members]
+            ranges = [t[3].row_ranges() for t in members]
+            costs = [sum(map_cost(s) for s in t[2].work_shapes(t[3].shape)) for t in members]
+            owners = assign(costs, sharding.num_shards)
+            me, pg = sharding.shard_index, sharding.group
+            whole = to_owners([t[5] for t in members], shapes, ranges, owners, me, pg)
+            updates = {}
+            for i, full in whole.items():
+                group, key, layout = members[i][:3]
+                works = layout.to_work_list(full)
+                mapped = _map_whole([(key, group["eta"], w) for w in works])
+                updates[i] = layout.from_work([u * shape_factor(group, *w.shape[-2:]) for u, w in zip(mapped, works)])
+            rows = from_owners(updates, shapes, ranges, owners, me, pg, like=members[0][5])
+            for (_, _, _, _, p, _, coef), u in zip(members, rows):
+                add_factored_(p, maps.Factored(u), coef)
+
+    def _run_divided(self, buckets: list[tuple]) -> None:
+        """Matrix-product maps of replicated parameters divided among the replicas: each
+        work matrix is mapped on one owner rank and broadcast (:func:`.owners.share`);
+        every rank then adds the same updates, so the weights stay identical."""
+        import torch.distributed as dist
+
+        pg = self._replicas
+        n, me = dist.get_world_size(pg), dist.get_rank(pg)
+        jobs = []  # (key, eta, one work matrix), for every matrix of every divided bucket
+        for key, items in buckets:
+            for w, _, _, group, _ in items:
+                jobs.extend((key, group["eta"], m) for m in w.reshape(-1, *w.shape[-2:]).unbind(0))
+        owners = assign([map_cost(m.shape) for _, _, m in jobs], n)
+        mine = [t for t in range(len(jobs)) if owners[t] == me]
+        results = dict(zip(mine, _map_whole([jobs[t] for t in mine])))
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+        for t, (_, _, m) in enumerate(jobs):
+            by_dtype[m.dtype].append(t)
+        shared: list = [None] * len(jobs)
+        for ts in by_dtype.values():
+            got = share({k: results[t] for k, t in enumerate(ts) if t in results}, [jobs[t][2].shape for t in ts],
+                        [owners[t] for t in ts], me, pg, like=jobs[ts[0]][2])
+            for k, t in enumerate(ts):
+                shared[t] = got[k]
+        start = 0
+        for _, items in buckets:
+            for w, pw, coef, _, _ in items:
+                count = w.numel() // (w.shape[-2] * w.shape[-1])
+                u = torch.stack(shared[start:start + count]).view(w.shape)
+                start += count
+                add_factored_(pw, maps.Factored(u), coef)
 
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ the gradient and the state). Per parameter, :func:`plan` decides how its map run
   Gram are all-reduced; uncentred row-norm sends nothing).
 - ``"gather"``: anything else (spectral maps of whole matrices, left Grams of routers,
   layouts whose stored dim 0 is not the work's row axis, heads cut by a shard
-  boundary): the direction is all-gathered, mapped whole on every rank of the shard
-  group, and each rank adds its own rows of the update.
+  boundary): each such parameter is mapped whole on one owner rank of the shard group
+  (:mod:`.owners`: its rows go to the owner in one all-to-all for all of them, the
+  update's rows come back in a second), so the work is spread over the ranks.
 
 Every decision depends only on global shapes and the split of every shard, so all
 ranks issue the same collectives in the same order. Collectives go through
@@ -22,15 +23,13 @@ ranks issue the same collectives in the same order. Collectives go through
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..distributed.placements import Sharding, is_dtensor
 from ..layouts import Experts, Heads, Layout, Row
 from .rules import reducible
 
-__all__ = ["local", "ShardRowSum", "gather_rows", "plan", "global_flags"]
+__all__ = ["local", "ShardRowSum", "plan", "global_flags"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -52,20 +51,6 @@ class ShardRowSum:
         t = t.contiguous()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
-
-
-def gather_rows(t: torch.Tensor, sharding: Sharding) -> torch.Tensor:
-    """The whole tensor (global shape) from every rank's row shard ``t`` (one all-gather;
-    uneven last shards are padded to the common chunk size and the padding dropped)."""
-    import torch.distributed as dist
-
-    rows = sharding.shape[0]
-    chunk = math.ceil(rows / sharding.num_shards) if rows else 0
-    padded = t.new_zeros((chunk, *t.shape[1:]))
-    padded[: t.shape[0]] = t
-    out = t.new_empty((chunk * sharding.num_shards, *t.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=sharding.group)
-    return out[:rows]
 
 
 def _heads_whole(layout: Heads, sharding: Sharding) -> bool:

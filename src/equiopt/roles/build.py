@@ -40,6 +40,7 @@ def build_optimizer(
     eager_state: bool = False,
     compile: bool | str | None = None,
     state_dtype: torch.dtype | None = None,
+    divide_work: Any = None,
     **role_options: Any,
 ) -> tuple[EquivariantOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """``(optimizer, scheduler)`` for ``model`` from a recipe (name, TOML path or Recipe).
@@ -53,17 +54,29 @@ def build_optimizer(
     are passed to it); ``overrides`` replace recipe fields per role (``"*"`` for all).
     Without ``total_steps`` the scheduler holds every group's base lr (after AdamW
     warm-up); with it, the recipe's schedules run to 0 at ``total_steps``.
-    ``eager_state``, ``compile`` and ``state_dtype`` are the optimizer's own options
-    (see :class:`~equiopt.optim.EquivariantOptimizer`).
+    ``eager_state``, ``compile``, ``state_dtype`` and ``divide_work`` are the optimizer's
+    own options (see :class:`~equiopt.optim.EquivariantOptimizer`); ``divide_work=None``
+    divides the matrix maps among the replicas when ``model`` is wrapped in DDP (its
+    process group), and not otherwise.
     """
     rec = get_recipe(recipe)
     if overrides:
         rec = rec.with_overrides(overrides)
     table = assign_roles(model, rules=rules, **role_options)
-    optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state, compile=compile, state_dtype=state_dtype)
+    if divide_work is None:
+        divide_work = _ddp_group(model)
+    optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state, compile=compile,
+                                     state_dtype=state_dtype, divide_work=divide_work)
     optimizer.role_table = table
     optimizer.recipe = rec
     return optimizer, build_scheduler(optimizer, total_steps)
+
+
+def _ddp_group(model: nn.Module):
+    """The process group of a DDP-wrapped ``model`` (replicated parameters), else None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.process_group if isinstance(model, DistributedDataParallel) else None
 
 
 def print_roles(model: nn.Module, recipe: str | Recipe | None = None, file=None, **role_options: Any) -> RoleTable:

@@ -123,9 +123,10 @@ class Trainer:
         # DDP wraps the model; FSDP2 shards it in place (its parameters become DTensors).
         # The optimizer is built after, from the model itself: same names, same roles.
         self.forward_model: nn.Module = wrap_model(self.model, cfg.run.strategy, self.device, self.dist.world_size)
+        # Under DDP the replicas divide the matrix maps among themselves (the weights stay identical).
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim.recipe, total_steps=cfg.train.steps, overrides=cfg.optim.overrides or None,
-            eager_state=True,
+            eager_state=True, divide_work=cfg.run.strategy == "ddp" and self.dist.world_size > 1,
         )
         table = self.optimizer.role_table
         self.tracker = diag.WeightTracker.from_assignments(self.model, table)

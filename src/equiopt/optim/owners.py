@@ -1,0 +1,143 @@
+"""Whole-matrix maps spread over ranks: each one runs on a single *owner* rank.
+
+A spectral map (Muon) needs its whole work matrix, and so do a router's left Gram and
+layouts whose stored rows are not the work's rows. Rather than every rank computing
+every such map, :func:`assign` gives each task an owner (longest task first, to the
+least-loaded rank; only global shapes enter, so every rank agrees without sending
+anything) and the owners' results are shared:
+
+- row-sharded parameters (FSDP2 ``Shard(0)``): :func:`to_owners` sends every rank's rows
+  of each task to its owner in one all-to-all, the owner maps the whole matrices, and
+  :func:`from_owners` returns every rank's rows of the update in a second all-to-all
+  (gather to owner -> map -> scatter, with one collective each way per step);
+- replicated parameters (DDP): the owner maps its tasks and :func:`share` broadcasts each
+  owner's results (one broadcast per owner), so every rank adds the same update and the
+  weights stay bit-identical across ranks.
+
+Collectives go through ``torch.distributed`` on the given process group.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["assign", "map_cost", "to_owners", "from_owners", "share"]
+
+
+def map_cost(shape: Sequence[int]) -> int:
+    """Work of a matrix map on a ``(..., m, n)`` batch: ``batch * m * n * min(m, n)``
+    (the flops of its matrix products, up to a constant)."""
+    *lead, m, n = shape
+    batch = 1
+    for b in lead:
+        batch *= b
+    return batch * m * n * min(m, n)
+
+
+def assign(costs: Sequence[int], ranks: int) -> list[int]:
+    """An owner rank per task: longest task first, each to the least-loaded rank (ties: the
+    lowest rank). Deterministic in ``costs`` alone, so every rank computes the same list."""
+    loads = [0] * ranks
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda q: (loads[q], q))
+        owners[i] = r
+        loads[r] += costs[i]
+    return owners
+
+
+def _row_counts(shape: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """Elements of each shard of a row-sharded tensor of global ``shape``."""
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return [(b - a) * row for a, b in ranges]
+
+
+def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:
+    """One ``all_to_all_single``: ``send[q]`` (flat) goes to rank ``q``; returns the flat
+    pieces received from each rank (sizes ``recv_sizes``)."""
+    import torch.distributed as dist
+
+    inp = torch.cat(send) if send else like.new_empty(0)
+    out = like.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, inp, recv_sizes, [t.numel() for t in send], group=group)
+    return list(torch.split(out, recv_sizes))
+
+
+def to_owners(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]],
+              ranges: Sequence[Sequence[tuple[int, int]]], owners: Sequence[int], me: int, group) -> dict[int, torch.Tensor]:
+    """Whole tensors of the tasks this rank owns, ``{task: tensor of its global shape}``.
+
+    Task ``t`` is row-sharded over the group: this rank holds ``shards[t]`` (rows
+    ``ranges[t][me]`` of global shape ``shapes[t]``). One all-to-all moves every shard to
+    its task's owner; all tensors share one dtype.
+    """
+    n = len(ranges[0]) if ranges else 1
+    like = shards[0]
+    counts = [_row_counts(s, r) for s, r in zip(shapes, ranges)]
+    send = [[] for _ in range(n)]
+    for t, shard in enumerate(shards):
+        send[owners[t]].append(shard.reshape(-1))
+    mine = [t for t in range(len(shards)) if owners[t] == me]
+    recv = _all_to_all([torch.cat(s) if s else like.new_empty(0) for s in send],
+                       [sum(counts[t][s] for t in mine) for s in range(n)], group, like)
+    pieces: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
+    for s, flat in enumerate(recv):
+        for t, part in zip(mine, torch.split(flat, [counts[t][s] for t in mine])):
+            pieces[t].append(part)
+    return {t: torch.cat(pieces[t]).view(shapes[t]) for t in mine}
+
+
+def from_owners(updates: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]],
+                ranges: Sequence[Sequence[tuple[int, int]]], owners: Sequence[int], me: int, group,
+                like: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of :func:`to_owners`: each owner's whole ``updates[t]`` go back as rows,
+    one all-to-all; returns this rank's rows of every task's update (in task order)."""
+    n = len(ranges[0]) if ranges else 1
+    counts = [_row_counts(s, r) for s, r in zip(shapes, ranges)]
+    mine = sorted(updates)
+    send = []
+    for s in range(n):
+        parts = [updates[t][ranges[t][s][0]:ranges[t][s][1]].reshape(-1) for t in mine]
+        send.append(torch.cat(parts) if parts else like.new_empty(0))
+    by_owner = [[t for t in range(len(shapes)) if owners[t] == q] for q in range(n)]
+    recv = _all_to_all(send, [sum(counts[t][me] for t in ts) for ts in by_owner], group, like)
+    out: list[torch.Tensor | None] = [None] * len(shapes)
+    for ts, flat in zip(by_owner, recv):
+        for t, part in zip(ts, torch.split(flat, [counts[t][me] for t in ts])):
+            a, b = ranges[t][me]
+            out[t] = part.view((b - a, *shapes[t][1:]))
+    return out  # type: ignore[return-value]
+
+
+def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
+          group, like: torch.Tensor) -> list[torch.Tensor]:
+    """Every task's result on every rank: each owner broadcasts its ``results`` (one flat
+    buffer per owner, tasks in order); returns all tasks' results in task order."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    out: list[torch.Tensor | None] = [None] * len(shapes)
+    for q in range(n):
+        ts = [t for t in range(len(shapes)) if owners[t] == q]
+        if not ts:
+            continue
+        sizes = [_numel(shapes[t]) for t in ts]
+        if q == me:
+            flat = torch.cat([results[t].reshape(-1) for t in ts])
+        else:
+            flat = like.new_empty(sum(sizes))
+        dist.broadcast(flat, src=dist.get_global_rank(group, q) if group is not None else q, group=group)
+        for t, part in zip(ts, torch.split(flat, sizes)):
+            out[t] = part.view(shapes[t])
+    return out  # type: ignore[return-value]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

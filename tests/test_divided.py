@@ -1,0 +1,142 @@
+"""Optimizer work divided among DDP replicas (``divide_work``), on 2 and 3 gloo processes.
+
+Every rank holds the same parameters and gradients (as after DDP's all-reduce). With
+``divide_work`` each matrix-product map runs on one owner rank and is broadcast: the
+weights must be bit-identical on every rank, equal the undivided step, each rank must
+map only its share of the matrices, and what crosses ranks is exactly the broadcast
+updates of the divided maps.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+EXACT = {"*": {"method": "exact"}}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(2000 + step)
+    return {name: torch.randn(p.shape, generator=gen, dtype=p.dtype) for name, p in model.named_parameters()}
+
+
+def _identical_on_every_rank(t: torch.Tensor) -> bool:
+    flat = t.detach().reshape(-1).contiguous()
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return all(torch.equal(o, flat) for o in out)
+
+
+def _count_mapped(monkey):
+    """Patch the engine's whole-matrix mapper to record the work (map cost) each call does."""
+    import equiopt.optim.engine as engine
+    from equiopt.optim.owners import map_cost
+
+    done = []
+    original = engine._map_whole
+
+    def counting(jobs):
+        done.extend(map_cost(D.shape) for _, _, D in jobs)
+        return original(jobs)
+
+    monkey.setattr(engine, "_map_whole", counting)
+    return done
+
+
+def _check_recipes(world):
+    import equiopt
+    from equiopt.models import build
+
+    cases = [("qwen3", "paper:qwen3:a-i"), ("qwen3", "paper:qwen3:b-ii"), ("qwen3", "paper:qwen3:b-iii"),
+             ("gemma3", "paper:gemma3:a-iii"), ("olmoe", "paper:olmoe:ii"), ("gpt_oss", "paper:gpt_oss:router-hybrid")]
+    for family, recipe in cases:
+        ref = build(family, "tiny", seed=0)
+        model = copy.deepcopy(ref)
+        opt_ref, _ = equiopt.build_optimizer(ref, recipe, overrides=EXACT)
+        opt, _ = equiopt.build_optimizer(model, recipe, overrides=EXACT, divide_work=True)
+        for step in range(2):
+            grads = _grads(ref, step)
+            for m in (ref, model):
+                for name, p in m.named_parameters():
+                    p.grad = grads[name].clone()
+            opt_ref.step()
+            opt.step()
+        want = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            assert _identical_on_every_rank(p), f"{recipe} world {world}: {name} differs across ranks"
+            err = _rel(p.detach(), want[name].detach())
+            assert err <= 1e-5, f"{recipe} world {world}: {name} differs from the undivided step by {err:.2e}"
+
+
+def _check_division(world, monkey):
+    """Muon on several same-shaped matrices: each rank maps only its share; one broadcast
+    per owner carries exactly the updates of the matrices it owns."""
+    from equiopt.distributed import record_collectives
+    from equiopt.optim import EquivariantOptimizer
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(48, 32)] * 5 + [(32, 96)] * 2 + [(200, 16)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    vec = torch.nn.Parameter(torch.randn(32, generator=gen))
+    for p in params + [vec]:
+        p.grad = torch.randn(p.shape, generator=gen)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(ref, params):
+        r.grad = p.grad.clone()
+    groups = [{"params": params, "rule": "spectral", "polar_dtype": torch.float32},
+              {"params": [vec], "rule": "adamw"}]
+    opt = EquivariantOptimizer(groups, lr=0.05, divide_work=True)
+    done = _count_mapped(monkey)
+    with record_collectives() as log:
+        opt.step()
+    monkey.undo()
+    EquivariantOptimizer([{"params": ref, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05).step()
+    total = sum(s[0] * s[1] * min(s) for s in shapes)
+    mine = sum(done)
+    assert 0 < mine < total, (mine, total)
+    loads = [torch.tensor(float(mine))] * 1
+    gathered = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(gathered, loads[0].reshape(1))
+    assert sum(float(g) for g in gathered) == total  # every matrix mapped exactly once
+    assert max(float(g) for g in gathered) <= total / world + max(s[0] * s[1] * min(s) for s in shapes)
+    broadcasts = [r for r in log if r.op == "broadcast"]
+    assert len(broadcasts) == world and all(r.op in ("broadcast", "all_reduce") for r in log), log.summary()
+    assert sum(r.bytes for r in broadcasts) == sum(s[0] * s[1] * 4 for s in shapes)
+    for p, r in zip(params, ref):
+        assert _identical_on_every_rank(p)
+        assert _rel(p.detach(), r.detach()) <= 1e-5
+
+
+def _worker(rank, world, rendezvous):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    monkey = pytest.MonkeyPatch()
+    try:
+        _check_recipes(world)
+        _check_division(world, monkey)
+        dist.barrier()
+    finally:
+        monkey.undo()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_divided_step_is_identical_on_every_rank_and_equals_the_undivided_step(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+
+
+def test_divide_work_needs_a_process_group():
+    from equiopt.optim import EquivariantOptimizer
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    with pytest.raises(ValueError, match="divide_work needs an initialised torch.distributed process group"):
+        EquivariantOptimizer([torch.nn.Parameter(torch.randn(4, 4))], divide_work=True)
