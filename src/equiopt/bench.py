@@ -9,6 +9,10 @@
     paper's Qwen3-0.6B), as a ratio to torch's AdamW over all parameters, as a fraction
     of one forward+backward pass (B x T tokens), and its optimizer state and (CUDA)
     peak extra memory.
+(d) ``--divided``: per-rank step time of each recipe's whole stack on the ``--stack``
+    model under DDP-style replication, 1 process against 2 (``--worlds``) with the matrix
+    maps divided among the ranks (``divide_work``) and, for reference, undivided; one
+    thread per process on CPU (gloo), one GPU per process on CUDA (NCCL).
 (b) Accuracy of the right-spectral map and its nuclear-norm estimate ``nu`` against
     float64, for condition numbers 1e1, 1e3, 1e5 and entry scales 1e-4 to 1, for the
     default oracle and for Algorithm 3 as the paper's code runs it (Frobenius
@@ -94,9 +98,14 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -
 STACK_RECIPES = ["paper:qwen3:a-i", "paper:qwen3:a-ii", "paper:qwen3:a-iii", "paper:qwen3:b-i", "paper:qwen3:b-ii", "paper:qwen3:b-iii"]
 
 
-def _stack_model(device: torch.device):
+def _stack_model(device: torch.device, shape: str | None = None):
+    """The ``--stack`` model, or with ``shape`` ("VOCABxHIDDEN") a 4-layer Qwen3-style one of that size."""
     from . import models
 
+    if shape:
+        vocab, hidden = (int(v) for v in shape.lower().split("x"))
+        return models.build("qwen3", "small", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4,
+                            intermediate_size=3 * hidden, seed=0, device=device)
     if device.type == "cuda":
         return models.build("qwen3", "paper", device=device, seed=0)
     return models.build("qwen3", "small", vocab_size=32768, hidden_size=256, num_hidden_layers=4,
@@ -153,6 +162,64 @@ def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, com
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         print(f"{recipe:20s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
         del opt
+
+
+def _divided_worker(rank: int, world: int, rendezvous: str, device_type: str, recipes, repeats: int, out: str,
+                    shape: str | None) -> None:
+    import torch.distributed as dist
+
+    from .roles import build_optimizer
+
+    torch.set_num_threads(1)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world)
+    try:
+        model = _stack_model(device, shape)
+        params = [p for p in model.parameters() if p.requires_grad]
+        gen = torch.Generator(device=device).manual_seed(1)
+        grads = [1e-3 * torch.randn(p.shape, generator=gen, device=device) for p in params]
+        results = {}
+        for recipe in recipes:
+            for divide in ((False, True) if world > 1 else (False,)):
+                opt, _ = build_optimizer(model, recipe, eager_state=True, divide_work=divide, compile=False)
+                dist.barrier()
+                t = torch.tensor([_time_steps(opt, params, grads, device, repeats)], device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+                results[(recipe, divide)] = float(t)
+                del opt
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | None = None) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    n = sum(p.numel() for p in _stack_model(torch.device("meta") if device.type == "cpu" else device, shape).parameters())
+    print(f"(d) per-rank optimizer step time (ms, slowest rank) of the whole stack under replication, "
+          f"Qwen3-style model {shape or 'of --stack'} ({n / 1e6:.1f} M parameters), "
+          f"{'one thread' if device.type == 'cpu' else 'one GPU'} per process, torch {torch.__version__}")
+    table = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            out = f"{tmp}/w{world}.pt"
+            mp.spawn(_divided_worker, args=(world, f"{tmp}/rdv{world}", device.type, recipes, repeats, out, shape),
+                     nprocs=world, join=True)
+            table[world] = torch.load(out)
+    one = min(worlds)
+    cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [f"{w} proc divided" for w in worlds if w != one]
+    print(f"{'recipe':20s} " + " ".join(f"{c:>20s}" for c in cols) + "   divided / 1 proc")
+    for recipe in recipes:
+        row = [table[w][(recipe, False)] for w in worlds] + [table[w][(recipe, True)] for w in worlds if w != one]
+        ratios = " ".join(f"{table[w][(recipe, True)] / table[one][(recipe, False)]:.2f}" for w in worlds if w != one)
+        print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {ratios}")
 
 
 def _tall(m: int, n: int, cond: float, scale: float, gen: torch.Generator) -> torch.Tensor:
@@ -212,8 +279,15 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=None, help="--stack batch size (default 8)")
     parser.add_argument("--seq", type=int, default=None, help="--stack sequence length (CPU 256, CUDA 1024)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack")
+    parser.add_argument("--divided", action="store_true", help="only the per-rank DDP table (1 vs 2 processes)")
+    parser.add_argument("--worlds", default="1,2", help="process counts for --divided")
+    parser.add_argument("--model", default=None, help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.divided:
+        worlds = [int(w) for w in args.worlds.split(",")]
+        divided(device, args.recipes.split(","), args.repeats or (20 if device.type == "cuda" else 5), worlds, args.model)
+        return
     if args.stack:
         seq = args.seq or (1024 if device.type == "cuda" else 256)
         comp = {"auto": None, "on": True, "off": False}[args.compile]
