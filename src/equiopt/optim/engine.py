@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -60,6 +60,18 @@ def _map_whole(jobs: list[tuple[tuple, Any, torch.Tensor]]) -> list[torch.Tensor
         for i, u in zip(members, torch.split(U, [x.shape[0] for x in flat])):
             out[i] = u.reshape(jobs[i][2].shape)
     return out  # type: ignore[return-value]
+
+
+class _WholeTask(NamedTuple):
+    """A row-sharded parameter whose map needs whole work matrices (mapped on an owner rank)."""
+
+    group: dict
+    key: tuple
+    layout: Layout
+    sharding: Sharding
+    param: torch.Tensor  # this rank's rows of the weights
+    direction: torch.Tensor  # this rank's rows of the momentum direction
+    coef: torch.Tensor  # -lr * ok
 
 
 def _replica_group(divide_work):
@@ -424,7 +436,7 @@ class EquivariantOptimizer(Optimizer):
         key = map_key(group)
         how = plan(key, layout, sharding)
         if how == "gather":
-            gathered.append((group, key, layout, sharding, p, direction, okf * (-lr)))
+            gathered.append(_WholeTask(group, key, layout, sharding, p, direction, okf * (-lr)))
             return
         rows = None
         if how == "reduce":
@@ -441,30 +453,30 @@ class EquivariantOptimizer(Optimizer):
             else:
                 buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
 
-    def _run_gathered(self, tasks: list[tuple]) -> None:
+    def _run_gathered(self, tasks: list[_WholeTask]) -> None:
         """Maps of row-sharded parameters that need whole work matrices, spread over the
         shard group: each parameter is mapped on one owner rank (:mod:`.owners`), which
         receives its rows in one all-to-all and returns the update's rows in another."""
-        by_group: dict[tuple, list[tuple]] = defaultdict(list)
+        by_group: dict[tuple, list[_WholeTask]] = defaultdict(list)
         for task in tasks:
-            by_group[(id(task[3].group), task[5].dtype)].append(task)
+            by_group[(id(task.sharding.group), task.direction.dtype)].append(task)
         for members in by_group.values():
-            sharding = members[0][3]
-            shapes = [t[3].shape for t in members]
-            ranges = [t[3].row_ranges() for t in members]
-            costs = [sum(map_cost(s) for s in t[2].work_shapes(t[3].shape)) for t in members]
-            owners = assign(costs, sharding.num_shards)
-            me, pg = sharding.shard_index, sharding.group
-            whole = to_owners([t[5] for t in members], shapes, ranges, owners, me, pg)
+            first = members[0].sharding
+            shapes = [t.sharding.shape for t in members]
+            ranges = [t.sharding.row_ranges() for t in members]
+            owners = assign([sum(map_cost(s) for s in t.layout.work_shapes(t.sharding.shape)) for t in members],
+                            first.num_shards)
+            me, pg = first.shard_index, first.group
+            whole = to_owners([t.direction for t in members], shapes, ranges, owners, me, pg)
             updates = {}
             for i, full in whole.items():
-                group, key, layout = members[i][:3]
-                works = layout.to_work_list(full)
-                mapped = _map_whole([(key, group["eta"], w) for w in works])
-                updates[i] = layout.from_work([u * shape_factor(group, *w.shape[-2:]) for u, w in zip(mapped, works)])
-            rows = from_owners(updates, shapes, ranges, owners, me, pg, like=members[0][5])
-            for (_, _, _, _, p, _, coef), u in zip(members, rows):
-                add_factored_(p, maps.Factored(u), coef)
+                t = members[i]
+                works = t.layout.to_work_list(full)
+                mapped = _map_whole([(t.key, t.group["eta"], w) for w in works])
+                updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
+            rows = from_owners(updates, shapes, ranges, owners, me, pg, like=members[0].direction)
+            for t, u in zip(members, rows):
+                add_factored_(t.param, maps.Factored(u), t.coef)
 
     def _run_divided(self, buckets: list[tuple]) -> None:
         """Matrix-product maps of replicated parameters divided among the replicas: each
