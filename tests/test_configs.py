@@ -84,10 +84,12 @@ def test_protocols_match_the_papers_tables():
 
 def test_head_adamw_variant_changes_only_the_lm_head():
     e = next(x for x in experiments("gemma3") if x.name == "b-i-head-adamw")
+    plain = next(x for x in experiments("gemma3") if x.name == "b-i")
     cfg = from_dict(run_config(e, "cpu"))
+    base_cfg = from_dict(run_config(plain, "cpu"))  # the same experiment at the same scale, head unchanged
     model = build("gemma3", "tiny")
     opt, _ = build_optimizer(model, cfg.optim.recipe, overrides=cfg.optim.overrides)
-    base, _ = build_optimizer(build("gemma3", "tiny"), cfg.optim.recipe)
+    base, _ = build_optimizer(build("gemma3", "tiny"), base_cfg.optim.recipe, overrides=base_cfg.optim.overrides or None)
     rules = {g["role"]: (g["rule"], g["lr"]) for g in opt.param_groups}
     before = {g["role"]: (g["rule"], g["lr"]) for g in base.param_groups}
     assert rules.pop("lm_head") == ("adamw", 0.0005) and before.pop("lm_head")[0] == "row"
