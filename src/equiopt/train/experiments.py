@@ -86,8 +86,9 @@ Z_LOSS = 0.001     # router z-loss weight, same experiments
 #: downsized configs use the scale-transferable update size ``scale = "rms"`` (a step of
 #: RMS ``lr``) with the lr measured by ``scripts/lr_transfer.py`` (``results/lr_transfer``):
 #: with ``scale = "rms"`` the best embedding lr at widths 32-256 and vocabularies 1,024 and
-#: 4,096 lay between 0.016 and 0.038 (60-step runs); 0.02 is taken from the lower part of
-#: that range because the downsized runs are longer (400 and 10,000 steps).
+#: 4,096 lay between 0.016 and 0.045 (parabola fits, 60-step runs, 3-4 seeds); 0.02 is taken
+#: from the lower part of that range because the downsized runs are longer (400 and 10,000
+#: steps).
 #:
 #: SwiGLU (``mlp_in``, ``mlp_out``): the paper's lr 0.02 with ``nu^alpha`` took their weight
 #: RMS from 0.02 to 6.3-6.7 in 50 steps of every cpu (b) config. With ``scale = "rms"`` a
