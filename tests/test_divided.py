@@ -140,3 +140,20 @@ def test_divide_work_needs_a_process_group():
         pytest.skip("a process group is already initialised")
     with pytest.raises(ValueError, match="divide_work needs an initialised torch.distributed process group"):
         EquivariantOptimizer([torch.nn.Parameter(torch.randn(4, 4))], divide_work=True)
+
+
+def test_build_optimizer_divides_work_for_a_ddp_wrapped_model(tmp_path):
+    import equiopt
+    from equiopt.models import build
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = build("qwen3", "tiny", seed=0)
+        opt, _ = equiopt.build_optimizer(DistributedDataParallel(model), "paper:qwen3:a-i")
+        assert opt.divides_work
+        assert not equiopt.build_optimizer(model, "paper:qwen3:a-i")[0].divides_work
+        assert not equiopt.build_optimizer(DistributedDataParallel(model), "paper:qwen3:a-i", divide_work=False)[0].divides_work
+    finally:
+        dist.destroy_process_group()

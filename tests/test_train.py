@@ -182,7 +182,12 @@ def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
     # a file rendezvous: no TCP port that another job on the machine could take first
     torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     trainer = Trainer(from_dict(cfg_dict), progress=False)
+    assert trainer.optimizer.divides_work  # the replicas divide the matrix maps among themselves
     trainer.run()
+    for name, t in trainer.model.state_dict().items():  # and stay bit-identical
+        copies = [torch.empty_like(t) for _ in range(world)]
+        torch.distributed.all_gather(copies, t.contiguous())
+        assert all(torch.equal(c, t) for c in copies), name
     if rank == 0:
         torch.save(trainer.model.state_dict(), out_file)
     torch.distributed.destroy_process_group()

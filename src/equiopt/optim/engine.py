@@ -244,6 +244,11 @@ class EquivariantOptimizer(Optimizer):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     @property
+    def divides_work(self) -> bool:
+        """Whether matrix-product maps are divided among replicas (``divide_work``)."""
+        return self._replicas is not None
+
+    @property
     def nonfinite_steps(self) -> int:
         """Parameter-steps skipped for a NaN/Inf gradient, summed over parameters.
 
