@@ -7,8 +7,9 @@ train on the poetry corpus tokenised with a byte-level BPE of each vocabulary si
 with alpha = 1 on the embedding) with one change that keeps the embedding alone under
 test: the LM head uses the paper's (a)(iii) head settings (AdamW, lr 1e-3), and the
 AdamW warm-up is shortened to fit the short runs. For each size, the embedding's lr is
-swept on a grid for two update sizes: ``nu`` (the paper's nu^alpha) and ``rms`` (the
-scale-transferable option ``scale = "rms"``). The final validation loss of every run is
+swept on a grid for each update size in ``--scales``: ``nu`` (the paper's nu^alpha),
+``rms`` (the scale-transferable option ``scale = "rms"``, with the recipe's alpha = 1) and
+``rms-alpha0`` (``scale = "rms"`` without the rho^alpha factor). The final validation loss of every run is
 written to ``results.csv``; ``summary.json`` has the best lr per size and how far it moves.
 
 Resumable: a run whose row is already in ``results.csv`` is skipped. One run at a time,
@@ -39,6 +40,20 @@ def model_overrides(vocab: int, width: int) -> dict:
             "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": width // heads}
 
 
+UPDATE_SIZES = ("nu", "rms", "rms-alpha0")
+TITLES = {"nu": "paper: nu^alpha (alpha = 1)", "rms": 'scale = "rms" (alpha = 1)', "rms-alpha0": 'scale = "rms", alpha = 0'}
+
+
+def update_size(label: str) -> dict:
+    """Embedding settings of an update-size label: ``nu`` (the paper's), ``rms`` (the
+    scale-transferable size with the recipe's alpha = 1) or ``rms-alpha0`` (it without
+    the rho^alpha factor)."""
+    if label not in UPDATE_SIZES:
+        raise SystemExit(f"unknown update size {label!r}; valid: {', '.join(UPDATE_SIZES)}")
+    scale, _, alpha = label.partition("-alpha")
+    return {"scale": scale, **({"alpha": float(alpha)} if alpha else {})}
+
+
 def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -> dict:
     name = f"v{vocab}-d{width}-{scale}-lr{lr:g}-s{seed}"
     return {
@@ -48,7 +63,7 @@ def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -
         "optim": {
             "recipe": "paper:qwen3:a-ii",
             "overrides": {
-                "embedding": {"lr": lr, "scale": scale},
+                "embedding": {"lr": lr, **update_size(scale)},
                 "lm_head": {"rule": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0},
                 "vector": {"schedule": {"kind": "warmup_cosine", "warmup_steps": max(1, args.steps // 10)}},
             },
@@ -141,7 +156,7 @@ def summarise(rows: list[dict]) -> dict:
 def markdown(summary: dict) -> str:
     lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr | best mean val loss |",
              "|---|---|---|---|---|---|---|"]
-    for scale in ("nu", "rms"):
+    for scale in UPDATE_SIZES:
         if scale not in summary:
             continue
         for b in summary[scale]["best"].values():
@@ -150,7 +165,7 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | "
                          f"{b['best_val_loss']:.4f} |")
     lines.append("")
-    for scale in ("nu", "rms"):
+    for scale in UPDATE_SIZES:
         if scale in summary:
             s = summary[scale]
             fit = s["fit_lr_ratio_max_over_min"]
@@ -165,7 +180,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scales = sorted({r["scale"] for r in rows})
+    scales = [u for u in UPDATE_SIZES if any(r["scale"] == u for r in rows)]
     fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 4.5), squeeze=False)
     for ax, scale in zip(axes[0], scales):
         sizes = sorted({(int(r["vocab"]), int(r["width"])) for r in rows if r["scale"] == scale})
@@ -185,8 +200,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("embedding learning rate")
         ax.set_ylabel("final validation loss")
-        title = "paper: nu^alpha (alpha = 1)" if scale == "nu" else 'scale = "rms"'
-        ax.set_title(f"HybridPolarGradM embedding, {title}")
+        ax.set_title(f"HybridPolarGradM embedding, {TITLES[scale]}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -200,7 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="data/poetry-bpe{vocab}")
     p.add_argument("--widths", default="32,64,128")
     p.add_argument("--vocabs", default="1024,4096")
-    p.add_argument("--scales", default="rms,nu")
+    p.add_argument("--scales", default="rms,nu", help=f"update sizes: {', '.join(UPDATE_SIZES)}")
     p.add_argument("--grid-rms", default="0.004,0.008,0.016,0.032,0.064,0.128")
     p.add_argument("--grid-nu", default="0.001,0.002,0.004,0.008,0.016,0.032")
     p.add_argument("--seeds", default="0")
@@ -217,7 +231,7 @@ def main(argv=None) -> int:
     rows = read_rows(csv_path)
     done = {key(r) for r in rows}
     if not args.plot_only:
-        grids = {"rms": args.grid_rms, "nu": args.grid_nu}
+        grids = {"rms": args.grid_rms, "rms-alpha0": args.grid_rms, "nu": args.grid_nu}
         for seed in [int(s) for s in args.seeds.split(",")]:
             for vocab in [int(v) for v in args.vocabs.split(",")]:
                 for width in [int(w) for w in args.widths.split(",")]:
