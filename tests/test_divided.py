@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from map_work import check_work_divided, counting_map_work
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -33,22 +34,6 @@ def _identical_on_every_rank(t: torch.Tensor) -> bool:
     out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(out, flat)
     return all(torch.equal(o, flat) for o in out)
-
-
-def _count_mapped(monkey):
-    """Patch the engine's whole-matrix mapper to record the work (map cost) each call does."""
-    import equiopt.optim.engine as engine
-    from equiopt.optim.owners import map_cost
-
-    done = []
-    original = engine._map_whole
-
-    def counting(jobs):
-        done.extend(map_cost(D.shape) for _, _, D in jobs)
-        return original(jobs)
-
-    monkey.setattr(engine, "_map_whole", counting)
-    return done
 
 
 def _check_recipes(world):
@@ -76,7 +61,7 @@ def _check_recipes(world):
             assert err <= 1e-5, f"{recipe} world {world}: {name} differs from the undivided step by {err:.2e}"
 
 
-def _check_division(world, monkey):
+def _check_division(world):
     """Muon on several same-shaped matrices: each rank maps only its share; one broadcast
     per owner carries exactly the updates of the matrices it owns."""
     from equiopt.distributed import record_collectives
@@ -94,19 +79,12 @@ def _check_division(world, monkey):
     groups = [{"params": params, "rule": "spectral", "polar_dtype": torch.float32},
               {"params": [vec], "rule": "adamw"}]
     opt = EquivariantOptimizer(groups, lr=0.05, divide_work=True)
-    done = _count_mapped(monkey)
-    with record_collectives() as log:
+    with counting_map_work() as done, record_collectives() as log:
         opt.step()
-    monkey.undo()
     EquivariantOptimizer([{"params": ref, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05).step()
-    total = sum(s[0] * s[1] * min(s) for s in shapes)
-    mine = sum(done)
-    assert 0 < mine < total, (mine, total)
-    loads = [torch.tensor(float(mine))] * 1
-    gathered = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(gathered, loads[0].reshape(1))
-    assert sum(float(g) for g in gathered) == total  # every matrix mapped exactly once
-    assert max(float(g) for g in gathered) <= total / world + max(s[0] * s[1] * min(s) for s in shapes)
+    costs = [s[0] * s[1] * min(s) for s in shapes]
+    assert 0 < sum(done) < sum(costs), (done, costs)
+    check_work_divided(done, costs)
     broadcasts = [r for r in log if r.op == "broadcast"]
     assert len(broadcasts) == world and all(r.op in ("broadcast", "all_reduce") for r in log), log.summary()
     assert sum(r.bytes for r in broadcasts) == sum(s[0] * s[1] * 4 for s in shapes)
@@ -118,13 +96,11 @@ def _check_division(world, monkey):
 def _worker(rank, world, rendezvous):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    monkey = pytest.MonkeyPatch()
     try:
         _check_recipes(world)
-        _check_division(world, monkey)
+        _check_division(world)
         dist.barrier()
     finally:
-        monkey.undo()
         dist.destroy_process_group()
 
 

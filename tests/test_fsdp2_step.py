@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from map_work import check_work_divided, counting_map_work
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -161,7 +162,6 @@ def _check_communication(world):
 def _check_owner_based(world):
     """Muon on row-sharded matrices: each is mapped whole on one owner rank (the work split
     among the ranks), with exactly two all-to-alls (rows to owners, update rows back)."""
-    import equiopt.optim.engine as engine
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
     from equiopt.optim.owners import map_cost
@@ -178,21 +178,12 @@ def _check_owner_based(world):
         p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
     kw = dict(lr=0.05, rule="spectral", polar_dtype=torch.float32)
     opt = EquivariantOptimizer(params, **kw)
-    done, original = [], engine._map_whole
-    engine._map_whole = lambda jobs: done.extend(map_cost(D.shape) for _, _, D in jobs) or original(jobs)
-    try:
-        with record_collectives() as log:
-            opt.step()
-    finally:
-        engine._map_whole = original
+    with counting_map_work() as done, record_collectives() as log:
+        opt.step()
     assert log.ops() == ["all_reduce", "all_to_all", "all_to_all"], log.summary()
     # what this rank sends: its rows of every matrix (to the owners), then the update rows it owns
     assert log.records[1].bytes == sum(p.to_local().numel() * 4 for p in params)
-    loads = torch.zeros(world)
-    loads[dist.get_rank()] = float(sum(done))
-    dist.all_reduce(loads)
-    costs = [map_cost(s) for s in shapes]
-    assert float(loads.sum()) == sum(costs) and float(loads.max()) <= sum(costs) / world + max(costs), loads
+    loads = check_work_divided(done, [map_cost(s) for s in shapes])
     assert int((loads > 0).sum()) == min(world, len(shapes)), loads
     for p, b, g in zip(params, bases, grads):
         ref = torch.nn.Parameter(b.clone())

@@ -181,7 +181,7 @@ def _divided_worker(rank: int, world: int, rendezvous: str, device_type: str, re
         params = [p for p in model.parameters() if p.requires_grad]
         gen = torch.Generator(device=device).manual_seed(1)
         grads = [1e-3 * torch.randn(p.shape, generator=gen, device=device) for p in params]
-        results = {}
+        results = {"parameters": sum(p.numel() for p in params)}
         for recipe in recipes:
             for divide in ((False, True) if world > 1 else (False,)):
                 opt, _ = build_optimizer(model, recipe, eager_state=True, divide_work=divide, compile=False)
@@ -202,10 +202,6 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
 
     import torch.multiprocessing as mp
 
-    n = sum(p.numel() for p in _stack_model(torch.device("meta") if device.type == "cpu" else device, shape).parameters())
-    print(f"(d) per-rank optimizer step time (ms, slowest rank) of the whole stack under replication, "
-          f"Qwen3-style model {shape or 'of --stack'} ({n / 1e6:.1f} M parameters), "
-          f"{'one thread' if device.type == 'cpu' else 'one GPU'} per process, torch {torch.__version__}")
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in worlds:
@@ -213,6 +209,10 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
             mp.spawn(_divided_worker, args=(world, f"{tmp}/rdv{world}", device.type, recipes, repeats, out, shape),
                      nprocs=world, join=True)
             table[world] = torch.load(out)
+    n = table[worlds[0]]["parameters"]
+    print(f"(d) per-rank optimizer step time (ms, slowest rank) of the whole stack under replication, "
+          f"Qwen3-style model {shape or 'of --stack'} ({n / 1e6:.1f} M trained parameters), "
+          f"{'one thread' if device.type == 'cpu' else 'one GPU'} per process, torch {torch.__version__}")
     one = min(worlds)
     cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [f"{w} proc divided" for w in worlds if w != one]
     print(f"{'recipe':20s} " + " ".join(f"{c:>20s}" for c in cols) + "   divided / 1 proc")

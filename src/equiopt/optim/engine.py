@@ -364,7 +364,7 @@ class EquivariantOptimizer(Optimizer):
     def _step_impl(self, lrs: list[torch.Tensor]) -> None:
         self._last_flags = []
         buckets: dict[tuple, list] = defaultdict(list)
-        gathered: list[tuple] = []
+        gathered: list[_WholeTask] = []
         for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
             if not live:
@@ -492,9 +492,12 @@ class EquivariantOptimizer(Optimizer):
         pg = self._replicas
         n, me = dist.get_world_size(pg), dist.get_rank(pg)
         jobs = []  # (key, eta, one work matrix), for every matrix of every divided bucket
+        counts = []  # matrices per bucket item, in order
         for key, items in buckets:
             for w, _, _, group, _ in items:
-                jobs.extend((key, group["eta"], m) for m in w.reshape(-1, *w.shape[-2:]).unbind(0))
+                mats = w.reshape(-1, *w.shape[-2:]).unbind(0)
+                jobs.extend((key, group["eta"], m) for m in mats)
+                counts.append(len(mats))
         owners = assign([map_cost(m.shape) for _, _, m in jobs], n)
         mine = [t for t in range(len(jobs)) if owners[t] == me]
         results = dict(zip(mine, _map_whole([jobs[t] for t in mine])))
@@ -507,13 +510,12 @@ class EquivariantOptimizer(Optimizer):
                         [owners[t] for t in ts], me, pg, like=jobs[ts[0]][2])
             for k, t in enumerate(ts):
                 shared[t] = got[k]
+        items = [item for _, bucket in buckets for item in bucket]
         start = 0
-        for _, items in buckets:
-            for w, pw, coef, _, _ in items:
-                count = w.numel() // (w.shape[-2] * w.shape[-1])
-                u = torch.stack(shared[start:start + count]).view(w.shape)
-                start += count
-                add_factored_(pw, maps.Factored(u), coef)
+        for (w, pw, coef, _, _), count in zip(items, counts):
+            u = torch.stack(shared[start:start + count]).view(w.shape)
+            start += count
+            add_factored_(pw, maps.Factored(u), coef)
 
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:

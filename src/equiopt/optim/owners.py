@@ -19,6 +19,7 @@ Collectives go through ``torch.distributed`` on the given process group.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -30,10 +31,7 @@ def map_cost(shape: Sequence[int]) -> int:
     """Work of a matrix map on a ``(..., m, n)`` batch: ``batch * m * n * min(m, n)``
     (the flops of its matrix products, up to a constant)."""
     *lead, m, n = shape
-    batch = 1
-    for b in lead:
-        batch *= b
-    return batch * m * n * min(m, n)
+    return math.prod(lead) * m * n * min(m, n)
 
 
 def assign(costs: Sequence[int], ranks: int) -> list[int]:
@@ -50,9 +48,7 @@ def assign(costs: Sequence[int], ranks: int) -> list[int]:
 
 def _row_counts(shape: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
     """Elements of each shard of a row-sharded tensor of global ``shape``."""
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:])
     return [(b - a) * row for a, b in ranges]
 
 
@@ -125,7 +121,7 @@ def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], o
         ts = [t for t in range(len(shapes)) if owners[t] == q]
         if not ts:
             continue
-        sizes = [_numel(shapes[t]) for t in ts]
+        sizes = [math.prod(shapes[t]) for t in ts]
         if q == me:
             flat = torch.cat([results[t].reshape(-1) for t in ts])
         else:
@@ -134,10 +130,3 @@ def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], o
         for t, part in zip(ts, torch.split(flat, sizes)):
             out[t] = part.view(shapes[t])
     return out  # type: ignore[return-value]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
