@@ -99,6 +99,11 @@ def _worker(rank, world, rendezvous):
     try:
         _check_recipes(world)
         _check_division(world)
+        # drop every optimizer and tensor that refers to the group while it is alive
+        # (as Trainer.run does): teardown after destroy_process_group can abort gloo
+        import gc
+
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
