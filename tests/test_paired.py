@@ -97,6 +97,31 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
     assert (tmp_path / "report" / "sweep.png").exists() and (tmp_path / "report" / "paired.png").exists()
 
 
+def test_sweep_tunes_on_the_first_seeds_then_runs_the_rest_at_the_chosen_multiplier(tmp_path):
+    # arm 'a' is best at 0.02 (multiplier 1); seed 0 alone decides, seeds 1-2 run only there
+    p = tmp_path / "a.toml"
+    p.write_text(f'[run]\nname = "a"\nout_dir = "{tmp_path / "runs" / "a"}"\n[model]\nfamily = "qwen3"\n'
+                 f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n')
+    calls = []
+
+    def fake_train(cfg, progress=False):
+        lr = cfg.optim.overrides["attention"]["lr"]
+        calls.append((round(lr / 0.02, 6), cfg.run.seed))
+        # seeds 1 and 2 would prefer multiplier 4 if they were looked at: they must not be
+        val = 5.0 + math.log2(lr / 0.02) ** 2 / 10 - (1.0 if cfg.run.seed and lr > 0.05 else 0.0)
+        write_run(cfg.out_path, cfg.run.name, cfg.run.seed, val)
+
+    arms = sweep([str(p)], [0.25, 1.0, 4.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train,
+                 progress=False, tune_seeds=1)
+    assert calls == [(0.25, 0), (1.0, 0), (4.0, 0), (1.0, 1), (1.0, 2)]
+    assert sorted(arms[0].runs[1.0]) == [0, 1, 2] and sorted(arms[0].runs[4.0]) == [0]
+    text = sweep_report(arms, baseline="a")
+    assert "Tuning seeds: 0; seeds 1, 2 ran at each arm's chosen multiplier only" in text
+    assert "| a | 1 **(chosen)** |" in text
+    with pytest.raises(ValueError, match="tune_seeds"):
+        sweep([str(p)], [1.0], seeds=[0, 1], roles=["attention"], train_fn=fake_train, progress=False, tune_seeds=3)
+
+
 def test_cli_compare_with_baseline_writes_a_paired_report(tmp_path, monkeypatch, capsys):
     from equiopt import cli
 

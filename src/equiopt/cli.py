@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--sweep-lr", default=None, metavar="M1,M2,...",
                      help="tune each config's lrs on this grid of multipliers (resumable; seeds paired), then "
                           "compare best against best (needs --baseline)")
+    cmp.add_argument("--tune-seeds", type=int, default=None, metavar="K",
+                     help="with --sweep-lr: run the grid on seeds 0..K-1 only, then the other seeds at each "
+                          "arm's chosen multiplier")
     cmp.add_argument("--sweep-roles", default=None, metavar="ROLE,...",
                      help="roles whose lr the sweep multiplies (default: all)")
     cmp.add_argument("--report", default=None, metavar="PATH.md", help="write a markdown report (and figures) here")
@@ -167,7 +171,8 @@ def _compare(args, argv) -> int:
         mults = [float(m) for m in args.sweep_lr.split(",") if m.strip()]
         roles = [r.strip() for r in args.sweep_roles.split(",")] if args.sweep_roles else None
         try:
-            arms = sweep(args.configs, mults, seeds, roles=roles, sets=sets, force=args.force)
+            arms = sweep(args.configs, mults, seeds, roles=roles, sets=sets, force=args.force,
+                         tune_seeds=args.tune_seeds, metric=args.metric)
             baseline = _baseline_label(args.baseline, args.configs, arms)
             print(sweep_report(arms, baseline, args.metric, out=args.report, command=command))
         except ValueError as err:
@@ -199,7 +204,8 @@ def _compare(args, argv) -> int:
         report = Path(args.report)
         report.parent.mkdir(parents=True, exist_ok=True)
         runs = "\n".join(f"- `{d}`" for d in out_dirs)
-        figs = "\n".join(f"![{Path(p).stem}]({Path(p).resolve()})" for p in figures)
+        figs = "\n".join(f"![{Path(p).stem}]({Path(os.path.relpath(Path(p).resolve(), report.parent.resolve())).as_posix()})"
+                         for p in figures)
         report.write_text(f"# Comparison\n\nCommand:\n\n```bash\n{command}\n```\n\n" + "\n".join(text)
                           + f"\n\nRuns (each value is the last record of the metric in its `log.jsonl`):\n\n{runs}\n\n"
                           + figs + "\n")

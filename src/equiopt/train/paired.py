@@ -12,13 +12,14 @@ tools answer both:
 
 :func:`sweep` / :func:`sweep_report`
     Each arm (a run config) is trained at every multiplier of a learning-rate grid (the
-    multiplier scales the lr of the chosen roles, all roles by default) and every seed;
-    a run whose log already ends with ``status: done`` is skipped, so an interrupted
-    sweep resumes. Each arm's best multiplier is the one with the lowest mean final
-    metric over the seeds (a run that diverged counts as +inf); the report then compares
-    best against best, paired by seed, and lists every number with the run directory
-    whose ``log.jsonl`` holds it. The lr is chosen on the same validation batches that
-    the comparison reports; the report says so.
+    multiplier scales the lr of the chosen roles, all roles by default) and every tuning
+    seed (all seeds by default, or the first ``tune_seeds``; the other seeds are then run
+    at the chosen multiplier only); a run whose log already ends with ``status: done`` is
+    skipped, so an interrupted sweep resumes. Each arm's best multiplier is the one with
+    the lowest mean final metric over the tuning seeds (a run that diverged counts as
+    +inf); the report then compares best against best, paired by seed over all seeds, and
+    lists every number with the run directory whose ``log.jsonl`` holds it. The lr is
+    chosen on the same validation batches that the comparison reports; the report says so.
 """
 
 from __future__ import annotations
@@ -210,12 +211,14 @@ def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
 # ------------------------------------------------------------------- sweeps
 @dataclass
 class SweepArm:
-    """One config swept over lr multipliers: ``runs[mult][seed] = run directory``."""
+    """One config swept over lr multipliers: ``runs[mult][seed] = run directory``; the
+    multiplier is chosen on ``tune_seeds`` (every seed of the grid when empty)."""
 
     label: str
     config: str
     base_lrs: dict[str, float]
     runs: dict[float, dict[int, str]] = field(default_factory=dict)
+    tune_seeds: list[int] = field(default_factory=list)
 
 
 def _base_lrs(cfg, roles: Sequence[str] | None) -> dict[str, float]:
@@ -250,41 +253,56 @@ def mult_tag(mult: float) -> str:
 
 
 def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[int], roles: Sequence[str] | None = None,
-          sets: dict | None = None, force: bool = False, train_fn=None, progress: bool = True) -> list[SweepArm]:
+          sets: dict | None = None, force: bool = False, train_fn=None, progress: bool = True,
+          tune_seeds: int | None = None, metric: str = "val/loss") -> list[SweepArm]:
     """Train every config at every lr multiplier and seed (resumable, see the module docstring).
 
     The run of config ``c`` at multiplier ``m`` and seed ``s`` goes to
     ``<c's out_dir>/lrx<m>-s<s>`` with run name ``<c's name>-lrx<m>-s<s>``; its
     ``optim.overrides`` set ``lr = m * base lr`` for each swept role on top of the config's
     own overrides. A run that diverges (``nonfinite``) is kept as a result, not retried.
+    With ``tune_seeds = k`` the grid runs on ``seeds[:k]`` only; the multiplier with the
+    best mean ``metric`` there is then run on the remaining seeds.
     """
     from .config import load_config
     from .loop import NonFiniteLossError, train
 
     train_fn = train_fn or train
+    seeds = list(seeds)
+    if tune_seeds is not None and not 1 <= tune_seeds <= len(seeds):
+        raise ValueError(f"tune_seeds must be between 1 and the number of seeds ({len(seeds)}), got {tune_seeds}")
+    tuning = seeds if tune_seeds is None else seeds[:tune_seeds]
     arms = []
     for path in configs:
         base_cfg = load_config(path, sets or {})
         base = _base_lrs(base_cfg, roles)
-        arm = SweepArm(base_cfg.run.name, str(path), base)
+        arm = SweepArm(base_cfg.run.name, str(path), base, tune_seeds=list(tuning))
+
+        def run(mult: float, seed: int) -> None:
+            overrides = json.loads(json.dumps(base_cfg.optim.overrides or {}))
+            for role, lr in base.items():
+                overrides.setdefault(role, {})["lr"] = lr * mult
+            tag = f"{mult_tag(mult)}-s{seed}"
+            run_sets = dict(sets or {})
+            run_sets.update({"run.seed": seed, "run.name": f"{base_cfg.run.name}-{tag}",
+                             "run.out_dir": str(base_cfg.out_path / tag), "optim.overrides": overrides})
+            cfg = load_config(path, run_sets)
+            if force or not _done(cfg.out_path):
+                try:
+                    train_fn(cfg, progress=progress)
+                except NonFiniteLossError:
+                    pass
+            elif progress:
+                print(f"{cfg.out_path}: already done, skipped")
+            arm.runs.setdefault(mult, {})[seed] = str(cfg.out_path)
+
         for mult in multipliers:
-            for seed in seeds:
-                overrides = json.loads(json.dumps(base_cfg.optim.overrides or {}))
-                for role, lr in base.items():
-                    overrides.setdefault(role, {})["lr"] = lr * mult
-                tag = f"{mult_tag(mult)}-s{seed}"
-                run_sets = dict(sets or {})
-                run_sets.update({"run.seed": seed, "run.name": f"{base_cfg.run.name}-{tag}",
-                                 "run.out_dir": str(base_cfg.out_path / tag), "optim.overrides": overrides})
-                cfg = load_config(path, run_sets)
-                if force or not _done(cfg.out_path):
-                    try:
-                        train_fn(cfg, progress=progress)
-                    except NonFiniteLossError:
-                        pass
-                elif progress:
-                    print(f"{cfg.out_path}: already done, skipped")
-                arm.runs.setdefault(mult, {})[seed] = str(cfg.out_path)
+            for seed in tuning:
+                run(mult, seed)
+        if len(tuning) < len(seeds):
+            best, _ = _best(arm, metric)
+            for seed in seeds[len(tuning):]:
+                run(best, seed)
         arms.append(arm)
     return arms
 
@@ -301,7 +319,7 @@ def _best(arm: SweepArm, metric: str) -> tuple[float, dict[float, float]]:
     higher = metric in HIGHER_IS_BETTER
     means = {}
     for mult, by_seed in arm.runs.items():
-        vals = [_final(p, metric) for p in by_seed.values()]
+        vals = [_final(p, metric) for s, p in by_seed.items() if not arm.tune_seeds or s in arm.tune_seeds]
         bad = any(not math.isfinite(v) for v in vals)
         mean = statistics.fmean(vals) if not bad else math.nan
         means[mult] = mean
@@ -320,19 +338,18 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], pairs
     ax = fig.subplots()
     for arm in arms:
         mults = sorted(arm.runs)
-        means = []
+        _, grid = _best(arm, metric)
+        means = [grid[m] for m in mults]
         for m in mults:
             vals = [_final(p, metric) for p in arm.runs[m].values()]
             ax.scatter([m] * len(vals), vals, s=12, alpha=0.5)
-            finite = [v for v in vals if math.isfinite(v)]
-            means.append(statistics.fmean(finite) if len(finite) == len(vals) and vals else math.nan)
         line, = ax.plot(mults, means, marker="o", label=arm.label)
         bm = best[arm.label]
         ax.plot([bm], [means[mults.index(bm)]], "*", color=line.get_color(), markersize=14)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("learning-rate multiplier (of each arm's own lrs)")
     ax.set_ylabel(f"final {metric}")
-    ax.set_title("lr sweep: points = seeds, line = mean, star = chosen")
+    ax.set_title("lr sweep: points = seeds, line = mean over tuning seeds, star = chosen", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -368,11 +385,17 @@ def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/los
     lines = ["# Learning-rate sweep and paired comparison", ""]
     if command:
         lines += ["Command:", "", "```bash", command, "```", ""]
+    tuning = sorted({s for arm in arms for s in arm.tune_seeds})
+    extra = sorted({s for arm in arms for by_seed in arm.runs.values() for s in by_seed} - set(tuning))
     lines += [f"Metric: final `{metric}` of each run (the last record of its `log.jsonl` holding it). "
-              "Each arm's lr multiplier is chosen by the lowest mean over seeds on this same metric "
+              "Each arm's lr multiplier is chosen by the lowest mean over the tuning seeds on this same metric "
               "(a diverged run counts as +inf), then the chosen runs are compared with the baseline's "
               "chosen runs seed by seed. Selecting and reporting on the same validation batches favours "
-              "every arm alike, slightly optimistically.", "", "## Grid", ""]
+              "every arm alike, slightly optimistically."]
+    if tuning and extra:
+        lines += ["", f"Tuning seeds: {', '.join(map(str, tuning))}; seeds {', '.join(map(str, extra))} ran at each "
+                  "arm's chosen multiplier only, after it was chosen (the grid's mean column is over the tuning seeds)."]
+    lines += ["", "## Grid", ""]
     header = ["arm", "multiplier", "lrs", "mean", "per seed (seed: value, run directory)"]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for arm in arms:
