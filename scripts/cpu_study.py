@@ -77,8 +77,128 @@ def main(argv=None) -> int:
     return 0
 
 
-def from_logs_report() -> None:  # filled in below
-    raise SystemExit("report: not written yet")
+# ------------------------------------------------------------------ report
+# study -> (metrics at the final validation, [(arm, baseline)] pairs for paired differences)
+METRICS = {
+    "qwen3_a": ["val/loss", "ood/loss"],
+    "gpt_oss_router": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "router/entropy",
+                       "router/cv", "router/logit_rms"],
+    "gemma3_logits": ["val/loss", "logits/rms", "logits/centred_rms", "logits/max_lse", "ood/loss"],
+}
+PAIRS = {
+    "gemma3_logits": [("gemma3-b-i", "gemma3-b-i-head-adamw"), ("gemma3-b-ii", "gemma3-b-ii-head-adamw")],
+}
+CURVES = {
+    "qwen3_a": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
+    "gpt_oss_router": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
+    "gemma3_logits": ["val/loss", "logits/rms", "logits/centred_rms", "logits/max_lse"],
+}
+
+
+def _run_dirs(study: str) -> list[Path]:
+    """The study's finished runs; for a learning-rate sweep only each arm's chosen multiplier."""
+    logs = OUT / study / "logs"
+    sweep = OUT / study / "sweep.json"
+    if sweep.exists():
+        from equiopt.train.paired import mult_tag
+
+        chosen = json.loads(sweep.read_text())["chosen"]
+        family, names = STUDIES[study]
+        dirs = []
+        for name in names:
+            label = f"{family}-{name}"
+            dirs += sorted(d for d in (logs / name).glob(f"{mult_tag(chosen[label])}-s*") if _finished(d))
+        return dirs
+    return sorted(p for p in logs.iterdir() if _finished(p))
+
+
+def _finished(run_dir: Path) -> bool:
+    from equiopt.train.plots import read_run
+
+    return (run_dir / "log.jsonl").exists() and read_run(run_dir).status == "done"
+
+
+def _fmt(v, digits=4):
+    return "-" if v is None or not math.isfinite(v) else f"{v:.{digits}f}"
+
+
+def _tables(study: str, dirs: list[Path]) -> list[str]:
+    from equiopt.train.compare_table import compare_rows
+    from equiopt.train.paired import paired_rows, paired_table
+
+    family, names = STUDIES[study]
+    lines = []
+    for metric in METRICS[study]:
+        rows = compare_rows(dirs, metric=metric)
+        lines += [f"### `{metric}` at the last validation", "",
+                  "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
+        for r in rows:
+            per = ", ".join(f"{sd}: {_fmt(v)}" for sd, v in zip(r.seeds, r.values))
+            lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
+        lines.append("")
+        pairs = PAIRS.get(study) or [(None, f"{family}-{names[0]}")]
+        for arm, base in pairs:
+            paired = [p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]
+            lines += [paired_table(paired), ""]
+    return lines
+
+
+def _curves(study: str, dirs: list[Path]) -> Path:
+    from equiopt.train.plots import _mpl, read_run
+    import numpy as np
+
+    Figure = _mpl()[0]
+    keys = CURVES[study]
+    runs = [read_run(d) for d in dirs]
+    by_arm: dict[str, list] = {}
+    for run in runs:
+        by_arm.setdefault(re.sub(r"-s\d+$", "", run.name), []).append(run)
+    cols = 2 if len(keys) > 3 else len(keys)
+    rows = math.ceil(len(keys) / cols)
+    fig = Figure(figsize=(5.2 * cols, 3.4 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, key in zip(axes, keys):
+        for arm, group in by_arm.items():
+            series = [r.series(key, x="step") for r in group if r.has(key)]
+            if not series:
+                continue
+            n = min(len(x) for x, _ in series)
+            xs = series[0][0][:n]
+            ys = np.stack([y[:n] for _, y in series])
+            line, = ax.plot(xs, ys.mean(0), label=f"{arm} ({len(series)} seeds)")
+            ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{study}: mean over seeds, band = min..max", fontsize=10)
+    fig.tight_layout()
+    path = OUT / study / "curves.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def from_logs_report() -> None:
+    """results/study/<study>/tables.md and curves.png for every study whose runs have finished."""
+    for study in STUDIES:
+        logs = OUT / study / "logs"
+        if not logs.exists():
+            continue
+        dirs = _run_dirs(study)
+        if not dirs:
+            continue
+        lines = [f"# {study}: final metrics and paired differences", "",
+                 "Written by `python scripts/cpu_study.py report` from the `log.jsonl` of every run listed.",
+                 "Paired differences are arm minus baseline on the same seed (same initialisation and data order);",
+                 "the 95 % interval is Student t over the seeds.", ""]
+        lines += _tables(study, dirs)
+        lines += ["Runs:", ""] + [f"- `{d.relative_to(ROOT)}`" for d in dirs] + [""]
+        fig = _curves(study, dirs)
+        lines += [f"![curves]({fig.name})", ""]
+        (OUT / study / "tables.md").write_text("\n".join(lines))
+        print(OUT / study / "tables.md")
 
 
 if __name__ == "__main__":
