@@ -165,8 +165,11 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, redu
     return Factored(x, row=s, shift=shift)
 
 
-def _maybe_center(D: torch.Tensor, flag: bool, reducer: Optional[RowReducer] = None) -> torch.Tensor:
-    return D - _col_mean(D, reducer) if flag else D
+def _maybe_center(D: torch.Tensor, flag: bool, reducer: Optional[RowReducer] = None,
+                  centred_input: bool = False) -> torch.Tensor:
+    """``Pi D`` when ``flag`` (a new tensor), else ``D``; ``centred_input``: ``D`` is already
+    ``Pi D`` (its owner centred it in place), so it is used as it is."""
+    return D - _col_mean(D, reducer) if flag and not centred_input else D
 
 
 def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> torch.Tensor:
@@ -182,12 +185,14 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
 
 def row_norm_factored(
     D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse",
-    reducer: Optional[RowReducer] = None,
+    reducer: Optional[RowReducer] = None, centred_input: bool = False,
 ) -> Factored:
     """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
 
-    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole)."""
-    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer)
+    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole).
+    ``centred_input`` (with ``center``): ``D`` already has zero column means, so it is not
+    centred again (no full-size copy); the output projection is kept."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
     return _row_factors(x, eta, eps, center, reducer)
 
 
@@ -308,11 +313,13 @@ def one_sided_factored(
     gram: str = "auto",
     scale: str = "nu",
     reducer: Optional[RowReducer] = None,
+    centred_input: bool = False,
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
-    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
-    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer)
+    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
+    ``centred_input``: as in :func:`row_norm_factored`."""
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
     return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer)
 
 
@@ -422,18 +429,20 @@ def hybrid_factored(
     gram: str = "auto",
     scale: str = "nu",
     reducer: Optional[RowReducer] = None,
+    centred_input: bool = False,
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
-    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only)."""
+    ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
+    ``centred_input``: as in :func:`row_norm_factored`."""
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
-    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer)
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
     if order == "row_then_right":
         z = materialize(_row_factors(x, eta, eps, center, reducer))
         rows = None
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
-            sq = z.pow(2).sum(-1)
+            sq = _row_norms(z)[..., 0].square()
             rows = (_row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
         return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer)
     z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer))

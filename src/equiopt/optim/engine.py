@@ -23,7 +23,8 @@ from ..layouts import Layout, parse_layout
 from .. import maps
 from ..distributed.placements import Sharding, describe_sharding
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .rules import ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, resolved, shape_factor, validate_group
+from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, resolved, shape_factor,
+                    validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
 from .sharded import ShardRowSum, global_flags, local, plan
 
@@ -121,6 +122,10 @@ class EquivariantOptimizer(Optimizer):
     weights stay identical on every rank. Row-norm and element-wise rules, which cost
     less than sending their results, run on every rank.
     :func:`equiopt.build_optimizer` sets it from a DDP-wrapped model.
+
+    A group with ``center`` stores the momentum of the matrices it maps whole on this rank
+    in the quotient, ``Pi M`` (see ``_centre_in_place``): the centred maps see only
+    ``Pi M``, so the updates are unchanged and no centred copy of an LM head is formed.
 
     ``state_dtype`` holds momentum and Adam moments (default: float32 for bfloat16,
     float16 and float32 parameters, float64 for float64 ones); ``eager_state=True`` creates all state at construction so every rank
@@ -443,6 +448,8 @@ class EquivariantOptimizer(Optimizer):
         if how == "gather":
             gathered.append(_WholeTask(group, key, layout, sharding, p, direction, okf * (-lr)))
             return
+        if how == "local" and group["center"] and key[0] != "spectral":
+            key = self._centre_in_place(direction, layout, okf, key)
         rows = None
         if how == "reduce":
             rows = ShardRowSum(sharding.group, sharding.shape[0])
@@ -457,6 +464,20 @@ class EquivariantOptimizer(Optimizer):
                 buckets[(key, tuple(gshape[-2:]), "reduce", id(sharding.group))].append((w, pw, coef, group, rows))
             else:
                 buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
+
+    @staticmethod
+    def _centre_in_place(direction: torch.Tensor, layout: Layout, okf: torch.Tensor, key: tuple) -> tuple:
+        """Centre the direction's work matrices in place (``D <- Pi D``) and return the key
+        of maps that take them as already centred.
+
+        A centred map sees only ``Pi D`` and ``Pi`` is linear, so it commutes with the
+        momentum average: storing ``Pi M`` instead of ``M`` leaves every update unchanged
+        (up to rounding) and spares the map a full-size centred copy (for an LM head the
+        size of the vocabulary matrix). A skipped parameter (``okf = 0``) is left as is.
+        """
+        for w in layout.to_work_list(direction):
+            w.sub_(w.mean(dim=-2, keepdim=True).mul_(okf))
+        return precentred(key)
 
     def _run_gathered(self, tasks: list[_WholeTask]) -> None:
         """Maps of row-sharded parameters that need whole work matrices, spread over the

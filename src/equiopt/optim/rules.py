@@ -82,24 +82,37 @@ def map_key(group: dict) -> tuple:
     )
 
 
+# The ``center`` entry of a map key whose work matrices the optimizer has already centred
+# in place (their momentum is stored in the quotient, see EquivariantOptimizer).
+PRECENTRED = "precentred"
+
+
+def precentred(key: tuple) -> tuple:
+    """``key`` for work matrices that already have zero column means: the map skips its
+    input centring (no full-size copy) and keeps its output projection."""
+    return key[:2] + (PRECENTRED,) + key[3:]
+
+
 def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None) -> maps.Factored:
-    """The map identified by ``key`` (see :func:`map_key`) on a batch of work matrices, in
-    factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
+    """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
+    of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
 
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`)."""
     rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale = key
+    done = center == PRECENTRED
+    center = bool(center)
     if rule == "spectral":
         if reducer is not None:
             raise ValueError("the spectral map needs the whole matrix; gather a row-sharded one first")
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
     if rule in ("right", "left"):
         return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
-                                       scale=scale, reducer=reducer)
+                                       scale=scale, reducer=reducer, centred_input=done)
     if rule == "row":
-        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer)
+        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centred_input=done)
     return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
-                                scale=scale, reducer=reducer)
+                                scale=scale, reducer=reducer, centred_input=done)
 
 
 def reducible(key: tuple, rows: int, cols: int) -> bool:
