@@ -137,7 +137,10 @@ def _tables(study: str, dirs: list[Path]) -> list[str]:
             lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
         lines.append("")
         pairs = PAIRS.get(study) or [(None, f"{family}-{names[0]}")]
+        labels = {r.label for r in rows}
         for arm, base in pairs:
+            if not any(base in label for label in labels) or (arm is not None and arm not in labels):
+                continue  # an arm of the study that was not run
             paired = [p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]
             lines += [paired_table(paired), ""]
     return lines
