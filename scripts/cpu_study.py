@@ -85,6 +85,11 @@ METRICS = {
                        "router/cv", "router/logit_rms"],
     "gemma3_logits": ["val/loss", "logits/rms", "logits/centred_rms", "logits/max_lse", "ood/loss"],
 }
+# metrics also summarised over the whole run: each run's mean over its validations
+RUN_MEAN = {
+    "gpt_oss_router": ["router/lb", "router/z", "router/dead", "router/max_load"],
+    "gemma3_logits": ["logits/rms", "logits/centred_rms", "logits/max_lse"],
+}
 PAIRS = {
     "gemma3_logits": [("gemma3-b-i", "gemma3-b-i-head-adamw"), ("gemma3-b-ii", "gemma3-b-ii-head-adamw")],
 }
@@ -143,7 +148,35 @@ def _tables(study: str, dirs: list[Path]) -> list[str]:
                 continue  # an arm of the study that was not run
             paired = [p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]
             lines += [paired_table(paired), ""]
+    for metric in RUN_MEAN.get(study, []):
+        rows = [_over_run(r, metric) for r in compare_rows(dirs, metric=metric)]
+        lines += [f"### `{metric}`, mean over each run's validations (steps 50, 100, 150)", "",
+                  "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
+        for r in rows:
+            per = ", ".join(f"{sd}: {_fmt(v)}" for sd, v in zip(r.seeds, r.values))
+            lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
+        lines.append("")
+        labels = {r.label for r in rows}
+        for arm, base in PAIRS.get(study) or [(None, f"{family}-{names[0]}")]:
+            if not any(base in label for label in labels) or (arm is not None and arm not in labels):
+                continue
+            lines += [paired_table([p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]), ""]
     return lines
+
+
+def _over_run(row, metric: str):
+    """``row`` with each run's value replaced by its mean over the run's validations."""
+    from dataclasses import replace
+
+    from equiopt.train.plots import read_run
+
+    values = []
+    for path in row.paths:
+        _, ys = read_run(path).series(metric, kind="val", x="step")
+        values.append(float(ys.mean()) if len(ys) else math.nan)
+    finite = [v for v in values if math.isfinite(v)]
+    return replace(row, values=values, mean=statistics.fmean(finite) if finite else None,
+                   std=statistics.stdev(finite) if len(finite) > 1 else None)
 
 
 def _curves(study: str, dirs: list[Path]) -> Path:
