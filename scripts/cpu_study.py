@@ -216,8 +216,54 @@ def _curves(study: str, dirs: list[Path]) -> Path:
     return path
 
 
+# studies whose arms were tuned: roles swept, and the commands that ran the sweep
+SWEEPS = {
+    "qwen3_a": (["embedding", "lm_head"], """\
+D=results/study/qwen3_a/configs
+# tuning on seed 0 (grid 0.5-4), then seeds 1-2 at each arm's best
+equiopt compare $D/a-iii.toml $D/a-i.toml --seeds 3 --tune-seeds 1 --sweep-lr 0.5,1,2,4 \\
+    --sweep-roles embedding,lm_head --baseline qwen3-a-iii
+# (a)(ii) was best at the grid's low edge: its own grid
+equiopt compare $D/a-ii.toml --seeds 3 --tune-seeds 1 --sweep-lr 0.25,0.5,1,2 --sweep-roles embedding,lm_head \\
+    --baseline qwen3-a-ii
+python scripts/cpu_study.py report"""),
+}
+
+
+def _sweep_arms(study: str):
+    """The study's lr sweep read back from its run directories (``<arm>/lrx<m>-s<seed>``):
+    each arm's own grid, tuned on seed 0."""
+    from equiopt.train.config import load_config
+    from equiopt.train.paired import SweepArm, _base_lrs
+
+    family, names = STUDIES[study]
+    roles = SWEEPS[study][0]
+    arms = []
+    for name in names:
+        cfg = load_config(OUT / study / "configs" / f"{name}.toml")
+        arm = SweepArm(cfg.run.name, str((OUT / study / "configs" / f"{name}.toml").relative_to(ROOT)),
+                       _base_lrs(cfg, roles), tune_seeds=[0])
+        for d in sorted((OUT / study / "logs" / name).glob("lrx*-s*")):
+            m = re.fullmatch(r"lrx([0-9.e+-]+)-s(\d+)", d.name)
+            if m and _finished(d):
+                arm.runs.setdefault(float(m.group(1)), {})[int(m.group(2))] = str(d.relative_to(ROOT))
+        arms.append(arm)
+    return arms
+
+
 def from_logs_report() -> None:
-    """results/study/<study>/tables.md and curves.png for every study whose runs have finished."""
+    """results/study/<study>/tables.md and curves.png for every study whose runs have
+    finished; for a tuned study first its sweep report (sweep.md, sweep.json, figures)."""
+    import os
+
+    from equiopt.train.paired import sweep_report
+
+    os.chdir(ROOT)  # run directories are named relative to the repository root
+    for study, (roles, command) in SWEEPS.items():
+        if (OUT / study / "logs").exists():
+            family, names = STUDIES[study]
+            sweep_report(_sweep_arms(study), f"{family}-{names[0]}", out=OUT / study / "sweep.md", command=command)
+            print(OUT / study / "sweep.md")
     for study in STUDIES:
         logs = OUT / study / "logs"
         if not logs.exists():
