@@ -340,10 +340,10 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], pairs
         mults = sorted(arm.runs)
         _, grid = _best(arm, metric)
         means = [grid[m] for m in mults]
+        line, = ax.plot(mults, means, marker="o", label=arm.label)
         for m in mults:
             vals = [_final(p, metric) for p in arm.runs[m].values()]
-            ax.scatter([m] * len(vals), vals, s=12, alpha=0.5)
-        line, = ax.plot(mults, means, marker="o", label=arm.label)
+            ax.scatter([m] * len(vals), vals, s=12, alpha=0.5, color=line.get_color())
         bm = best[arm.label]
         ax.plot([bm], [means[mults.index(bm)]], "*", color=line.get_color(), markersize=14)
     ax.set_xscale("log", base=2)
