@@ -129,38 +129,32 @@ def _fmt(v, digits=4):
 
 def _tables(study: str, dirs: list[Path]) -> list[str]:
     from equiopt.train.compare_table import compare_rows
+
+    lines = []
+    for metric in METRICS[study]:
+        lines += _section(study, f"`{metric}` at the last validation", compare_rows(dirs, metric=metric), metric)
+    for metric in RUN_MEAN.get(study, []):
+        rows = [_over_run(r, metric) for r in compare_rows(dirs, metric=metric)]
+        lines += _section(study, f"`{metric}`, mean over each run's validations (steps 50, 100, 150)", rows, metric)
+    return lines
+
+
+def _section(study: str, title: str, rows, metric: str) -> list[str]:
+    """One metric: mean ± std per arm, then the paired differences from each baseline of
+    the study that was run."""
     from equiopt.train.paired import paired_rows, paired_table
 
     family, names = STUDIES[study]
-    lines = []
-    for metric in METRICS[study]:
-        rows = compare_rows(dirs, metric=metric)
-        lines += [f"### `{metric}` at the last validation", "",
-                  "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
-        for r in rows:
-            per = ", ".join(f"{sd}: {_fmt(v)}" for sd, v in zip(r.seeds, r.values))
-            lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
-        lines.append("")
-        pairs = PAIRS.get(study) or [(None, f"{family}-{names[0]}")]
-        labels = {r.label for r in rows}
-        for arm, base in pairs:
-            if not any(base in label for label in labels) or (arm is not None and arm not in labels):
-                continue  # an arm of the study that was not run
-            paired = [p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]
-            lines += [paired_table(paired), ""]
-    for metric in RUN_MEAN.get(study, []):
-        rows = [_over_run(r, metric) for r in compare_rows(dirs, metric=metric)]
-        lines += [f"### `{metric}`, mean over each run's validations (steps 50, 100, 150)", "",
-                  "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
-        for r in rows:
-            per = ", ".join(f"{sd}: {_fmt(v)}" for sd, v in zip(r.seeds, r.values))
-            lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
-        lines.append("")
-        labels = {r.label for r in rows}
-        for arm, base in PAIRS.get(study) or [(None, f"{family}-{names[0]}")]:
-            if not any(base in label for label in labels) or (arm is not None and arm not in labels):
-                continue
-            lines += [paired_table([p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]), ""]
+    lines = [f"### {title}", "", "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
+    for r in rows:
+        per = ", ".join(f"{sd}: {_fmt(v)}" for sd, v in zip(r.seeds, r.values))
+        lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
+    lines.append("")
+    labels = {r.label for r in rows}
+    for arm, base in PAIRS.get(study) or [(None, f"{family}-{names[0]}")]:
+        if not any(base in label for label in labels) or (arm is not None and arm not in labels):
+            continue  # an arm of the study that was not run
+        lines += [paired_table([p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]), ""]
     return lines
 
 

@@ -328,8 +328,8 @@ def _best(arm: SweepArm, metric: str) -> tuple[float, dict[float, float]]:
     return best, means
 
 
-def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], pairs: Sequence[PairedRow],
-            out: Path) -> list[Path]:
+def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid: dict[str, dict[float, float]],
+            pairs: Sequence[PairedRow], out: Path) -> list[Path]:
     from .plots import _mpl
 
     Figure = _mpl()[0]
@@ -338,8 +338,7 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], pairs
     ax = fig.subplots()
     for arm in arms:
         mults = sorted(arm.runs)
-        _, grid = _best(arm, metric)
-        means = [grid[m] for m in mults]
+        means = [grid[arm.label][m] for m in mults]
         line, = ax.plot(mults, means, marker="o", label=arm.label)
         for m in mults:
             vals = [_final(p, metric) for p in arm.runs[m].values()]
@@ -434,7 +433,7 @@ def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/los
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            figs = _figure(arms, metric, best, pairs, out.parent)
+            figs = _figure(arms, metric, best, grid, pairs, out.parent)
         except ImportError:
             figs = []
         for p in figs:
