@@ -40,18 +40,26 @@ def model_overrides(vocab: int, width: int) -> dict:
             "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": width // heads}
 
 
-UPDATE_SIZES = ("nu", "rms", "rms-alpha0")
-TITLES = {"nu": "paper: nu^alpha (alpha = 1)", "rms": 'scale = "rms" (alpha = 1)', "rms-alpha0": 'scale = "rms", alpha = 0'}
+UPDATE_SIZES = ("nu", "rms", "rms-alpha0", "nu-lazy", "rms-lazy")
+TITLES = {"nu": "paper: nu^alpha (alpha = 1)", "rms": 'scale = "rms" (alpha = 1)', "rms-alpha0": 'scale = "rms", alpha = 0',
+          "nu-lazy": "paper's nu^alpha, lazy = True", "rms-lazy": 'scale = "rms", lazy = True'}
 
 
 def update_size(label: str) -> dict:
-    """Embedding settings of an update-size label: ``nu`` (the paper's), ``rms`` (the
-    scale-transferable size with the recipe's alpha = 1) or ``rms-alpha0`` (it without
-    the rho^alpha factor)."""
+    """Embedding settings of an update-size label ``<scale>[-alpha<a>][-lazy]``: ``nu`` (the
+    paper's), ``rms`` (the scale-transferable size with the recipe's alpha = 1),
+    ``rms-alpha0`` (it without the rho^alpha factor), and with ``-lazy`` the rows without
+    a gradient in the step are not updated (``lazy = True``)."""
     if label not in UPDATE_SIZES:
         raise SystemExit(f"unknown update size {label!r}; valid: {', '.join(UPDATE_SIZES)}")
-    scale, _, alpha = label.partition("-alpha")
-    return {"scale": scale, **({"alpha": float(alpha)} if alpha else {})}
+    scale, *rest = label.split("-")
+    out: dict = {"scale": scale}
+    for part in rest:
+        if part == "lazy":
+            out["lazy"] = True
+        else:
+            out["alpha"] = float(part.removeprefix("alpha"))
+    return out
 
 
 def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -> dict:
@@ -125,23 +133,56 @@ def _vertex(lrs: list[float], means: list[float], i: int) -> float | None:
     return float(2 ** (-b / (2 * a))) if a > 0 else None
 
 
+def _best(grid: list[float], means: list[float]) -> tuple[int, float]:
+    """Index of the best grid point and the best lr estimate: the parabola vertex, or the
+    grid point where there is no vertex (grid edge, non-finite neighbour)."""
+    i = min(range(len(grid)), key=lambda j: means[j])
+    fit = _vertex(grid, means, i)
+    return i, grid[i] if fit is None else fit
+
+
+def _bootstrap_ratio(sizes: dict, draws: int = 2000, seed: int = 0) -> list[float] | None:
+    """2.5 %, 50 % and 97.5 % points of the best-lr ratio (max / min over sizes, parabola
+    fits) when each size's seeds are resampled with replacement (the lrs of one seed stay
+    paired: a resampled seed brings its whole curve)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    curves = {}
+    for size, by_lr in sizes.items():
+        grid = sorted(by_lr)
+        common = sorted(set.intersection(*(set(by_lr[lr]) for lr in grid)))
+        if len(common) < 2:
+            return None
+        curves[size] = (grid, np.array([[by_lr[lr][s] for lr in grid] for s in common]))
+    ratios = []
+    for _ in range(draws):
+        best = []
+        for grid, losses in curves.values():
+            pick = losses[rng.integers(0, len(losses), len(losses))]
+            best.append(_best(grid, list(pick.mean(axis=0)))[1])
+        ratios.append(max(best) / min(best))
+    return [float(q) for q in np.percentile(ratios, [2.5, 50, 97.5])]
+
+
 def summarise(rows: list[dict]) -> dict:
-    """Best lr per (scale, size) by mean final validation loss over seeds (non-finite = +inf),
-    on the grid and as the vertex of a parabola in log2(lr) through the best point and its
-    neighbours; and how far each moves across sizes (max / min)."""
+    """Best lr per (update size, model size) by mean final validation loss over seeds
+    (non-finite = +inf), on the grid and as the vertex of a parabola in log2(lr) through
+    the best point and its neighbours; how far each moves across sizes (max / min), and a
+    seed-bootstrap interval of the fitted ratio."""
     table: dict = {}
     for r in rows:
         v = float(r["val_loss"])
         v = v if math.isfinite(v) else math.inf
         table.setdefault(r["scale"], {}).setdefault((int(r["vocab"]), int(r["width"])), {}).setdefault(
-            float(r["lr"]), []).append(v)
+            float(r["lr"]), {})[int(r["seed"])] = v
     out = {}
     for scale, sizes in table.items():
         best = {}
         for (vocab, width), by_lr in sorted(sizes.items()):
             grid = sorted(by_lr)
-            means = [sum(by_lr[lr]) / len(by_lr[lr]) for lr in grid]
-            i = min(range(len(grid)), key=lambda j: means[j])
+            means = [sum(by_lr[lr].values()) / len(by_lr[lr]) for lr in grid]
+            i, _ = _best(grid, means)
             best[f"v{vocab}-d{width}"] = {
                 "vocab": vocab, "width": width, "seeds": min(len(v) for v in by_lr.values()),
                 "best_lr": grid[i], "best_val_loss": means[i], "at_grid_edge": i in (0, len(grid) - 1),
@@ -149,7 +190,8 @@ def summarise(rows: list[dict]) -> dict:
         lrs = [b["best_lr"] for b in best.values()]
         fits = [b["fit_lr"] for b in best.values() if b["fit_lr"] is not None]
         out[scale] = {"best": best, "best_lr_ratio_max_over_min": max(lrs) / min(lrs),
-                      "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None}
+                      "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None,
+                      "fit_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes)}
     return out
 
 
@@ -169,8 +211,11 @@ def markdown(summary: dict) -> str:
         if scale in summary:
             s = summary[scale]
             fit = s["fit_lr_ratio_max_over_min"]
+            boot = s.get("fit_lr_ratio_bootstrap_2.5_50_97.5")
             lines.append(f"- `{scale}`: best lr max/min across sizes = {s['best_lr_ratio_max_over_min']:.3g} on the grid"
-                         + (f", {fit:.3g} from the parabola fits" if fit else ""))
+                         + (f", {fit:.3g} from the parabola fits" if fit else "")
+                         + (f" (seed bootstrap: median {boot[1]:.3g}, 95 % interval [{boot[0]:.3g}, {boot[2]:.3g}])"
+                            if boot else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -181,8 +226,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     scales = [u for u in UPDATE_SIZES if any(r["scale"] == u for r in rows)]
-    fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 4.5), squeeze=False)
-    for ax, scale in zip(axes[0], scales):
+    ncols = min(3, len(scales))
+    nrows = -(-len(scales) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(scales):]:
+        ax.set_visible(False)
+    for ax, scale in zip(axes.flat, scales):
         sizes = sorted({(int(r["vocab"]), int(r["width"])) for r in rows if r["scale"] == scale})
         for vocab, width in sizes:
             pts = {}
@@ -231,7 +280,7 @@ def main(argv=None) -> int:
     rows = read_rows(csv_path)
     done = {key(r) for r in rows}
     if not args.plot_only:
-        grids = {"rms": args.grid_rms, "rms-alpha0": args.grid_rms, "nu": args.grid_nu}
+        grids = {label: args.grid_nu if label.startswith("nu") else args.grid_rms for label in UPDATE_SIZES}
         for seed in [int(s) for s in args.seeds.split(",")]:
             for vocab in [int(v) for v in args.vocabs.split(",")]:
                 for width in [int(w) for w in args.widths.split(",")]:

@@ -122,6 +122,7 @@ SPECS = [
     ({"rule": "hybrid", "order": "row_then_right", "layout": "experts:gate_up"}, (2, 12, 8)),
     ({"rule": "sgd"}, (6, 4)),
     ({"rule": "adamw", "weight_decay": 0.1}, (8,)),
+    ({"rule": "hybrid", "scale": "rms", "lazy": True}, (48, 6)),  # gets embedding-like sparse gradients
 ]
 
 
@@ -139,6 +140,8 @@ def _train(params, opt, sched, step, steps=4):
     for k in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
+            if p.shape == (48, 6):
+                p.grad[torch.rand(48, generator=g) < 0.5] = 0
         if k == 2:
             params[0].grad[0, 0] = float("nan")
         step()

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch.optim import Optimizer
 
-from ..layouts import Layout, parse_layout
+from ..layouts import Layout, Row, parse_layout
 from .. import maps
 from ..distributed.placements import Sharding, describe_sharding
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
@@ -113,6 +113,8 @@ class EquivariantOptimizer(Optimizer):
     - ``nonfinite``: ``"skip"`` (default: a parameter whose gradient has NaN/Inf is left
       untouched, weights and state, and counted in :attr:`nonfinite_steps`) or
       ``"raise"`` (:class:`NonFiniteGradientError` before anything is modified).
+    - ``lazy``: update only the rows of each work matrix whose gradient is nonzero in this
+      step (the others' momentum still decays); see :meth:`_lazy_rows`. For embeddings.
     - ``names``: parameter names for messages (one per parameter).
 
     ``divide_work``: a process group over which the plain (non-DTensor) parameters are
@@ -162,6 +164,7 @@ class EquivariantOptimizer(Optimizer):
         polar_dtype: torch.dtype | None = None,
         nonfinite: str = "skip",
         scale: str | None = None,
+        lazy: bool = False,
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
         compile: bool | str | None = None,
@@ -180,7 +183,7 @@ class EquivariantOptimizer(Optimizer):
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
             eta=eta, betas=tuple(betas), adam_eps=adam_eps, lr_scale=lr_scale, polar_dtype=polar_dtype,
-            nonfinite=nonfinite, scale=scale,
+            nonfinite=nonfinite, scale=scale, lazy=lazy,
         )
         super().__init__(params, defaults)
 
@@ -437,12 +440,14 @@ class EquivariantOptimizer(Optimizer):
         grad = sanitize(local(p.grad), buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
         sharding = self._sharding(p)
+        layout = group["layouts"][j]
+        if group["lazy"]:
+            direction = self._lazy_rows(direction, grad, layout, sharding, group, group["names"][j])
         p = local(p)
         decay_(p, lr, group["weight_decay"], okf)
         if group["rule"] == "sgd":
             p.add_((direction * (-lr * okf)).to(p.dtype))
             return
-        layout = group["layouts"][j]
         key = map_key(group)
         how = plan(key, layout, sharding)
         if how == "gather":
@@ -464,6 +469,29 @@ class EquivariantOptimizer(Optimizer):
                 buckets[(key, tuple(gshape[-2:]), "reduce", id(sharding.group))].append((w, pw, coef, group, rows))
             else:
                 buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
+
+    @staticmethod
+    def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, sharding: Sharding, group: dict,
+                   name: str) -> torch.Tensor:
+        """A copy of the direction whose work-matrix rows are zero where this step's gradient
+        row is zero (``lazy``): those rows get no update from any matrix map.
+
+        An embedding's gradient is nonzero only in the rows of the batch's tokens. Row
+        normalisation (RowNormM, HybridPolarGradM) gives every nonzero momentum row a step of
+        the same size, so without this a token keeps moving by a full step in the direction
+        of its last gradients on every step after it was last seen, for as long as its
+        momentum decays (normalisation undoes the decay); the share of such rows grows with
+        the vocabulary. The mask is a function of the gradient's row norms, so it commutes
+        with row permutations and with orthogonal maps of the columns (the LPRO group).
+        """
+        if not isinstance(layout, Row) and plan(map_key(group), layout, sharding) == "gather":
+            # this rank holds only some entries of a work row: its gradient cannot tell
+            raise ValueError(f"parameter {name!r}: lazy=True on a row-sharded parameter needs layout 'row' "
+                             f"(or work matrices that lie whole in each shard); got {layout!r}")
+        out = direction.clone()
+        for w, g in zip(layout.to_work_list(out), layout.to_work_list(grad)):
+            w.mul_(g.ne(0).any(dim=-1, keepdim=True))
+        return out
 
     @staticmethod
     def _centre_in_place(direction: torch.Tensor, layout: Layout, okf: torch.Tensor, key: tuple) -> tuple:

@@ -153,6 +153,15 @@ def validate_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: unknown scale {group['scale']!r}; valid: {', '.join(maps.SCALES)}")
     if group["nonfinite"] not in NONFINITE_POLICIES:
         raise ValueError(f"{where}: unknown nonfinite policy {group['nonfinite']!r}; valid: {', '.join(NONFINITE_POLICIES)}")
+    if not isinstance(group.get("lazy", False), bool):
+        raise ValueError(f"{where}: lazy must be True or False, got {group['lazy']!r}")
+    if group.get("lazy"):
+        if rule == "adamw":
+            raise ValueError(f"{where}: lazy=True needs a momentum rule (row, hybrid, right, left, spectral, sgd), "
+                             "not 'adamw'")
+        if group["center"]:
+            raise ValueError(f"{where}: lazy=True cannot be combined with center=True (the quotient maps of LM "
+                             "heads and routers see dense gradients; the row mask is not shift-invariant)")
     checks = [
         ("lr", group["lr"] >= 0, ">= 0"),
         ("beta", 0 <= group["beta"] < 1, "in [0, 1)"),

@@ -143,7 +143,10 @@ def _engine_group_keys() -> tuple[str, ...]:
 ENGINE_KEYS: tuple[str, ...] = _engine_group_keys()
 
 #: Rules an engine option applies to, where not all (the engine ignores it elsewhere).
-_ENGINE_KEY_RULES: dict[str, tuple[str, ...]] = {"polar_dtype": ("spectral",)}
+_ENGINE_KEY_RULES: dict[str, tuple[str, ...]] = {
+    "polar_dtype": ("spectral",),
+    "lazy": tuple(r for r in RULES if r != "adamw"),
+}
 
 #: Engine options without a recipe default: a settings dict holds them only when
 #: given, and the engine's own default applies otherwise (``polar_dtype``:
@@ -370,6 +373,7 @@ _CHECKS = {
     "adam_eps": _positive,
     "polar_dtype": _dtype,
     "nonfinite": _engine_choice("NONFINITE_POLICIES"),
+    "lazy": _boolean,
 }
 for _key in OPTIONAL_FIELDS:
     _CHECKS.setdefault(_key, _engine_checked)
@@ -470,7 +474,7 @@ def normalize_settings(
         if key in ("rule", "schedule") or (key in OPTIONAL_FIELDS and key not in merged):
             continue
         out[key] = _CHECKS[key](context, key, merged[key])
-    if any(k in out for k in OPTIONAL_FIELDS if _CHECKS[k] is _engine_checked):
+    if any(k in out for k in OPTIONAL_FIELDS):
         _engine_validate(out, context)
     if "method" in out and out["method"] not in RULE_METHODS[rule]:
         raise _fail(
