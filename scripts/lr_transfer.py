@@ -123,25 +123,30 @@ def key(row) -> tuple:
             int(row["steps"]))
 
 
-def _vertex(lrs: list[float], means: list[float], i: int) -> float | None:
-    """The minimum of the parabola through the grid's best point and its two neighbours, in log2(lr)."""
-    if i == 0 or i == len(lrs) - 1 or not all(math.isfinite(m) for m in means[i - 1:i + 2]):
+def _vertex(lrs: list[float], means: list[float], i: int, half: int = 1) -> float | None:
+    """The minimum of the least-squares parabola in log2(lr) through the grid's best point
+    ``i`` and up to ``half`` neighbours on each side (``half = 1``: the parabola through
+    three points); None at the grid's edge, with a non-finite point, or without a minimum."""
+    if i == 0 or i == len(lrs) - 1:
+        return None
+    lo, hi = max(0, i - half), min(len(lrs), i + half + 1)
+    if not all(math.isfinite(m) for m in means[lo:hi]):
         return None
     import numpy as np
 
-    a, b, _ = np.polyfit([math.log2(v) for v in lrs[i - 1:i + 2]], means[i - 1:i + 2], 2)
+    a, b, _ = np.polyfit([math.log2(v) for v in lrs[lo:hi]], means[lo:hi], 2)
     return float(2 ** (-b / (2 * a))) if a > 0 else None
 
 
-def _best(grid: list[float], means: list[float]) -> tuple[int, float]:
+def _best(grid: list[float], means: list[float], half: int = 1) -> tuple[int, float]:
     """Index of the best grid point and the best lr estimate: the parabola vertex, or the
     grid point where there is no vertex (grid edge, non-finite neighbour)."""
     i = min(range(len(grid)), key=lambda j: means[j])
-    fit = _vertex(grid, means, i)
+    fit = _vertex(grid, means, i, half)
     return i, grid[i] if fit is None else fit
 
 
-def _bootstrap_ratio(sizes: dict, draws: int = 2000, seed: int = 0) -> list[float] | None:
+def _bootstrap_ratio(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 0) -> list[float] | None:
     """2.5 %, 50 % and 97.5 % points of the best-lr ratio (max / min over sizes, parabola
     fits) when each size's seeds are resampled with replacement (the lrs of one seed stay
     paired: a resampled seed brings its whole curve)."""
@@ -160,7 +165,7 @@ def _bootstrap_ratio(sizes: dict, draws: int = 2000, seed: int = 0) -> list[floa
         best = []
         for grid, losses in curves.values():
             pick = losses[rng.integers(0, len(losses), len(losses))]
-            best.append(_best(grid, list(pick.mean(axis=0)))[1])
+            best.append(_best(grid, list(pick.mean(axis=0)), half)[1])
         ratios.append(max(best) / min(best))
     return [float(q) for q in np.percentile(ratios, [2.5, 50, 97.5])]
 
@@ -186,72 +191,88 @@ def summarise(rows: list[dict]) -> dict:
             best[f"v{vocab}-d{width}"] = {
                 "vocab": vocab, "width": width, "seeds": min(len(v) for v in by_lr.values()),
                 "best_lr": grid[i], "best_val_loss": means[i], "at_grid_edge": i in (0, len(grid) - 1),
-                "fit_lr": _vertex(grid, means, i), "mean_val_loss_by_lr": dict(zip(map(str, grid), means))}
+                "fit_lr": _vertex(grid, means, i), "fit5_lr": _vertex(grid, means, i, half=2),
+                "mean_val_loss_by_lr": dict(zip(map(str, grid), means))}
         lrs = [b["best_lr"] for b in best.values()]
         fits = [b["fit_lr"] for b in best.values() if b["fit_lr"] is not None]
+        fits5 = [b["fit5_lr"] for b in best.values() if b["fit5_lr"] is not None]
         out[scale] = {"best": best, "best_lr_ratio_max_over_min": max(lrs) / min(lrs),
                       "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None,
-                      "fit_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes)}
+                      "fit5_lr_ratio_max_over_min": (max(fits5) / min(fits5)) if len(fits5) == len(lrs) else None,
+                      "fit_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes),
+                      "fit5_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes, half=2)}
     return out
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr | best mean val loss |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr (3 points) | "
+             "(5 points) | best mean val loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for scale in UPDATE_SIZES:
         if scale not in summary:
             continue
         for b in summary[scale]["best"].values():
             fit = f"{b['fit_lr']:.3g}" if b["fit_lr"] is not None else "-"
+            fit5 = f"{b['fit5_lr']:.3g}" if b.get("fit5_lr") is not None else "-"
             edge = " (grid edge)" if b["at_grid_edge"] else ""
-            lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | "
+            lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | {fit5} | "
                          f"{b['best_val_loss']:.4f} |")
     lines.append("")
     for scale in UPDATE_SIZES:
         if scale in summary:
             s = summary[scale]
-            fit = s["fit_lr_ratio_max_over_min"]
-            boot = s.get("fit_lr_ratio_bootstrap_2.5_50_97.5")
+            fit, fit5 = s["fit_lr_ratio_max_over_min"], s.get("fit5_lr_ratio_max_over_min")
+            boot, boot5 = s.get("fit_lr_ratio_bootstrap_2.5_50_97.5"), s.get("fit5_lr_ratio_bootstrap_2.5_50_97.5")
             lines.append(f"- `{scale}`: best lr max/min across sizes = {s['best_lr_ratio_max_over_min']:.3g} on the grid"
-                         + (f", {fit:.3g} from the parabola fits" if fit else "")
-                         + (f" (seed bootstrap: median {boot[1]:.3g}, 95 % interval [{boot[0]:.3g}, {boot[2]:.3g}])"
-                            if boot else ""))
+                         + (f", {fit:.3g} from the 3-point parabola fits" if fit else "")
+                         + (f", {fit5:.3g} from the 5-point least-squares fits" if fit5 else "")
+                         + "".join(f"; seed bootstrap of the {n}-point ratio: median {b[1]:.3g}, 95 % interval "
+                                   f"[{b[0]:.3g}, {b[2]:.3g}]" for n, b in ((3, boot), (5, boot5)) if b))
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Final validation loss (mean over seeds) minus each size's best mean, against the
+    embedding lr: one panel per update size, one curve per model size (the same colour in
+    every panel), a star at the best grid point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scales = [u for u in UPDATE_SIZES if any(r["scale"] == u for r in rows)]
+    all_sizes = sorted({(int(r["vocab"]), int(r["width"])) for r in rows})
+    colours = {size: f"C{k}" for k, size in enumerate(all_sizes)}
     ncols = min(3, len(scales))
     nrows = -(-len(scales) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.5 * nrows), squeeze=False)
     for ax in axes.flat[len(scales):]:
         ax.set_visible(False)
     for ax, scale in zip(axes.flat, scales):
-        sizes = sorted({(int(r["vocab"]), int(r["width"])) for r in rows if r["scale"] == scale})
-        for vocab, width in sizes:
+        for vocab, width in all_sizes:
             pts = {}
             for r in rows:
                 if r["scale"] == scale and int(r["vocab"]) == vocab and int(r["width"]) == width:
                     pts.setdefault(float(r["lr"]), []).append(float(r["val_loss"]))
+            if not pts:
+                continue
             lrs = sorted(pts)
             ys = [sum(pts[lr]) / len(pts[lr]) for lr in lrs]
-            ls = "-" if vocab == max(s[0] for s in sizes) else "--"
-            ax.plot(lrs, ys, ls, marker="o", label=f"vocab {vocab}, width {width}")
             finite = [(lr, y) for lr, y in zip(lrs, ys) if math.isfinite(y)]
-            if finite:
-                lb, yb = min(finite, key=lambda t: t[1])
-                ax.plot([lb], [yb], "k*", markersize=10)
+            if not finite:
+                continue
+            lb, yb = min(finite, key=lambda t: t[1])
+            ls = "-" if vocab == max(s[0] for s in all_sizes) else "--"
+            ax.plot(lrs, [y - yb for y in ys], ls, marker="o", markersize=3, color=colours[(vocab, width)],
+                    label=f"vocab {vocab}, width {width}")
+            ax.plot([lb], [0.0], "*", color=colours[(vocab, width)], markersize=12, markeredgecolor="k")
         ax.set_xscale("log")
+        ax.set_ylim(-0.005, 0.08)
         ax.set_xlabel("embedding learning rate")
-        ax.set_ylabel("final validation loss")
+        ax.set_ylabel("final validation loss - best of the size")
         ax.set_title(f"HybridPolarGradM embedding, {TITLES[scale]}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
