@@ -1,0 +1,67 @@
+"""scripts/lr_transfer.py: the best-lr estimates and the ratio they report."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "lr_transfer.py"
+    spec = importlib.util.spec_from_file_location("lr_transfer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(optima: dict, noise: float, seeds: int, label="rms-lazy"):
+    """Losses quadratic in log2(lr) around each size's optimum, plus per-seed noise that is
+    the same at every lr of a seed (an offset) and a smaller independent part."""
+    g = torch.Generator().manual_seed(0)
+    grid = [0.008 * 2 ** (k / 2) for k in range(9)]
+    rows = []
+    for (vocab, width), best in optima.items():
+        for seed in range(seeds):
+            offset = float(torch.randn(1, generator=g)) * 0.02
+            for lr in grid:
+                loss = 5.0 + 0.01 * (math.log2(lr) - math.log2(best)) ** 2 + offset
+                loss += noise * float(torch.randn(1, generator=g))
+                rows.append({"vocab": str(vocab), "width": str(width), "scale": label, "lr": str(lr), "seed": str(seed),
+                             "val_loss": str(loss)})
+    return rows
+
+
+def test_fits_recover_each_sizes_optimum_and_the_ratio():
+    lt = _script()
+    optima = {(1024, 32): 0.02, (1024, 64): 0.03, (4096, 32): 0.045}
+    s = lt.summarise(_rows(optima, noise=0.0, seeds=3))["rms-lazy"]
+    for (vocab, width), best in optima.items():
+        b = s["best"][f"v{vocab}-d{width}"]
+        assert b["fit_lr"] == pytest.approx(best, rel=1e-6)
+        assert b["fit5_lr"] == pytest.approx(best, rel=1e-6)
+        assert b["seeds"] == 3
+    assert s["fit_lr_ratio_max_over_min"] == pytest.approx(0.045 / 0.02, rel=1e-6)
+    lo, mid, hi = s["fit_lr_ratio_bootstrap_2.5_50_97.5"]
+    assert lo == pytest.approx(2.25, rel=1e-6) and hi == pytest.approx(2.25, rel=1e-6)  # no noise: no spread
+
+
+def test_bootstrap_interval_widens_with_noise_and_keeps_seeds_paired():
+    lt = _script()
+    optima = {(1024, 32): 0.03, (1024, 64): 0.03}
+    # seed offsets alone (the same at every lr) move no optimum: pairing keeps the ratio 1
+    paired = lt.summarise(_rows(optima, noise=0.0, seeds=4))["rms-lazy"]
+    assert paired["fit_lr_ratio_bootstrap_2.5_50_97.5"][2] == pytest.approx(1.0, rel=1e-6)
+    noisy = lt.summarise(_rows(optima, noise=0.004, seeds=4))["rms-lazy"]
+    lo, mid, hi = noisy["fit_lr_ratio_bootstrap_2.5_50_97.5"]
+    assert 1.0 <= lo <= mid <= hi and hi > 1.1
+
+
+def test_update_size_labels():
+    lt = _script()
+    assert lt.update_size("rms-lazy") == {"scale": "rms", "lazy": True}
+    assert lt.update_size("rms-alpha0") == {"scale": "rms", "alpha": 0.0}
+    assert lt.update_size("nu") == {"scale": "nu"}
+    with pytest.raises(SystemExit, match="unknown update size"):
+        lt.update_size("rms-lazy-alpha0")
