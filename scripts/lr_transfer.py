@@ -111,6 +111,42 @@ def one_run(args, vocab, width, scale, lr, seed) -> dict:
             "seconds": round(time.time() - start, 1)}
 
 
+def stale_rows(args, vocab: int, width: int, label: str, lr: float, seed: int = 0) -> list[dict]:
+    """Train one run and group the embedding's rows by how many steps ago their token was
+    last in a batch: rows, median count of batches seen, median norm of the momentum and
+    of the weights at the end (what ``lazy`` is about: rows that keep moving unseen)."""
+    from equiopt.train.config import from_dict
+    from equiopt.train.loop import Trainer
+
+    cfg = from_dict(run_config(args, vocab, width, label, lr, seed), source="lr_transfer --stale-rows")
+    trainer = Trainer(cfg, progress=False)
+    weight = trainer.model.get_input_embeddings().weight
+    last = torch.full((weight.shape[0],), -1)
+    count = torch.zeros(weight.shape[0])
+    step = [0]
+
+    def seen(grad):
+        rows = grad.ne(0).any(dim=1)
+        last[rows] = step[0]
+        count[rows] += 1
+        step[0] += 1
+
+    weight.register_hook(seen)
+    trainer.run()
+    momentum = trainer.optimizer.state[weight]["momentum_buffer"].norm(dim=1)
+    norms = weight.detach().norm(dim=1)
+    age = step[0] - 1 - last
+    out = []
+    for lo, hi in ((0, 1), (1, 5), (5, 20), (20, step[0] + 1), (None, None)):
+        rows = (last < 0) if lo is None else (age >= lo) & (age < hi) & (last >= 0)
+        if rows.any():
+            out.append({"last seen (steps ago)": "never" if lo is None else f"{lo}-{hi - 1}", "rows": int(rows.sum()),
+                        "median batches seen": float(count[rows].median()),
+                        "median momentum norm": float(momentum[rows].median()),
+                        "median weight norm": float(norms[rows].median())})
+    return out
+
+
 def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -170,6 +206,19 @@ def _bootstrap_ratio(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 
     return [float(q) for q in np.percentile(ratios, [2.5, 50, 97.5])]
 
 
+def _shared_lr(best: dict) -> dict | None:
+    """The one lr of the grid shared by every size whose worst loss above that size's best
+    mean is smallest: what using a transferred lr costs instead of tuning each size."""
+    shared = set.intersection(*(set(map(float, b["mean_val_loss_by_lr"])) for b in best.values()))
+    if not shared:
+        return None
+    def regrets(lr):
+        return {k: b["mean_val_loss_by_lr"][str(lr)] - b["best_val_loss"] for k, b in best.items()}
+    lr = min(sorted(shared), key=lambda x: max(regrets(x).values()))
+    r = regrets(lr)
+    return {"lr": lr, "worst_regret": max(r.values()), "mean_regret": sum(r.values()) / len(r), "regret_by_size": r}
+
+
 def summarise(rows: list[dict]) -> dict:
     """Best lr per (update size, model size) by mean final validation loss over seeds
     (non-finite = +inf), on the grid and as the vertex of a parabola in log2(lr) through
@@ -200,7 +249,8 @@ def summarise(rows: list[dict]) -> dict:
                       "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None,
                       "fit5_lr_ratio_max_over_min": (max(fits5) / min(fits5)) if len(fits5) == len(lrs) else None,
                       "fit_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes),
-                      "fit5_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes, half=2)}
+                      "fit5_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes, half=2),
+                      "shared_lr": _shared_lr(best)}
     return out
 
 
@@ -228,6 +278,10 @@ def markdown(summary: dict) -> str:
                          + (f", {fit5:.3g} from the 5-point least-squares fits" if fit5 else "")
                          + "".join(f"; seed bootstrap of the {n}-point ratio: median {b[1]:.3g}, 95 % interval "
                                    f"[{b[0]:.3g}, {b[2]:.3g}]" for n, b in ((3, boot), (5, boot5)) if b))
+            shared = s.get("shared_lr")
+            if shared:
+                lines.append(f"  - one lr for every size: {shared['lr']:g} costs at most {shared['worst_regret']:.4f} "
+                             f"(mean {shared['mean_regret']:.4f}) in final loss against each size's best grid point")
     return "\n".join(lines) + "\n"
 
 
@@ -293,8 +347,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--stale-rows", metavar="VOCAB,WIDTH,LABEL,LR",
+                   help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.stale_rows:
+        vocab, width, label, lr = args.stale_rows.split(",")
+        for row in stale_rows(args, int(vocab), int(width), label, float(lr)):
+            print(json.dumps(row))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "results.csv"
