@@ -94,7 +94,11 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
     assert pair["label"] == "b" and pair["better"] == 2 and pair["diffs"] == pytest.approx([-0.05, -0.05])
     assert "**(chosen)** (at the grid's edge: widen it)" in text  # b's best is the smallest multiplier
     assert str(arms[1].runs[0.25][0]) in text  # every value names the run directory that logged it
-    assert (tmp_path / "report" / "sweep.png").exists() and (tmp_path / "report" / "paired.png").exists()
+    assert (tmp_path / "report" / "report.png").exists() and (tmp_path / "report" / "report-paired.png").exists()
+    assert "](report.png)" in text and "](report-paired.png)" in text
+    # a second report in the same directory keeps its own figures
+    sweep_report(arms, baseline="b", out=tmp_path / "report" / "other.md")
+    assert (tmp_path / "report" / "other.png").exists() and (tmp_path / "report" / "report.png").exists()
 
 
 def test_sweep_tunes_on_the_first_seeds_then_runs_the_rest_at_the_chosen_multiplier(tmp_path):

@@ -329,7 +329,9 @@ def _best(arm: SweepArm, metric: str) -> tuple[float, dict[float, float]]:
 
 
 def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid: dict[str, dict[float, float]],
-            pairs: Sequence[PairedRow], out: Path) -> list[Path]:
+            pairs: Sequence[PairedRow], out: Path, stem: str) -> list[Path]:
+    """``<stem>.png`` (the sweep) and ``<stem>-paired.png`` in ``out`` (named after the report, so
+    reports written to one directory keep their own figures)."""
     from .plots import _mpl
 
     Figure = _mpl()[0]
@@ -352,7 +354,7 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p = out / "sweep.png"
+    p = out / f"{stem}.png"
     fig.savefig(p, dpi=110)
     paths.append(p)
     if pairs:
@@ -368,7 +370,7 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid:
         ax.set_yticks(range(len(pairs)), [r.label for r in pairs])
         ax.set_xlabel(f"{metric}: arm - baseline ({pairs[0].baseline}), per seed; bar = mean, line = 95 % CI")
         fig.tight_layout()
-        p = out / "paired.png"
+        p = out / f"{stem}-paired.png"
         fig.savefig(p, dpi=110)
         paths.append(p)
     return paths
@@ -433,7 +435,7 @@ def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/los
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            figs = _figure(arms, metric, best, grid, pairs, out.parent)
+            figs = _figure(arms, metric, best, grid, pairs, out.parent, out.stem)
         except ImportError:
             figs = []
         for p in figs:
