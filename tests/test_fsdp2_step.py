@@ -187,6 +187,12 @@ def _check_communication(world):
         assert _rel(got, ref.detach()) <= 1e-5, kw
         unseen = sparse.abs().sum(dim=1) == 0
         assert torch.equal(got[unseen], base[unseen]), kw
+    # a layout whose work rows are cut by the shards: the local gradient cannot tell, say so
+    w = torch.nn.Parameter(distribute_tensor(base.clone(), mesh, [Shard(0)]))
+    w.grad = distribute_tensor(sparse.clone(), mesh, [Shard(0)])
+    opt = EquivariantOptimizer([{"params": [w], "names": ["emb.weight"]}], lr=0.1, rule="row", layout="col", lazy=True)
+    with pytest.raises(ValueError, match="'emb.weight': lazy=True on a row-sharded parameter needs layout 'row'"):
+        opt.step()
     return totals
 
 
