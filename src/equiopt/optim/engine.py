@@ -441,15 +441,15 @@ class EquivariantOptimizer(Optimizer):
         direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
         sharding = self._sharding(p)
         layout = group["layouts"][j]
+        key = map_key(group)
+        how = plan(key, layout, sharding)
         if group["lazy"]:
-            direction = self._lazy_rows(direction, grad, layout, sharding, group, group["names"][j])
+            direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
         p = local(p)
         decay_(p, lr, group["weight_decay"], okf)
         if group["rule"] == "sgd":
             p.add_((direction * (-lr * okf)).to(p.dtype))
             return
-        key = map_key(group)
-        how = plan(key, layout, sharding)
         if how == "gather":
             gathered.append(_WholeTask(group, key, layout, sharding, p, direction, okf * (-lr)))
             return
@@ -471,8 +471,7 @@ class EquivariantOptimizer(Optimizer):
                 buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
 
     @staticmethod
-    def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, sharding: Sharding, group: dict,
-                   name: str) -> torch.Tensor:
+    def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, how: str, name: str) -> torch.Tensor:
         """A copy of the direction whose work-matrix rows are zero where this step's gradient
         row is zero (``lazy``): those rows get no update from any matrix map.
 
@@ -484,7 +483,7 @@ class EquivariantOptimizer(Optimizer):
         the vocabulary. The mask is a function of the gradient's row norms, so it commutes
         with row permutations and with orthogonal maps of the columns (the LPRO group).
         """
-        if not isinstance(layout, Row) and plan(map_key(group), layout, sharding) == "gather":
+        if how == "gather" and not isinstance(layout, Row):
             # this rank holds only some entries of a work row: its gradient cannot tell
             raise ValueError(f"parameter {name!r}: lazy=True on a row-sharded parameter needs layout 'row' "
                              f"(or work matrices that lie whole in each shard); got {layout!r}")

@@ -153,9 +153,9 @@ def validate_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: unknown scale {group['scale']!r}; valid: {', '.join(maps.SCALES)}")
     if group["nonfinite"] not in NONFINITE_POLICIES:
         raise ValueError(f"{where}: unknown nonfinite policy {group['nonfinite']!r}; valid: {', '.join(NONFINITE_POLICIES)}")
-    if not isinstance(group.get("lazy", False), bool):
+    if not isinstance(group["lazy"], bool):
         raise ValueError(f"{where}: lazy must be True or False, got {group['lazy']!r}")
-    if group.get("lazy"):
+    if group["lazy"]:
         if rule == "adamw":
             raise ValueError(f"{where}: lazy=True needs a momentum rule (row, hybrid, right, left, spectral, sgd), "
                              "not 'adamw'")
