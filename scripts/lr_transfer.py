@@ -285,17 +285,17 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Final validation loss (mean over seeds) minus each size's best mean, against the
-    embedding lr: one panel per update size, one curve per model size (the same colour in
-    every panel), a star at the best grid point."""
+def plot(summary: dict, path: Path) -> None:
+    """Final validation loss (mean over seeds, from :func:`summarise`) minus each size's best
+    mean, against the embedding lr: one panel per update size, one curve per model size
+    (the same colour in every panel), a star at the best grid point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scales = [u for u in UPDATE_SIZES if any(r["scale"] == u for r in rows)]
-    all_sizes = sorted({(int(r["vocab"]), int(r["width"])) for r in rows})
+    scales = [u for u in UPDATE_SIZES if u in summary]
+    all_sizes = sorted({(b["vocab"], b["width"]) for u in scales for b in summary[u]["best"].values()})
     colours = {size: f"C{k}" for k, size in enumerate(all_sizes)}
     ncols = min(3, len(scales))
     nrows = -(-len(scales) // ncols)
@@ -303,23 +303,16 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in axes.flat[len(scales):]:
         ax.set_visible(False)
     for ax, scale in zip(axes.flat, scales):
-        for vocab, width in all_sizes:
-            pts = {}
-            for r in rows:
-                if r["scale"] == scale and int(r["vocab"]) == vocab and int(r["width"]) == width:
-                    pts.setdefault(float(r["lr"]), []).append(float(r["val_loss"]))
-            if not pts:
+        for b in summary[scale]["best"].values():
+            if not math.isfinite(b["best_val_loss"]):
                 continue
-            lrs = sorted(pts)
-            ys = [sum(pts[lr]) / len(pts[lr]) for lr in lrs]
-            finite = [(lr, y) for lr, y in zip(lrs, ys) if math.isfinite(y)]
-            if not finite:
-                continue
-            lb, yb = min(finite, key=lambda t: t[1])
-            ls = "-" if vocab == max(s[0] for s in all_sizes) else "--"
-            ax.plot(lrs, [y - yb for y in ys], ls, marker="o", markersize=3, color=colours[(vocab, width)],
-                    label=f"vocab {vocab}, width {width}")
-            ax.plot([lb], [0.0], "*", color=colours[(vocab, width)], markersize=12, markeredgecolor="k")
+            size = (b["vocab"], b["width"])
+            lrs = sorted(map(float, b["mean_val_loss_by_lr"]))
+            ys = [b["mean_val_loss_by_lr"][str(lr)] - b["best_val_loss"] for lr in lrs]
+            ls = "-" if b["vocab"] == max(v for v, _ in all_sizes) else "--"
+            ax.plot(lrs, ys, ls, marker="o", markersize=3, color=colours[size],
+                    label=f"vocab {b['vocab']}, width {b['width']}")
+            ax.plot([b["best_lr"]], [0.0], "*", color=colours[size], markersize=12, markeredgecolor="k")
         ax.set_xscale("log")
         ax.set_ylim(-0.005, 0.08)
         ax.set_xlabel("embedding learning rate")
@@ -385,7 +378,7 @@ def main(argv=None) -> int:
     summary["command"] = "PYTHONPATH=src python3 scripts/lr_transfer.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(markdown(summary))
-    plot(rows, out / "lr_vs_loss.png")
+    plot(summary, out / "lr_vs_loss.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "command"}, indent=2))
     return 0
 
