@@ -62,6 +62,14 @@ def update_size(label: str) -> dict:
     return out
 
 
+def head_lr(args, width: int) -> float:
+    """The LM head's AdamW lr: 1e-3, or with ``--head-lr-base-width W`` 1e-3 x W / width, so
+    that the head's logit change per step does not grow with width (an Adam step moves
+    each weight by about lr, and a logit sums ``width`` of them: muP's 1 / fan_in rule for
+    Adam on an output layer)."""
+    return 1e-3 if args.head_lr_base_width is None else 1e-3 * args.head_lr_base_width / width
+
+
 def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -> dict:
     name = f"v{vocab}-d{width}-{scale}-lr{lr:g}-s{seed}"
     return {
@@ -72,7 +80,7 @@ def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -
             "recipe": "paper:qwen3:a-ii",
             "overrides": {
                 "embedding": {"lr": lr, **update_size(scale)},
-                "lm_head": {"rule": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0},
+                "lm_head": {"rule": "adamw", "lr": head_lr(args, width), "betas": [0.9, 0.95], "weight_decay": 0.0},
                 "vector": {"schedule": {"kind": "warmup_cosine", "warmup_steps": max(1, args.steps // 10)}},
             },
         },
@@ -339,6 +347,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--head-lr-base-width", type=int, default=None,
+                   help="scale the LM head's AdamW lr (1e-3) by this width / the model's width (default: fixed 1e-3)")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--stale-rows", metavar="VOCAB,WIDTH,LABEL,LR",
                    help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")

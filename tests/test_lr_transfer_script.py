@@ -65,3 +65,18 @@ def test_update_size_labels():
     assert lt.update_size("nu") == {"scale": "nu"}
     with pytest.raises(SystemExit, match="unknown update size"):
         lt.update_size("rms-lazy-alpha0")
+
+
+def test_head_lr_scales_inversely_with_width_and_the_config_builds():
+    from types import SimpleNamespace
+
+    from equiopt.train.config import from_dict
+
+    lt = _script()
+    args = SimpleNamespace(runs="runs/x", data="data/poetry-bpe{vocab}", seq_len=64, batch_size=16, steps=60,
+                           val_batches=8, head_lr_base_width=64)
+    lrs = {w: from_dict(lt.run_config(args, 1024, w, "rms-lazy", 0.032, 0), source="t").optim.overrides["lm_head"]["lr"]
+           for w in (32, 64, 256)}
+    assert lrs == {32: pytest.approx(2e-3), 64: pytest.approx(1e-3), 256: pytest.approx(2.5e-4)}
+    args.head_lr_base_width = None
+    assert lt.run_config(args, 1024, 256, "rms", 0.032, 0)["optim"]["overrides"]["lm_head"]["lr"] == 1e-3
