@@ -190,10 +190,18 @@ def _best(grid: list[float], means: list[float], half: int = 1) -> tuple[int, fl
     return i, grid[i] if fit is None else fit
 
 
-def _bootstrap_ratio(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 0) -> list[float] | None:
-    """2.5 %, 50 % and 97.5 % points of the best-lr ratio (max / min over sizes, parabola
-    fits) when each size's seeds are resampled with replacement (the lrs of one seed stay
-    paired: a resampled seed brings its whole curve)."""
+def _bootstrap(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 0) -> dict | None:
+    """Seed bootstrap of the fitted best lrs: each size's seeds are resampled with
+    replacement (a resampled seed brings its whole curve, so the lrs of one seed stay
+    paired) and the best lr refitted. Returns 2.5 / 50 / 97.5 % points of
+
+    - ``ratio``: max / min of the best lrs over sizes;
+    - ``noise_only_ratio``: the same after each size's draws are moved to one common
+      optimum (divided by their own median), so that only each size's seed scatter is
+      left: the ratio that noise alone gives when no optimum moves. The max / min of
+      noisy estimates is biased upward; an observed ratio inside this interval is not
+      told apart from no movement at all;
+    - ``by_size``: each size's best lr."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -204,14 +212,19 @@ def _bootstrap_ratio(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 
         if len(common) < 2:
             return None
         curves[size] = (grid, np.array([[by_lr[lr][s] for lr in grid] for s in common]))
-    ratios = []
-    for _ in range(draws):
-        best = []
-        for grid, losses in curves.values():
-            pick = losses[rng.integers(0, len(losses), len(losses))]
-            best.append(_best(grid, list(pick.mean(axis=0)), half)[1])
-        ratios.append(max(best) / min(best))
-    return [float(q) for q in np.percentile(ratios, [2.5, 50, 97.5])]
+    logs = {}
+    for size, (grid, losses) in curves.items():
+        picks = (losses[rng.integers(0, len(losses), len(losses))].mean(axis=0) for _ in range(draws))
+        logs[size] = np.log2([_best(grid, list(m), half)[1] for m in picks])
+    table = np.array(list(logs.values()))
+    centred = table - np.median(table, axis=1, keepdims=True)
+
+    def points(x):
+        return [float(q) for q in np.percentile(x, [2.5, 50, 97.5])]
+
+    return {"ratio": points(2 ** (table.max(0) - table.min(0))),
+            "noise_only_ratio": points(2 ** (centred.max(0) - centred.min(0))),
+            "by_size": {size: points(2 ** v) for size, v in logs.items()}}
 
 
 def _shared_lr(best: dict) -> dict | None:
@@ -250,22 +263,26 @@ def summarise(rows: list[dict]) -> dict:
                 "best_lr": grid[i], "best_val_loss": means[i], "at_grid_edge": i in (0, len(grid) - 1),
                 "fit_lr": _vertex(grid, means, i), "fit5_lr": _vertex(grid, means, i, half=2),
                 "mean_val_loss_by_lr": dict(zip(map(str, grid), means))}
+        boot, boot5 = _bootstrap(sizes), _bootstrap(sizes, half=2)
+        for (vocab, width), q in (boot["by_size"] if boot else {}).items():
+            best[f"v{vocab}-d{width}"]["fit_lr_bootstrap_2.5_50_97.5"] = q
         lrs = [b["best_lr"] for b in best.values()]
         fits = [b["fit_lr"] for b in best.values() if b["fit_lr"] is not None]
         fits5 = [b["fit5_lr"] for b in best.values() if b["fit5_lr"] is not None]
         out[scale] = {"best": best, "best_lr_ratio_max_over_min": max(lrs) / min(lrs),
                       "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None,
                       "fit5_lr_ratio_max_over_min": (max(fits5) / min(fits5)) if len(fits5) == len(lrs) else None,
-                      "fit_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes),
-                      "fit5_lr_ratio_bootstrap_2.5_50_97.5": _bootstrap_ratio(sizes, half=2),
+                      "fit_lr_ratio_bootstrap_2.5_50_97.5": boot and boot["ratio"],
+                      "fit5_lr_ratio_bootstrap_2.5_50_97.5": boot5 and boot5["ratio"],
+                      "fit_lr_noise_only_ratio_2.5_50_97.5": boot and boot["noise_only_ratio"],
                       "shared_lr": _shared_lr(best)}
     return out
 
 
 def markdown(summary: dict) -> str:
     lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr (3 points) | "
-             "(5 points) | best mean val loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "its seed bootstrap: 95 % interval | (5 points) | best mean val loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for scale in UPDATE_SIZES:
         if scale not in summary:
             continue
@@ -273,7 +290,9 @@ def markdown(summary: dict) -> str:
             fit = f"{b['fit_lr']:.3g}" if b["fit_lr"] is not None else "-"
             fit5 = f"{b['fit5_lr']:.3g}" if b.get("fit5_lr") is not None else "-"
             edge = " (grid edge)" if b["at_grid_edge"] else ""
-            lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | {fit5} | "
+            q = b.get("fit_lr_bootstrap_2.5_50_97.5")
+            interval = f"[{q[0]:.3g}, {q[2]:.3g}]" if q else "-"
+            lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | {interval} | {fit5} | "
                          f"{b['best_val_loss']:.4f} |")
     lines.append("")
     for scale in UPDATE_SIZES:
@@ -286,6 +305,10 @@ def markdown(summary: dict) -> str:
                          + (f", {fit5:.3g} from the 5-point least-squares fits" if fit5 else "")
                          + "".join(f"; seed bootstrap of the {n}-point ratio: median {b[1]:.3g}, 95 % interval "
                                    f"[{b[0]:.3g}, {b[2]:.3g}]" for n, b in ((3, boot), (5, boot5)) if b))
+            noise = s.get("fit_lr_noise_only_ratio_2.5_50_97.5")
+            if noise:
+                lines.append(f"  - noise alone (every size's bootstrap moved to one common optimum) gives a 3-point "
+                             f"ratio of {noise[1]:.3g} [{noise[0]:.3g}, {noise[2]:.3g}]")
             shared = s.get("shared_lr")
             if shared:
                 lines.append(f"  - one lr for every size: {shared['lr']:g} costs at most {shared['worst_regret']:.4f} "

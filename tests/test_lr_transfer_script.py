@@ -80,3 +80,19 @@ def test_head_lr_scales_inversely_with_width_and_the_config_builds():
     assert lrs == {32: pytest.approx(2e-3), 64: pytest.approx(1e-3), 256: pytest.approx(2.5e-4)}
     args.head_lr_base_width = None
     assert lt.run_config(args, 1024, 256, "rms", 0.032, 0)["optim"]["overrides"]["lm_head"]["lr"] == 1e-3
+
+
+def test_noise_only_ratio_tells_a_moved_optimum_from_seed_scatter():
+    lt = _script()
+    same = lt.summarise(_rows({(1024, 32): 0.03, (1024, 64): 0.03, (4096, 32): 0.03}, noise=0.004, seeds=6))["rms-lazy"]
+    lo, mid, hi = same["fit_lr_noise_only_ratio_2.5_50_97.5"]
+    assert 1.0 <= lo <= mid <= hi
+    assert lo <= same["fit_lr_ratio_max_over_min"] <= hi  # no optimum moved: the observed spread is noise
+    moved = lt.summarise(_rows({(1024, 32): 0.02, (1024, 64): 0.03, (4096, 32): 0.06}, noise=0.001, seeds=6))["rms-lazy"]
+    assert moved["fit_lr_noise_only_ratio_2.5_50_97.5"][2] < 2.0 < moved["fit_lr_ratio_bootstrap_2.5_50_97.5"][0]
+    for (vocab, width), best in {(1024, 32): 0.02, (1024, 64): 0.03, (4096, 32): 0.06}.items():
+        q = moved["best"][f"v{vocab}-d{width}"]["fit_lr_bootstrap_2.5_50_97.5"]
+        assert q[0] <= best * 1.05 and q[2] >= best / 1.05 and q[2] / q[0] < 1.5
+    exact = lt.summarise(_rows({(1024, 32): 0.02, (1024, 64): 0.03}, noise=0.0, seeds=3))["rms-lazy"]
+    assert exact["best"]["v1024-d32"]["fit_lr_bootstrap_2.5_50_97.5"] == pytest.approx([0.02] * 3, rel=1e-6)
+    assert exact["fit_lr_noise_only_ratio_2.5_50_97.5"] == pytest.approx([1.0] * 3, rel=1e-6)
