@@ -63,11 +63,13 @@ def update_size(label: str) -> dict:
 
 
 def head_lr(args, width: int) -> float:
-    """The LM head's AdamW lr: 1e-3, or with ``--head-lr-base-width W`` 1e-3 x W / width, so
-    that the head's logit change per step does not grow with width (an Adam step moves
-    each weight by about lr, and a logit sums ``width`` of them: muP's 1 / fan_in rule for
-    Adam on an output layer)."""
-    return 1e-3 if args.head_lr_base_width is None else 1e-3 * args.head_lr_base_width / width
+    """The LM head's AdamW lr: ``--head-lr`` (1e-3), or with ``--head-lr-base-width W`` that
+    times W / width, so that the head's logit change per step does not grow with width (an
+    Adam step moves each weight by about lr, and a logit sums ``width`` of them: muP's
+    1 / fan_in rule for Adam on an output layer)."""
+    if args.head_lr_base_width is None:
+        return args.head_lr
+    return args.head_lr * args.head_lr_base_width / width
 
 
 def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -> dict:
@@ -370,8 +372,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--head-lr", type=float, default=1e-3, help="the LM head's AdamW lr (default 1e-3)")
     p.add_argument("--head-lr-base-width", type=int, default=None,
-                   help="scale the LM head's AdamW lr (1e-3) by this width / the model's width (default: fixed 1e-3)")
+                   help="scale the LM head's AdamW lr by this width / the model's width (default: the same at every width)")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--stale-rows", metavar="VOCAB,WIDTH,LABEL,LR",
                    help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")

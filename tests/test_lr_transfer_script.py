@@ -74,12 +74,12 @@ def test_head_lr_scales_inversely_with_width_and_the_config_builds():
 
     lt = _script()
     args = SimpleNamespace(runs="runs/x", data="data/poetry-bpe{vocab}", seq_len=64, batch_size=16, steps=60,
-                           val_batches=8, head_lr_base_width=64)
+                           val_batches=8, head_lr=1e-3, head_lr_base_width=64)
     lrs = {w: from_dict(lt.run_config(args, 1024, w, "rms-lazy", 0.032, 0), source="t").optim.overrides["lm_head"]["lr"]
            for w in (32, 64, 256)}
     assert lrs == {32: pytest.approx(2e-3), 64: pytest.approx(1e-3), 256: pytest.approx(2.5e-4)}
-    args.head_lr_base_width = None
-    assert lt.run_config(args, 1024, 256, "rms", 0.032, 0)["optim"]["overrides"]["lm_head"]["lr"] == 1e-3
+    args.head_lr_base_width, args.head_lr = None, 4e-3
+    assert lt.run_config(args, 1024, 256, "rms", 0.032, 0)["optim"]["overrides"]["lm_head"]["lr"] == 4e-3
 
 
 def test_noise_only_ratio_tells_a_moved_optimum_from_seed_scatter():
