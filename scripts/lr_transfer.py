@@ -72,8 +72,12 @@ def head_lr(args, width: int) -> float:
     return args.head_lr * args.head_lr_base_width / width
 
 
+MUON_ROLES = ("attention", "mlp_in", "mlp_out")
+
+
 def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -> dict:
     name = f"v{vocab}-d{width}-{scale}-lr{lr:g}-s{seed}"
+    muon = {} if getattr(args, "muon_lr", None) is None else {role: {"lr": args.muon_lr} for role in MUON_ROLES}
     return {
         "run": {"name": name, "out_dir": str(Path(args.runs) / name), "seed": seed, "device": "cpu"},
         "model": {"family": "qwen3", "size": "tiny", "overrides": model_overrides(vocab, width)},
@@ -84,6 +88,7 @@ def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -
                 "embedding": {"lr": lr, **update_size(scale)},
                 "lm_head": {"rule": "adamw", "lr": head_lr(args, width), "betas": [0.9, 0.95], "weight_decay": 0.0},
                 "vector": {"schedule": {"kind": "warmup_cosine", "warmup_steps": max(1, args.steps // 10)}},
+                **muon,
             },
         },
         "train": {"steps": args.steps, "log_every": args.steps, "val_every": args.steps,
@@ -375,6 +380,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-lr", type=float, default=1e-3, help="the LM head's AdamW lr (default 1e-3)")
     p.add_argument("--head-lr-base-width", type=int, default=None,
                    help="scale the LM head's AdamW lr by this width / the model's width (default: the same at every width)")
+    p.add_argument("--muon-lr", type=float, default=None,
+                   help="the Muon lr of the attention and MLP matrices (default: the recipe's 0.02)")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--stale-rows", metavar="VOCAB,WIDTH,LABEL,LR",
                    help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")

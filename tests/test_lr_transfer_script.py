@@ -96,3 +96,28 @@ def test_noise_only_ratio_tells_a_moved_optimum_from_seed_scatter():
     exact = lt.summarise(_rows({(1024, 32): 0.02, (1024, 64): 0.03}, noise=0.0, seeds=3))["rms-lazy"]
     assert exact["best"]["v1024-d32"]["fit_lr_bootstrap_2.5_50_97.5"] == pytest.approx([0.02] * 3, rel=1e-6)
     assert exact["fit_lr_noise_only_ratio_2.5_50_97.5"] == pytest.approx([1.0] * 3, rel=1e-6)
+
+
+def test_muon_lr_reaches_every_attention_and_mlp_matrix_and_nothing_else():
+    from types import SimpleNamespace
+
+    from equiopt import models
+    from equiopt.roles import build_optimizer
+    from equiopt.train.config import from_dict
+
+    lt = _script()
+    args = SimpleNamespace(runs="runs/x", data="data/poetry-bpe{vocab}", seq_len=64, batch_size=16, steps=60,
+                           val_batches=8, head_lr=1e-3, head_lr_base_width=None, muon_lr=0.0123)
+    cfg = from_dict(lt.run_config(args, 256, 32, "rms-lazy", 0.032, 0), source="t")
+    model = models.build("qwen3", "tiny", **cfg.model.overrides)
+    opt, _ = build_optimizer(model, cfg.optim.recipe, total_steps=60, overrides=cfg.optim.overrides)
+    roles = {r.name: r.role for r in opt.role_table}
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    by_role = {}
+    for name, p in model.named_parameters():
+        by_role.setdefault(roles[name], set()).add(round(lr_of[id(p)], 9))
+    for role in lt.MUON_ROLES:
+        assert by_role[role] == {0.0123}, role
+    assert by_role["embedding"] == {0.032}
+    args.muon_lr = None
+    assert not set(lt.MUON_ROLES) & set(lt.run_config(args, 256, 32, "rms-lazy", 0.032, 0)["optim"]["overrides"])
