@@ -40,18 +40,23 @@ def model_overrides(vocab: int, width: int) -> dict:
             "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": width // heads}
 
 
-UPDATE_SIZES = ("nu", "rms", "rms-alpha0", "nu-lazy", "rms-lazy")
+UPDATE_SIZES = ("nu", "rms", "rms-alpha0", "nu-lazy", "rms-lazy", "row-lazy")
 TITLES = {"nu": "paper: nu^alpha (alpha = 1)", "rms": 'scale = "rms" (alpha = 1)', "rms-alpha0": 'scale = "rms", alpha = 0',
-          "nu-lazy": "paper's nu^alpha, lazy = True", "rms-lazy": 'scale = "rms", lazy = True'}
+          "nu-lazy": "paper's nu^alpha, lazy = True", "rms-lazy": 'scale = "rms", lazy = True',
+          "row-lazy": 'RowNormM (eta = "rms"), lazy = True'}
 
 
 def update_size(label: str) -> dict:
     """Embedding settings of an update-size label ``<scale>[-alpha<a>][-lazy]``: ``nu`` (the
     paper's), ``rms`` (the scale-transferable size with the recipe's alpha = 1),
     ``rms-alpha0`` (it without the rho^alpha factor), and with ``-lazy`` the rows without
-    a gradient in the step are not updated (``lazy = True``)."""
+    a gradient in the step are not updated (``lazy = True``); ``row-lazy`` replaces the
+    hybrid by its first stage alone (RowNormM with rows of unit RMS, ``eta = "rms"``), the
+    control without the right-spectral stage."""
     if label not in UPDATE_SIZES:
         raise SystemExit(f"unknown update size {label!r}; valid: {', '.join(UPDATE_SIZES)}")
+    if label == "row-lazy":
+        return {"rule": "row", "eta": "rms", "lazy": True}
     scale, *rest = label.split("-")
     out: dict = {"scale": scale}
     for part in rest:

@@ -63,6 +63,7 @@ def test_update_size_labels():
     assert lt.update_size("rms-lazy") == {"scale": "rms", "lazy": True}
     assert lt.update_size("rms-alpha0") == {"scale": "rms", "alpha": 0.0}
     assert lt.update_size("nu") == {"scale": "nu"}
+    assert lt.update_size("row-lazy") == {"rule": "row", "eta": "rms", "lazy": True}
     with pytest.raises(SystemExit, match="unknown update size"):
         lt.update_size("rms-lazy-alpha0")
 
