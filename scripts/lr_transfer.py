@@ -167,6 +167,51 @@ def stale_rows(args, vocab: int, width: int, label: str, lr: float, seed: int = 
     return out
 
 
+def residual_scales(args, vocab: int, width: int, label: str, lr: float, seed: int = 0) -> list[dict]:
+    """Train one run and measure what the residual stream is made of, before and after
+    training, on the first validation batch: the RMS of the embedding's output, of each
+    layer's attention and MLP outputs and of the residual after each layer; and the mean
+    number of distinct tokens in a training batch (the rows an embedding step updates)."""
+    from equiopt.train.config import from_dict
+    from equiopt.train.loop import Trainer
+
+    cfg = from_dict(run_config(args, vocab, width, label, lr, seed), source="lr_transfer --residual")
+    trainer = Trainer(cfg, progress=False)
+    model = trainer.model
+    distinct = []
+    model.get_input_embeddings().register_forward_pre_hook(
+        lambda _m, inp: distinct.append(int(inp[0].unique().numel())) if model.training else None)
+
+    def measure(when: str) -> dict:
+        found, hooks = {"when": when}, []
+
+        def keep(name):
+            def hook(_m, _inp, out):
+                found[name] = round(float((out[0] if isinstance(out, tuple) else out).float().pow(2).mean().sqrt()), 4)
+            return hook
+
+        hooks.append(model.get_input_embeddings().register_forward_hook(keep("embedding")))
+        for i, layer in enumerate(model.model.layers):
+            hooks += [layer.self_attn.register_forward_hook(keep(f"attention {i}")),
+                      layer.mlp.register_forward_hook(keep(f"mlp {i}")), layer.register_forward_hook(keep(f"residual {i}"))]
+        inputs, _ = next(iter(trainer.val))
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(inputs)
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+        return found
+
+    before = measure("init")
+    result = trainer.run()
+    after = measure("end")
+    after["val_loss"] = round(float(result.get("val/loss", float("nan"))), 4)
+    after["distinct tokens per training batch"] = round(sum(distinct) / max(1, len(distinct)), 1)
+    return [before, after]
+
+
 def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -388,15 +433,19 @@ def main(argv=None) -> int:
     p.add_argument("--muon-lr", type=float, default=None,
                    help="the Muon lr of the attention and MLP matrices (default: the recipe's 0.02)")
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--residual", metavar="VOCAB,WIDTH,LABEL,LR",
+                   help="instead of sweeping: train one run and print the RMS of the embedding's and each block's "
+                        "output in the residual stream, before and after")
     p.add_argument("--stale-rows", metavar="VOCAB,WIDTH,LABEL,LR",
                    help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    if args.stale_rows:
-        vocab, width, label, lr = args.stale_rows.split(",")
-        for row in stale_rows(args, int(vocab), int(width), label, float(lr)):
-            print(json.dumps(row))
-        return 0
+    for probe, option in ((stale_rows, args.stale_rows), (residual_scales, args.residual)):
+        if option:
+            vocab, width, label, lr = option.split(",")
+            for row in probe(args, int(vocab), int(width), label, float(lr)):
+                print(json.dumps(row))
+            return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "results.csv"
