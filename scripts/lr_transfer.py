@@ -336,6 +336,39 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def setting_table(sources: list[tuple[str, list[dict]]], label: str, lr: float | None = None,
+                  seeds: set[int] | None = None) -> str:
+    """Markdown table of the mean final validation loss (over seeds; their count in
+    brackets) per model size (rows) and per setting (columns: one ``results.csv`` each, as
+    ``(name, rows)``), for update size ``label`` at the embedding lr ``lr`` (None: each
+    source must hold one lr per size), and the best setting per size. For sweeps of
+    another setting (the LM head's lr, the Muon lr) at one embedding lr."""
+    means: dict = {}
+    for name, rows in sources:
+        found: dict = {}
+        for r in rows:
+            if r["scale"] != label or (lr is not None and not math.isclose(float(r["lr"]), lr, rel_tol=1e-4)):
+                continue
+            if seeds is not None and int(r["seed"]) not in seeds:
+                continue
+            v = float(r["val_loss"])
+            found.setdefault((int(r["vocab"]), int(r["width"])), {}).setdefault(float(r["lr"]), []).append(
+                v if math.isfinite(v) else math.inf)
+        for size, by_lr in found.items():
+            if len(by_lr) > 1:
+                raise SystemExit(f"{name}: vocab {size[0]} width {size[1]} has embedding lrs {sorted(by_lr)}; "
+                                 f"pick one with --table-lr")
+            (vals,) = by_lr.values()
+            means.setdefault(size, {})[name] = (sum(vals) / len(vals), len(vals))
+    names = [n for n, _ in sources]
+    lines = ["| vocab | width | " + " | ".join(names) + " | best |", "|---|---|" + "---|" * (len(names) + 1)]
+    for (vocab, width), cells in sorted(means.items()):
+        row = [f"{cells[n][0]:.4f} ({cells[n][1]})" if n in cells else "-" for n in names]
+        best = min(cells, key=lambda n: cells[n][0])
+        lines.append(f"| {vocab} | {width} | " + " | ".join(row) + f" | {best} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(summary: dict) -> str:
     lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr (3 points) | "
              "its seed bootstrap: 95 % interval | (5 points) | best mean val loss |",
@@ -433,6 +466,10 @@ def main(argv=None) -> int:
     p.add_argument("--muon-lr", type=float, default=None,
                    help="the Muon lr of the attention and MLP matrices (default: the recipe's 0.02)")
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--table", nargs="+", metavar="NAME=RESULTS_CSV",
+                   help="instead of sweeping: print the mean final loss per size of each results.csv, side by side "
+                        "(one column per setting), for --scales (one label) at --table-lr and the --seeds given")
+    p.add_argument("--table-lr", type=float, default=None, help="the embedding lr the --table rows are taken at")
     p.add_argument("--residual", metavar="VOCAB,WIDTH,LABEL,LR",
                    help="instead of sweeping: train one run and print the RMS of the embedding's and each block's "
                         "output in the residual stream, before and after")
@@ -440,6 +477,14 @@ def main(argv=None) -> int:
                    help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.table:
+        pairs = [item.split("=", 1) for item in args.table]
+        if any(len(pair) != 2 for pair in pairs):
+            raise SystemExit("--table takes NAME=RESULTS_CSV pairs")
+        sources = [(name, read_rows(Path(path))) for name, path in pairs]
+        seeds = None if args.seeds == "all" else {int(x) for x in args.seeds.split(",")}
+        print(setting_table(sources, args.scales, args.table_lr, seeds), end="")
+        return 0
     for probe, option in ((stale_rows, args.stale_rows), (residual_scales, args.residual)):
         if option:
             vocab, width, label, lr = option.split(",")

@@ -147,3 +147,20 @@ def test_residual_probe_counts_the_rows_a_step_touches(tmp_path, one_thread):
     assert before["embedding"] == pytest.approx(0.02, rel=0.1)  # the model's init std
     assert after["embedding"] > 5 * before["embedding"]  # four steps of RMS about 0.05 each
     assert {f"{kind} {i}" for kind in ("attention", "mlp", "residual") for i in (0, 1)} <= set(after)
+
+
+def test_setting_table_means_over_seeds_and_names_the_best_setting():
+    lt = _script()
+
+    def row(width, lr, seed, loss, scale="rms-lazy"):
+        return {"vocab": "1024", "width": str(width), "scale": scale, "lr": str(lr), "seed": str(seed), "val_loss": str(loss)}
+
+    a = [row(32, 0.0453, 0, 5.0), row(32, 0.0453, 1, 5.2), row(64, 0.0453, 0, 4.0), row(32, 0.0453, 0, 1.0, "nu")]
+    b = [row(32, 0.0453, 0, 5.05), row(32, 0.0453, 1, 5.05), row(64, 0.0453, 0, float("nan")), row(64, 0.032, 0, 1.0)]
+    with pytest.raises(SystemExit, match="width 64 has embedding lrs"):
+        lt.setting_table([("a", a), ("b", b)], "rms-lazy")
+    lines = lt.setting_table([("a", a), ("b", b)], "rms-lazy", lr=0.0453).splitlines()
+    assert lines[2] == "| 1024 | 32 | 5.1000 (2) | 5.0500 (2) | b |"
+    assert lines[3] == "| 1024 | 64 | 4.0000 (1) | inf (1) | a |"
+    only_seed_0 = lt.setting_table([("a", a), ("b", b)], "rms-lazy", lr=0.0453, seeds={0}).splitlines()
+    assert only_seed_0[2] == "| 1024 | 32 | 5.0000 (1) | 5.0500 (1) | a |"
