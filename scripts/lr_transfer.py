@@ -77,6 +77,15 @@ def head_lr(args, width: int) -> float:
     return args.head_lr * args.head_lr_base_width / width
 
 
+def init_std(args, width: int) -> dict:
+    """With ``--init-base-width W``: every weight matrix drawn with std 0.02 sqrt(W / width)
+    instead of 0.02 at every width, so that a hidden layer's output at initialisation does
+    not grow with width (the 1 / sqrt(fan_in) rule of muP and of PyTorch's default; the
+    embedding and the LM head follow it too, as the model's one ``initializer_range``)."""
+    base = getattr(args, "init_base_width", None)
+    return {} if base is None else {"initializer_range": 0.02 * (base / width) ** 0.5}
+
+
 MUON_ROLES = ("attention", "mlp_in", "mlp_out")
 
 
@@ -85,7 +94,7 @@ def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -
     muon = {} if getattr(args, "muon_lr", None) is None else {role: {"lr": args.muon_lr} for role in MUON_ROLES}
     return {
         "run": {"name": name, "out_dir": str(Path(args.runs) / name), "seed": seed, "device": "cpu"},
-        "model": {"family": "qwen3", "size": "tiny", "overrides": model_overrides(vocab, width)},
+        "model": {"family": "qwen3", "size": "tiny", "overrides": {**model_overrides(vocab, width), **init_std(args, width)}},
         "data": {"train": args.data.format(vocab=vocab), "seq_len": args.seq_len, "batch_size": args.batch_size},
         "optim": {
             "recipe": "paper:qwen3:a-ii",
@@ -463,6 +472,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-lr", type=float, default=1e-3, help="the LM head's AdamW lr (default 1e-3)")
     p.add_argument("--head-lr-base-width", type=int, default=None,
                    help="scale the LM head's AdamW lr by this width / the model's width (default: the same at every width)")
+    p.add_argument("--init-base-width", type=int, default=None,
+                   help="draw the weights with std 0.02 x sqrt(this / width) (default: 0.02 at every width)")
     p.add_argument("--muon-lr", type=float, default=None,
                    help="the Muon lr of the attention and MLP matrices (default: the recipe's 0.02)")
     p.add_argument("--plot-only", action="store_true")

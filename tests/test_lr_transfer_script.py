@@ -120,6 +120,12 @@ def test_muon_lr_reaches_every_attention_and_mlp_matrix_and_nothing_else():
     for role in lt.MUON_ROLES:
         assert by_role[role] == {0.0123}, role
     assert by_role["embedding"] == {0.032}
+    assert cfg.model.overrides.get("initializer_range") is None
+    args.init_base_width = 64
+    stds = {w: lt.run_config(args, 256, w, "rms-lazy", 0.032, 0)["model"]["overrides"]["initializer_range"] for w in (32, 256)}
+    assert stds == {32: pytest.approx(0.02 * 2**0.5), 256: pytest.approx(0.01)}
+    wide = models.build("qwen3", "tiny", **lt.run_config(args, 256, 256, "rms-lazy", 0.032, 0)["model"]["overrides"])
+    assert wide.model.layers[0].mlp.down_proj.weight.std().item() == pytest.approx(0.01, rel=0.05)
     args.muon_lr = None
     assert not set(lt.MUON_ROLES) & set(lt.run_config(args, 256, 32, "rms-lazy", 0.032, 0)["optim"]["overrides"])
 
