@@ -12,6 +12,11 @@ swept on a grid for each update size in ``--scales``: ``nu`` (the paper's nu^alp
 ``rms-alpha0`` (``scale = "rms"`` without the rho^alpha factor). The final validation loss of every run is
 written to ``results.csv``; ``summary.json`` has the best lr per size and how far it moves.
 
+The rest of the model can be put in a width-transferable setting: ``--head-lr`` with
+``--head-lr-base-width`` (the head's lr as 1 / width), ``--init-base-width`` (init std as
+1 / sqrt(width)), ``--muon-lr``. ``--residual`` and ``--stale-rows`` measure one run
+instead of sweeping; ``--table`` puts sweeps of another setting side by side.
+
 Resumable: a run whose row is already in ``results.csv`` is skipped. One run at a time,
 one thread.
 
@@ -447,7 +452,8 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_ylim(-0.005, 0.08)
         ax.set_xlabel("embedding learning rate")
         ax.set_ylabel("final validation loss - best of the size")
-        ax.set_title(f"HybridPolarGradM embedding, {TITLES[scale]}", fontsize=10)
+        rule = "" if scale == "row-lazy" else "HybridPolarGradM, "
+        ax.set_title(f"embedding: {rule}{TITLES[scale]}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
