@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import data_dir  # noqa: F401  (a fixture: the tiny corpus of the training tests)
 
 
 def _script():
@@ -130,24 +131,16 @@ def test_muon_lr_reaches_every_attention_and_mlp_matrix_and_nothing_else():
     assert not set(lt.MUON_ROLES) & set(lt.run_config(args, 256, 32, "rms-lazy", 0.032, 0)["optim"]["overrides"])
 
 
-def test_residual_probe_counts_the_rows_a_step_touches(tmp_path, one_thread):
-    import random
+def test_residual_probe_counts_the_rows_a_step_touches(data_dir, tmp_path, one_thread):
     from types import SimpleNamespace
 
     from equiopt.data.loader import TokenLoader
-    from equiopt.data.prepare import prepare
-    from equiopt.data.tokenizers import train_bpe
 
-    rng = random.Random(0)
-    words = "the of and to a in is it that was for on with as his he by at from be this had not are but".split()
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) + "." for _ in range(200)]
-    train_bpe(docs, 384, tmp_path / "bpe.json")
-    prepare(docs, f"bpe:{tmp_path / 'bpe.json'}", tmp_path / "data", shard_tokens=20000, val_fraction=0.1, progress=False)
     lt = _script()
-    args = SimpleNamespace(runs=str(tmp_path / "runs"), data=str(tmp_path / "data"), seq_len=16, batch_size=8, steps=4,
+    args = SimpleNamespace(runs=str(tmp_path / "runs"), data=str(data_dir), seq_len=16, batch_size=8, steps=4,
                            val_batches=2, head_lr=1e-3, head_lr_base_width=None, muon_lr=None)
     before, after = lt.residual_scales(args, 384, 32, "rms-lazy", 0.05)
-    loader = iter(TokenLoader(str(tmp_path / "data"), 8, 16, split="train", seed=0))
+    loader = iter(TokenLoader(str(data_dir), 8, 16, split="train", seed=0))
     expected = sum(next(loader)[0].unique().numel() for _ in range(4)) / 4
     assert after["distinct tokens per training batch"] == pytest.approx(expected, abs=0.05)
     assert before["embedding"] == pytest.approx(0.02, rel=0.1)  # the model's init std
