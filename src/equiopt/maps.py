@@ -151,14 +151,20 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
-def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, reducer: Optional[RowReducer] = None) -> Factored:
+def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, reducer: Optional[RowReducer] = None,
+                 col_reducer: Optional[RowReducer] = None) -> Factored:
     """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
 
     The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
     computed as one vector-matrix product instead of a second pass over the matrix.
+    ``col_reducer``: ``x`` holds some of the columns (a split of the work columns); the
+    squared row norms, one per row, are completed by it (its ``count`` is the column count).
     """
-    norms = _row_norms(x)
-    s = eta_scale(norms, eta, eps, x.shape[-1])
+    if col_reducer is None:
+        norms, n = _row_norms(x), x.shape[-1]
+    else:
+        norms, n = col_reducer.sum(x.square().sum(dim=-1, keepdim=True)).sqrt(), col_reducer.count
+    s = eta_scale(norms, eta, eps, n)
     shift = None
     if centered:
         shift = (s.mT @ x) / x.shape[-2] if reducer is None else reducer.sum(s.mT @ x) / reducer.count
@@ -185,15 +191,17 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
 
 def row_norm_factored(
     D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse",
-    reducer: Optional[RowReducer] = None, centred_input: bool = False,
+    reducer: Optional[RowReducer] = None, centred_input: bool = False, col_reducer: Optional[RowReducer] = None,
 ) -> Factored:
     """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole).
-    ``centred_input`` (with ``center``): ``D`` already has zero column means, so it is not
-    centred again (no full-size copy); the output projection is kept."""
+    ``col_reducer``: the same for a ``D`` split by columns (sums over the columns of each
+    row, completing the row norms). ``centred_input`` (with ``center``): ``D`` already has
+    zero column means, so it is not centred again (no full-size copy); the output
+    projection is kept."""
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
-    return _row_factors(x, eta, eps, center, reducer)
+    return _row_factors(x, eta, eps, center, reducer, col_reducer)
 
 
 GRAM_SIDES = ("auto", "right", "left")

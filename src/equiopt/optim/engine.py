@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch.optim import Optimizer
 
-from ..layouts import Layout, Row, parse_layout
+from ..layouts import Layout, parse_layout
 from .. import maps
-from ..distributed.placements import Sharding, describe_sharding
+from ..distributed.placements import Sharding, describe_sharding, group_coordinates, mesh_group
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, resolved, shape_factor,
                     validate_group)
-from .owners import assign, from_owners, map_cost, share, to_owners
-from .sharded import ShardRowSum, global_flags, local, plan
+from .owners import assign, from_owners, joint_block, map_cost, share, to_owners
+from .sharded import LOCAL, Plan, global_flags, local, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
@@ -42,9 +42,9 @@ def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
         raise ValueError(f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice")
 
 
-def _map(key: tuple, eta, D: torch.Tensor, rows) -> maps.Factored:
-    """:func:`factored_map`, with the row reducer of a row-sharded ``D`` when there is one."""
-    return factored_map(key, eta, D) if rows is None else factored_map(key, eta, D, rows)
+def _map(key: tuple, eta, D: torch.Tensor, sums) -> maps.Factored:
+    """:func:`factored_map`, with the row and column reducers of a split ``D`` when there are."""
+    return factored_map(key, eta, D) if sums is None else factored_map(key, eta, D, *sums)
 
 
 def _map_whole(jobs: list[tuple[tuple, Any, torch.Tensor]]) -> list[torch.Tensor]:
@@ -64,14 +64,15 @@ def _map_whole(jobs: list[tuple[tuple, Any, torch.Tensor]]) -> list[torch.Tensor
 
 
 class _WholeTask(NamedTuple):
-    """A row-sharded parameter whose map needs whole work matrices (mapped on an owner rank)."""
+    """A sharded parameter whose map needs whole work matrices (mapped on an owner rank)."""
 
     group: dict
     key: tuple
     layout: Layout
     sharding: Sharding
-    param: torch.Tensor  # this rank's rows of the weights
-    direction: torch.Tensor  # this rank's rows of the momentum direction
+    plan: Plan
+    param: torch.Tensor  # this rank's block of the weights
+    direction: torch.Tensor  # this rank's block of the momentum direction
     coef: torch.Tensor  # -lr * ok
 
 
@@ -212,8 +213,8 @@ class EquivariantOptimizer(Optimizer):
             raise ValueError(f"{where}: 'layouts' has {len(per_param)} entries for {len(params)} parameters")
         layouts = []
         for j, p in enumerate(params):
-            # unsupported placements (tensor parallelism, Shard(1), Partial) fail here, by name
-            self._shardings[id(p)] = describe_sharding(p, names[j])
+            # unsupported placements (Partial, non-contiguous splits) fail here, by name
+            sharding = self._shardings[id(p)] = describe_sharding(p, names[j])
             spec = group["layout"] if per_param is None or per_param[j] is None else per_param[j]
             try:
                 layout = parse_layout(spec)
@@ -227,6 +228,7 @@ class EquivariantOptimizer(Optimizer):
                     )
                 layout.check(tuple(p.shape), names[j])
                 _check_views(p, layout, names[j])
+                self._make_groups(plan(map_key(group), layout, sharding), sharding)
             layouts.append(layout)
         group["layouts"] = layouts
 
@@ -428,13 +430,24 @@ class EquivariantOptimizer(Optimizer):
             found = self._shardings[id(p)] = describe_sharding(p)
         return found
 
+    @staticmethod
+    def _make_groups(how: Plan, sharding: Sharding) -> None:
+        """Create, at construction and in the same order on every rank, the process groups
+        a parameter's step will use (products of mesh axes are made by a collective call)."""
+        if sharding.kind != "sharded" or not sharding.is_sharded:
+            return
+        mesh_group(sharding.mesh, [a for a in sharding.sharded_axes if sharding.mesh_shape[a] > 1])
+        for axes in ((how.rows, how.cols) if how.how == "reduce" else (how.axes,)):
+            if axes:
+                mesh_group(sharding.mesh, axes)
+
     def _matrix_step(self, group, lr, j, p, state, okf, buckets, gathered) -> None:
-        """Momentum, decay and the map of one parameter; on a DTensor, of this rank's shard
+        """Momentum, decay and the map of one parameter; on a DTensor, of this rank's block
         (``p``, its gradient and state are DTensors; their local tensors are stepped).
 
         The map is queued: in ``buckets`` (batched by settings and shape; under
         ``divide_work`` the matrix-product maps of plain parameters are marked to be divided
-        among the replicas) or in ``gathered`` (row-sharded work that needs whole matrices).
+        among the replicas) or in ``gathered`` (split work that needs whole matrices).
         """
         buf = local(state["momentum_buffer"])
         grad = sanitize(local(p.grad), buf.dtype)
@@ -442,7 +455,7 @@ class EquivariantOptimizer(Optimizer):
         sharding = self._sharding(p)
         layout = group["layouts"][j]
         key = map_key(group)
-        how = plan(key, layout, sharding)
+        how = plan(key, layout, sharding) if sharding.kind == "sharded" else LOCAL
         if group["lazy"]:
             direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
         p = local(p)
@@ -450,28 +463,27 @@ class EquivariantOptimizer(Optimizer):
         if group["rule"] == "sgd":
             p.add_((direction * (-lr * okf)).to(p.dtype))
             return
-        if how == "gather":
-            gathered.append(_WholeTask(group, key, layout, sharding, p, direction, okf * (-lr)))
+        if how.how == "owner":
+            gathered.append(_WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
             return
-        if how == "local" and group["center"] and key[0] != "spectral":
+        if how.how == "local" and group["center"] and key[0] != "spectral":
             key = self._centre_in_place(direction, layout, okf, key)
-        rows = None
-        if how == "reduce":
-            rows = ShardRowSum(sharding.group, sharding.shape[0])
-        divide = self._replicas is not None and sharding.kind == "local" and key[0] in DIVIDED_RULES
         global_shapes = layout.work_shapes(sharding.shape)
+        sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
+        divide = self._replicas is not None and sharding.kind == "local" and key[0] in DIVIDED_RULES
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
-            if rows is None and w.numel() == 0:
-                continue  # an empty shard of a stack of experts: nothing to map, nothing sent
+            if sums is None and w.numel() == 0:
+                continue  # an empty block of a stack of experts: nothing to map, nothing sent
             coef = okf * (-lr * shape_factor(group, *gshape[-2:]))
-            if rows is not None:
-                # one bucket per (global shape, shard group): every rank forms the same buckets
-                buckets[(key, tuple(gshape[-2:]), "reduce", id(sharding.group))].append((w, pw, coef, group, rows))
+            if sums is not None:
+                # one bucket per (global shape, process groups): every rank forms the same buckets
+                groups = tuple(id(r.group) if r is not None else None for r in sums)
+                buckets[(key, tuple(gshape[-2:]), "reduce", groups)].append((w, pw, coef, group, sums))
             else:
                 buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
 
     @staticmethod
-    def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, how: str, name: str) -> torch.Tensor:
+    def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, how: Plan, name: str) -> torch.Tensor:
         """A copy of the direction whose work-matrix rows are zero where this step's gradient
         row is zero (``lazy``): those rows get no update from any matrix map.
 
@@ -483,10 +495,11 @@ class EquivariantOptimizer(Optimizer):
         the vocabulary. The mask is a function of the gradient's row norms, so it commutes
         with row permutations and with orthogonal maps of the columns (the LPRO group).
         """
-        if how == "gather" and not isinstance(layout, Row):
+        if how.cols:
             # this rank holds only some entries of a work row: its gradient cannot tell
-            raise ValueError(f"parameter {name!r}: lazy=True on a row-sharded parameter needs layout 'row' "
-                             f"(or work matrices that lie whole in each shard); got {layout!r}")
+            raise ValueError(f"parameter {name!r}: lazy=True needs whole work rows on every rank, but its "
+                             f"placements split the work matrices' columns (layout {layout!r}); shard the "
+                             "rows instead (layout 'row' with Shard(0))")
         out = direction.clone()
         for w, g in zip(layout.to_work_list(out), layout.to_work_list(grad)):
             w.mul_(g.ne(0).any(dim=-1, keepdim=True))
@@ -507,27 +520,30 @@ class EquivariantOptimizer(Optimizer):
         return precentred(key)
 
     def _run_gathered(self, tasks: list[_WholeTask]) -> None:
-        """Maps of row-sharded parameters that need whole work matrices, spread over the
-        shard group: each parameter is mapped on one owner rank (:mod:`.owners`), which
-        receives its rows in one all-to-all and returns the update's rows in another."""
+        """Maps of split parameters that need whole work matrices, spread over the ranks that
+        hold their pieces: each parameter is mapped on one owner rank (:mod:`.owners`), which
+        receives the blocks in one all-to-all and returns the update's blocks in another."""
         by_group: dict[tuple, list[_WholeTask]] = defaultdict(list)
         for task in tasks:
-            by_group[(id(task.sharding.group), task.direction.dtype)].append(task)
+            pg = mesh_group(task.sharding.mesh, task.plan.axes)
+            by_group[(id(pg), task.direction.dtype)].append(task)
         for members in by_group.values():
-            first = members[0].sharding
-            shapes = [t.sharding.shape for t in members]
-            ranges = [t.sharding.row_ranges() for t in members]
-            owners = assign([sum(map_cost(s) for s in t.layout.work_shapes(t.sharding.shape)) for t in members],
-                            first.num_shards)
-            me, pg = first.shard_index, first.group
-            whole = to_owners([t.direction for t in members], shapes, ranges, owners, me, pg)
+            first = members[0]
+            pg = mesh_group(first.sharding.mesh, first.plan.axes)
+            coords = group_coordinates(first.sharding.mesh_shape, first.sharding.coordinate, first.plan.axes)
+            me = coords.index(first.sharding.coordinate)
+            blocks = [[t.sharding.block_at(c) for c in coords] for t in members]
+            joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
+            owners = assign([sum(map_cost(s) for s in t.layout.work_shapes(j)) for t, j in zip(members, joints)],
+                            len(coords))
+            whole = to_owners([t.direction for t in members], blocks, owners, me, pg)
             updates = {}
             for i, full in whole.items():
                 t = members[i]
                 works = t.layout.to_work_list(full)
                 mapped = _map_whole([(t.key, t.group["eta"], w) for w in works])
                 updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
-            rows = from_owners(updates, shapes, ranges, owners, me, pg, like=members[0].direction)
+            rows = from_owners(updates, blocks, owners, me, pg, like=first.direction)
             for t, u in zip(members, rows):
                 add_factored_(t.param, maps.Factored(u), t.coef)
 

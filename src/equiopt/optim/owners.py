@@ -6,9 +6,9 @@ every such map, :func:`assign` gives each task an owner (longest task first, to 
 least-loaded rank; only global shapes enter, so every rank agrees without sending
 anything) and the owners' results are shared:
 
-- row-sharded parameters (FSDP2 ``Shard(0)``): :func:`to_owners` sends every rank's rows
+- sharded parameters (FSDP2, TP, EP blocks): :func:`to_owners` sends every rank's block
   of each task to its owner in one all-to-all, the owner maps the whole matrices, and
-  :func:`from_owners` returns every rank's rows of the update in a second all-to-all
+  :func:`from_owners` returns every rank's block of the update in a second all-to-all
   (gather to owner -> map -> scatter, with one collective each way per step);
 - replicated parameters (DDP): the owner maps its tasks and :func:`share` broadcasts each
   owner's results (one broadcast per owner), so every rank adds the same update and the
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["assign", "map_cost", "to_owners", "from_owners", "share"]
+__all__ = ["assign", "map_cost", "joint_block", "to_owners", "from_owners", "share"]
 
 
 def map_cost(shape: Sequence[int]) -> int:
@@ -46,10 +46,21 @@ def assign(costs: Sequence[int], ranks: int) -> list[int]:
     return owners
 
 
-def _row_counts(shape: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
-    """Elements of each shard of a row-sharded tensor of global ``shape``."""
-    row = math.prod(shape[1:])
-    return [(b - a) * row for a, b in ranges]
+Block = tuple  # ((start, stop), ...) per tensor dimension, in global coordinates
+
+
+def _numel(block: Block) -> int:
+    return math.prod(b - a for a, b in block)
+
+
+def _within(block: Block, joint: Block) -> tuple[slice, ...]:
+    """``block``'s place inside the tensor ``joint`` (both global ranges)."""
+    return tuple(slice(a - j, b - j) for (a, b), (j, _) in zip(block, joint))
+
+
+def joint_block(blocks: Sequence[Block]) -> Block:
+    """The block that the ranks holding ``blocks`` hold together (their bounding box)."""
+    return tuple((min(b[d][0] for b in blocks), max(b[d][1] for b in blocks)) for d in range(len(blocks[0])))
 
 
 def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:
@@ -63,49 +74,50 @@ def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: to
     return list(torch.split(out, recv_sizes))
 
 
-def to_owners(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]],
-              ranges: Sequence[Sequence[tuple[int, int]]], owners: Sequence[int], me: int, group) -> dict[int, torch.Tensor]:
-    """Whole tensors of the tasks this rank owns, ``{task: tensor of its global shape}``.
+def to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
+              group) -> dict[int, torch.Tensor]:
+    """Whole tensors of the tasks this rank owns, ``{task: tensor}``.
 
-    Task ``t`` is row-sharded over the group: this rank holds ``shards[t]`` (rows
-    ``ranges[t][me]`` of global shape ``shapes[t]``). One all-to-all moves every shard to
-    its task's owner; all tensors share one dtype.
+    Task ``t`` is split over the group: member ``s`` holds the block ``blocks[t][s]``
+    (global ranges), this rank ``shards[t]``; the owner gets the tasks' joint block
+    (:func:`joint_block`). One all-to-all moves every block to its task's owner; all
+    tensors share one dtype.
     """
-    n = len(ranges[0]) if ranges else 1
+    n = len(blocks[0]) if blocks else 1
     like = shards[0]
-    counts = [_row_counts(s, r) for s, r in zip(shapes, ranges)]
     send = [[] for _ in range(n)]
     for t, shard in enumerate(shards):
         send[owners[t]].append(shard.reshape(-1))
     mine = [t for t in range(len(shards)) if owners[t] == me]
     recv = _all_to_all([torch.cat(s) if s else like.new_empty(0) for s in send],
-                       [sum(counts[t][s] for t in mine) for s in range(n)], group, like)
-    pieces: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
+                       [sum(_numel(blocks[t][s]) for t in mine) for s in range(n)], group, like)
+    out = {}
+    for t in mine:
+        joint = joint_block(blocks[t])
+        out[t] = like.new_empty(tuple(b - a for a, b in joint))
     for s, flat in enumerate(recv):
-        for t, part in zip(mine, torch.split(flat, [counts[t][s] for t in mine])):
-            pieces[t].append(part)
-    return {t: torch.cat(pieces[t]).view(shapes[t]) for t in mine}
+        for t, part in zip(mine, torch.split(flat, [_numel(blocks[t][s]) for t in mine])):
+            block = blocks[t][s]
+            out[t][_within(block, joint_block(blocks[t]))] = part.view(tuple(b - a for a, b in block))
+    return out
 
 
-def from_owners(updates: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]],
-                ranges: Sequence[Sequence[tuple[int, int]]], owners: Sequence[int], me: int, group,
-                like: torch.Tensor) -> list[torch.Tensor]:
-    """The inverse of :func:`to_owners`: each owner's whole ``updates[t]`` go back as rows,
-    one all-to-all; returns this rank's rows of every task's update (in task order)."""
-    n = len(ranges[0]) if ranges else 1
-    counts = [_row_counts(s, r) for s, r in zip(shapes, ranges)]
+def from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
+                group, like: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of :func:`to_owners`: each owner's ``updates[t]`` (of the joint block)
+    go back as blocks, one all-to-all; returns this rank's block of every task's update."""
+    n = len(blocks[0]) if blocks else 1
     mine = sorted(updates)
     send = []
     for s in range(n):
-        parts = [updates[t][ranges[t][s][0]:ranges[t][s][1]].reshape(-1) for t in mine]
+        parts = [updates[t][_within(blocks[t][s], joint_block(blocks[t]))].reshape(-1) for t in mine]
         send.append(torch.cat(parts) if parts else like.new_empty(0))
-    by_owner = [[t for t in range(len(shapes)) if owners[t] == q] for q in range(n)]
-    recv = _all_to_all(send, [sum(counts[t][me] for t in ts) for ts in by_owner], group, like)
-    out: list[torch.Tensor | None] = [None] * len(shapes)
+    by_owner = [[t for t in range(len(blocks)) if owners[t] == q] for q in range(n)]
+    recv = _all_to_all(send, [sum(_numel(blocks[t][me]) for t in ts) for ts in by_owner], group, like)
+    out: list[torch.Tensor | None] = [None] * len(blocks)
     for ts, flat in zip(by_owner, recv):
-        for t, part in zip(ts, torch.split(flat, [counts[t][me] for t in ts])):
-            a, b = ranges[t][me]
-            out[t] = part.view((b - a, *shapes[t][1:]))
+        for t, part in zip(ts, torch.split(flat, [_numel(blocks[t][me]) for t in ts])):
+            out[t] = part.view(tuple(b - a for a, b in blocks[t][me]))
     return out  # type: ignore[return-value]
 
 

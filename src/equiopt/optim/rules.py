@@ -93,12 +93,14 @@ def precentred(key: tuple) -> tuple:
     return key[:2] + (PRECENTRED,) + key[3:]
 
 
-def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None) -> maps.Factored:
+def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None,
+                 col_reducer: maps.RowReducer | None = None) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
 
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
-    rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`)."""
+    rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
+    ``col_reducer``: the same for a split of the columns (row-norm only)."""
     rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale = key
     done = center == PRECENTRED
     center = bool(center)
@@ -109,8 +111,11 @@ def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | No
     if rule in ("right", "left"):
         return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
                                        scale=scale, reducer=reducer, centred_input=done)
+    if col_reducer is not None and rule != "row":
+        raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
     if rule == "row":
-        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centred_input=done)
+        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centred_input=done,
+                                      col_reducer=col_reducer)
     return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
                                 scale=scale, reducer=reducer, centred_input=done)
 

@@ -1,35 +1,42 @@
-"""The optimizer step on row-sharded (FSDP2 ``Shard(0)``) parameters: what each work matrix needs.
+"""The optimizer step on sharded (DTensor) parameters: what each work matrix needs.
 
-A step on a DTensor parameter works on its local shard (``to_local()`` of the weight,
-the gradient and the state). Per parameter, :func:`plan` decides how its map runs:
+A step on a DTensor parameter works on its local block (``to_local()`` of the weight,
+the gradient and the state). Per parameter, :func:`plan` reads how the layout turns
+every split tensor dimension into work-matrix axes and decides how its map runs:
 
-- ``"local"``: every work matrix lies wholly in this rank's shard (replicated
-  parameters; expert stacks, whose dim 0 is the expert axis; heads whose blocks the
-  shard boundaries do not cut): nothing is sent.
-- ``"reduce"``: the stored rows are the work matrix's rows (``Row`` layout) and the map
-  needs only sums over rows (row-norm, right-Gram one-sided and hybrid maps): the
-  map runs on the shard with a :class:`ShardRowSum` (column sums and the ``d x d``
-  Gram are all-reduced; uncentred row-norm sends nothing).
-- ``"gather"``: anything else (spectral maps of whole matrices, left Grams of routers,
-  layouts whose stored dim 0 is not the work's row axis, heads cut by a shard
-  boundary): each such parameter is mapped whole on one owner rank of the shard group
-  (:mod:`.owners`: its rows go to the owner in one all-to-all for all of them, the
-  update's rows come back in a second), so the work is spread over the ranks.
+- ``"local"``: every work matrix lies wholly in this rank's block (replicated
+  parameters; expert stacks split by whole experts; heads that the TP split keeps
+  whole; any split of a leading batch axis): nothing is sent.
+- ``"reduce"``: the splits cut only the work matrices' rows and the map needs only sums
+  over rows (row-norm, and the right-Gram one-sided and hybrid maps): the map runs on
+  the block with a :class:`ShardSum` over the product group of the cutting mesh axes
+  (column sums and the ``d x d`` Gram are all-reduced; uncentred row-norm sends
+  nothing). Row-norm also runs when the splits cut the columns (Megatron's vocabulary
+  ``Shard(1)``, FSDP's rows of a SwiGLU down projection): the row norms are completed by a
+  per-row vector all-reduce over the axes that cut the columns.
+- ``"owner"``: anything else (spectral maps of whole matrices, left Grams, heads cut by
+  a split, fused layouts whose halves a split cuts): each parameter is mapped on one
+  owner rank of the product group of the cutting axes (:mod:`.owners`: its blocks go to
+  the owner in one all-to-all for all of them, the update's blocks come back in a
+  second), so the work is spread over the ranks.
 
-Every decision depends only on global shapes and the split of every shard, so all
-ranks issue the same collectives in the same order. Collectives go through
-``torch.distributed`` on the shard's process group.
+Axes that split a work matrix's batch (experts, heads) take no part: their ranks hold
+different matrices. Every decision depends only on global shapes, placements and mesh
+sizes, so all ranks issue the same collectives in the same order, and the same
+decisions are made for a fake mesh of any size (``equiopt plan``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ..distributed.placements import Sharding, is_dtensor
-from ..layouts import Experts, Heads, Layout, Row
+from ..distributed.placements import Sharding, is_dtensor, mesh_group
+from ..layouts import Col, Experts, Heads, Layout, Row
 from .rules import reducible
 
-__all__ = ["local", "ShardRowSum", "plan", "global_flags"]
+__all__ = ["local", "ShardSum", "Plan", "plan", "global_flags", "LOCAL"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -37,9 +44,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-class ShardRowSum:
-    """:class:`equiopt.maps.RowReducer` of a row-sharded work matrix: all-reduce (sum)
-    over the shard group; ``count`` is the global row count."""
+class ShardSum:
+    """:class:`equiopt.maps.RowReducer` of a split work matrix: all-reduce (sum) over
+    ``group``; ``count`` is the global size of the axis summed over."""
 
     def __init__(self, group, count: int):
         self.group = group
@@ -53,33 +60,96 @@ class ShardRowSum:
         return t
 
 
-def _heads_whole(layout: Heads, sharding: Sharding) -> bool:
-    return layout.axis == "rows" and all(a % layout.head_dim == 0 and b % layout.head_dim == 0
-                                         for a, b in sharding.row_ranges())
+class Plan(NamedTuple):
+    """How one parameter's map runs: ``how`` (``"local"``, ``"reduce"`` or ``"owner"``);
+    for ``"reduce"``, the mesh axes that cut the work rows (``rows``, summed over by the
+    Gram/column sums) and the work columns (``cols``, summed over by row norms); for
+    ``"owner"``, the axes that cut the rows (``rows``) and those that cut anything else
+    (``cols``): the ranks of all of them (:attr:`axes`) share the owner work."""
+
+    how: str
+    rows: tuple[int, ...] = ()
+    cols: tuple[int, ...] = ()
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.rows) | set(self.cols)))
 
 
-def plan(key: tuple, layout: Layout, sharding: Sharding) -> str:
-    """``"local"``, ``"reduce"`` or ``"gather"`` for a parameter under ``key``'s map (see the module)."""
-    if not sharding.is_row_sharded or sharding.num_shards == 1:
-        return "local"
+LOCAL = Plan("local")
+
+
+def _dim_roles(layout: Layout, ndim: int) -> list:
+    """What each stored dimension becomes in the work matrices: ``"batch"``, ``"rows"``,
+    ``"cols"``, ``("heads", hd)`` (rows in blocks of ``hd``, one work matrix each) or
+    ``"opaque"`` (a fused layout's axis: any cut needs the whole tensor)."""
     if isinstance(layout, Experts):
-        return "local"  # dim 0 is the expert axis: every shard holds whole experts
-    if isinstance(layout, Heads) and _heads_whole(layout, sharding):
-        return "local"
-    if isinstance(layout, Row) and reducible(key, *sharding.shape[-2:]):
-        return "reduce"
-    return "gather"
+        return _dim_roles(layout.inner, ndim)
+    lead = ["batch"] * (ndim - 2)
+    if isinstance(layout, Row):
+        return lead + ["rows", "cols"]
+    if isinstance(layout, Col):
+        return lead + ["cols", "rows"]
+    if isinstance(layout, Heads):
+        heads = ("heads", layout.head_dim)
+        return lead + ([heads, "cols"] if layout.axis == "rows" else ["cols", heads])
+    inner = getattr(layout, "ndim", 2)
+    return ["batch"] * (ndim - inner) + ["opaque"] * inner
+
+
+def cuts(layout: Layout, sharding: Sharding) -> dict[str, tuple[int, ...]]:
+    """The mesh axes (of size > 1) that cut the work matrices' ``rows``, ``cols`` or an
+    ``opaque`` axis; axes that split whole work matrices are left out."""
+    out: dict[str, set] = {"rows": set(), "cols": set(), "opaque": set()}
+    roles = _dim_roles(layout, len(sharding.shape))
+    for d, split in sharding.splits.items():
+        axes = {a for a in split.axes if sharding.mesh_shape[a] > 1}
+        if not axes:
+            continue
+        role = roles[d]
+        if role == "batch":
+            continue
+        if isinstance(role, tuple):  # heads: whole if every boundary falls between heads
+            if all(x % role[1] == 0 for x in split.boundaries()):
+                continue
+            role = "opaque"
+        out[role] |= axes
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+def plan(key: tuple, layout: Layout, sharding: Sharding) -> Plan:
+    """The :class:`Plan` of a parameter under ``key``'s map (see the module)."""
+    if sharding.kind != "sharded":
+        return LOCAL
+    cut = cuts(layout, sharding)
+    if not (cut["rows"] or cut["cols"] or cut["opaque"]):
+        return LOCAL
+    if not cut["opaque"]:
+        m, n = layout.work_shapes(sharding.shape)[0][-2:]
+        if not cut["cols"] and reducible(key, m, n):
+            return Plan("reduce", rows=cut["rows"])
+        if key[0] == "row":
+            return Plan("reduce", rows=cut["rows"], cols=cut["cols"])
+    return Plan("owner", rows=cut["rows"], cols=tuple(sorted(set(cut["cols"]) | set(cut["opaque"]))))
+
+
+def reducers(how: Plan, sharding: Sharding, work_shape) -> tuple:
+    """The row and column :class:`ShardSum` of a ``"reduce"`` plan (None where nothing is cut)."""
+    m, n = work_shape[-2:]
+    rows = ShardSum(mesh_group(sharding.mesh, how.rows), m) if how.rows else None
+    cols = ShardSum(mesh_group(sharding.mesh, how.cols), n) if how.cols else None
+    return rows, cols
 
 
 def global_flags(flags: torch.Tensor, shardings: list[Sharding]) -> torch.Tensor:
-    """Finite flags made global: each row-sharded parameter's flag is the minimum over its
-    shard group (one all-reduce of the group's flags per process group)."""
+    """Finite flags made global: each sharded parameter's flag is the minimum over the
+    ranks that hold its pieces (one all-reduce of the group's flags per process group)."""
     import torch.distributed as dist
 
     groups: dict[int, tuple] = {}
     for k, s in enumerate(shardings):
-        if s.is_row_sharded and s.num_shards > 1:
-            pg = s.group
+        if s.kind == "sharded" and s.is_sharded:
+            pg = mesh_group(s.mesh, [a for a in s.sharded_axes if s.mesh_shape[a] > 1])
             groups.setdefault(id(pg), (pg, []))[1].append(k)
     for pg, members in groups.values():
         mask = torch.zeros(len(shardings), dtype=torch.bool, device=flags.device)
