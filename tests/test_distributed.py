@@ -25,42 +25,60 @@ def test_row_ranges_follow_torch_chunk():
 
 def test_a_plain_tensor_is_local():
     s = describe_sharding(torch.zeros(5, 3), "w")
-    assert (s.kind, s.rows, s.num_shards, s.group) == ("local", (0, 5), 1, None)
+    assert (s.kind, s.block, s.is_sharded, s.mesh) == ("local", ((0, 5), (0, 3)), False, None)
+
+
+def _torch_block(t, mesh, placements):
+    """This rank's block from torch's own ``compute_local_shape_and_global_offset``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    return tuple((o, o + n) if n else (t.shape[d], t.shape[d]) for d, (o, n) in enumerate(zip(offset, shape)))
 
 
 def _check_placements(rank: int, world: int) -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    even = distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)])
+    full = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))  # the same on every rank
+    even = distribute_tensor(full, mesh, [Shard(0)])
     s = describe_sharding(even, "embed.weight")
-    assert s.kind == "row" and s.rows == row_range(8, world, rank) and s.num_shards == world
-    assert s.shard_index == rank and s.mesh_dim == 0 and s.group is not None and s.local_rows == 8 // world
-    assert s.row_ranges() == [row_range(8, world, i) for i in range(world)]
+    assert s.kind == "sharded" and s.block == (row_range(8, world, rank), (0, 3)) and s.dims == (0,)
+    assert torch.equal(full[s.local_slices()], even.to_local())
+    assert [s.block_at((i,)) for i in range(world)] == [(row_range(8, world, i), (0, 3)) for i in range(world)]
     # uneven last shards, an empty one included (1 row over 2 ranks)
     for rows in (5, 1):
-        u = describe_sharding(distribute_tensor(torch.randn(rows, 3), mesh, [Shard(0)]), "head.weight")
-        assert u.rows == row_range(rows, world, rank)
-        assert u.local_rows == distribute_tensor(torch.randn(rows, 3), mesh, [Shard(0)]).to_local().shape[0]
+        t = distribute_tensor(torch.randn(rows, 3), mesh, [Shard(0)])
+        u = describe_sharding(t, "head.weight")
+        assert u.local_shape == tuple(t.to_local().shape)
+        if t.to_local().numel():
+            assert u.block == _torch_block(t, mesh, [Shard(0)])
     experts = describe_sharding(distribute_tensor(torch.randn(4, 6, 2), mesh, [Shard(0)]), "experts.gate_up")
-    assert experts.kind == "row" and experts.shape == (4, 6, 2) and experts.rows == row_range(4, world, rank)
+    assert experts.kind == "sharded" and experts.shape == (4, 6, 2) and experts.block[0] == row_range(4, world, rank)
     assert describe_sharding(distribute_tensor(torch.randn(4, 3), mesh, [Replicate()]), "r").kind == "replicated"
-    assert describe_sharding(distribute_tensor(torch.randn(4, 3), mesh, [Shard(-2)]), "neg").kind == "row"
-    with pytest.raises(UnsupportedShardingError, match=r"'mlp\.down_proj\.weight'.*Shard\(dim=1\).*tensor parallelism"):
-        describe_sharding(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]), "mlp.down_proj.weight")
+    assert describe_sharding(distribute_tensor(torch.randn(4, 3), mesh, [Shard(-2)]), "neg").dims == (0,)
+    # tensor parallelism's Rowwise split: columns
+    cols = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    tp = distribute_tensor(cols, mesh, [Shard(1)])
+    c = describe_sharding(tp, "mlp.down_proj.weight")
+    assert c.dims == (1,) and torch.equal(cols[c.local_slices()], tp.to_local())
     with pytest.raises(UnsupportedShardingError, match=r"'grad_like'.*Partial"):
         describe_sharding(DTensor.from_local(torch.randn(4, 3), mesh, [Partial()]), "grad_like")
-    with pytest.raises(UnsupportedShardingError, match=r"'a'.*Shard\(dim=1\)[\s\S]*'b'.*Partial"):
-        check_shardings([("ok", even), ("a", distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)])),
+    with pytest.raises(UnsupportedShardingError, match=r"'a'.*Partial[\s\S]*'b'.*Partial"):
+        check_shardings([("ok", even), ("a", DTensor.from_local(torch.randn(4, 6), mesh, [Partial()])),
                          ("b", DTensor.from_local(torch.randn(4, 3), mesh, [Partial()]))])
-    # 2-D meshes: HSDP's (Replicate, Shard(0)) is rows over the second mesh dimension
+    # 2-D meshes: HSDP's (Replicate, Shard(0)) is rows over the second mesh dimension; two
+    # axes on one dimension, and rows x columns, are blocks
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     h = describe_sharding(distribute_tensor(torch.randn(6, 2), mesh2, [Replicate(), Shard(0)]), "hsdp")
-    assert h.kind == "row" and h.mesh_dim == 1 and h.rows == row_range(6, world, rank)
-    with pytest.raises(UnsupportedShardingError, match=r"'two'.*\(1, %d\).*split over 2 mesh dimensions" % world):
-        describe_sharding(distribute_tensor(torch.randn(6, 2), mesh2, [Shard(0), Shard(0)]), "two")
-    with pytest.raises(UnsupportedShardingError, match=r"'tp2'.*Shard\(dim=1\)"):
-        describe_sharding(distribute_tensor(torch.randn(6, 4), mesh2, [Shard(0), Shard(1)]), "tp2")
+    assert h.dims == (None, 0) and h.replicate_axes == (0,) and h.block[0] == row_range(6, world, rank)
+    for placements in ([Shard(0), Shard(0)], [Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+        t = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+        d = distribute_tensor(t, mesh2, placements)
+        got = describe_sharding(d, "two")
+        assert torch.equal(t[got.local_slices()], d.to_local()), placements
+        if d.to_local().numel():
+            assert got.block == _torch_block(t, mesh2, placements), placements
 
 
 def _check_recorder(rank: int, world: int) -> None:
