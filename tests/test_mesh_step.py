@@ -1,0 +1,233 @@
+"""The optimizer step on 2-D meshes (4 gloo processes): FSDP + tensor parallel, TP alone,
+HSDP, and expert parallel x FSDP, each equal to one process on the same weights and global
+gradients (float32 polar, <= 1e-5 relative on every parameter and its state).
+
+The dense model is a tiny Qwen3 from transformers, parallelised as torchtitan does Llama:
+``ColwiseParallel`` on q/k/v/gate/up and the LM head, ``RowwiseParallel`` on o/down and
+the embedding, ``SequenceParallel`` norms, then ``fully_shard`` on the ``dp`` axis, which
+gives the embedding, LM head, q/k/v, gate and up ``(_StridedShard(0), Shard(0))``, o and
+down ``(Shard(0), Shard(1))`` and norms ``(Shard(0), Replicate())``. The MoE models'
+expert stacks are laid out by hand with ``distribute_tensor`` as torchtitan's expert
+parallelism lays them: ``Shard(0)`` (experts) on ``ep`` and FSDP on ``efsdp`` (whole
+experts, or ``Shard(1)`` inside them).
+"""
+
+import copy
+import gc
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+FLOAT32 = {"*": {"polar_dtype": "float32"}}
+STEPS = 2
+WORLD = 4
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(2000 + step)
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        if name.endswith("embed_tokens.weight"):
+            g[::3] = 0
+        out[name] = g
+    return out
+
+
+def _set_grads(model, grads):
+    """Each DTensor's gradient distributed like its parameter, by torch."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        g = grads[name].clone()
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _centred(t, opt, param):
+    """``t`` in the quotient when ``param``'s group has a centred map (see test_fsdp2_step)."""
+    for group in opt.param_groups:
+        for j, q in enumerate(group["params"]):
+            if q is param and group["center"] and group["rule"] != "spectral":
+                t = t.clone()
+                for w in group["layouts"][j].to_work_list(t):
+                    w.sub_(w.mean(dim=-2, keepdim=True))
+    return t
+
+
+def _tensor_parallel(model, tp_mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(),
+            "model.norm": SequenceParallel()}
+    for i in range(len(model.model.layers)):
+        pre = f"model.layers.{i}."
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[pre + n] = ColwiseParallel()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[pre + n] = RowwiseParallel()
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            plan[pre + n] = SequenceParallel()
+    parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+def _fully_shard(model, mesh):
+    from equiopt.train.parallel import fsdp2_api, transformer_blocks
+
+    fully_shard = fsdp2_api()[0]
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _by_hand(model, mesh, placements_of):
+    """Every parameter replaced by ``distribute_tensor(p, mesh, placements_of(name, p))``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, p in list(model.named_parameters()):
+        *path, leaf = name.split(".")
+        owner = model.get_submodule(".".join(path))
+        setattr(owner, leaf, torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements_of(name, p))))
+    return model
+
+
+def _layouts(case, ref):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if case == "fsdp+tp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return _fully_shard(_tensor_parallel(copy.deepcopy(ref), mesh["tp"]), mesh["dp"])
+    if case == "tp":
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+        return _tensor_parallel(copy.deepcopy(ref), mesh)
+    if case == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return _fully_shard(copy.deepcopy(ref), mesh)
+    # expert parallel on "ep" x FSDP on "efsdp": whole experts (ep-ws) or Shard(1) inside them (ep-s1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))
+    inner = Shard(0) if case == "ep-whole" else Shard(1)
+
+    def placements_of(name, p):
+        if "experts" in name and p.ndim == 3:
+            return [Shard(0), inner]
+        return [Replicate(), Shard(0)] if p.ndim >= 2 else [Replicate(), Replicate()]
+
+    return _by_hand(copy.deepcopy(ref), mesh, placements_of)
+
+
+CASES = [
+    ("fsdp+tp", "qwen3", ("paper:qwen3:a-i", "paper:qwen3:b-ii", "paper:qwen3:b-iii")),
+    ("tp", "qwen3", ("paper:qwen3:a-i", "paper:qwen3:b-ii")),
+    ("hsdp", "qwen3", ("paper:qwen3:a-i", "paper:qwen3:b-ii")),
+    ("ep-whole", "gpt_oss", ("paper:gpt_oss:i", "paper:gpt_oss:router-hybrid", "paper:gpt_oss:router-left-centered")),
+    ("ep-s1", "olmoe", ("paper:olmoe:ii", "paper:olmoe:iii", "paper:olmoe:iv")),
+]
+
+
+def _check_case(case, family, recipe, rank):
+    import equiopt
+    from equiopt.distributed import record_collectives
+    from equiopt.models import build
+    from torch.distributed.tensor import DTensor
+
+    ref = build(family, "tiny", seed=0)
+    sharded = _layouts(case, ref)
+    opt_ref, _ = equiopt.build_optimizer(ref, recipe, overrides=FLOAT32)
+    opt, _ = equiopt.build_optimizer(sharded, recipe, overrides=FLOAT32)
+    vocab_bytes = ref.get_input_embeddings().weight.numel() * 4
+    for step in range(STEPS):
+        grads = _grads(ref, step)
+        for name, p in ref.named_parameters():
+            p.grad = grads[name].clone()
+        _set_grads(sharded, grads)
+        opt_ref.step()
+        with record_collectives() as log:
+            opt.step()
+        # nothing vocabulary-sized is all-reduced or gathered (owner work all-to-alls carry
+        # the blocks of every owner-mapped matrix at once; the plans below keep vocabularies off them)
+        big = [(r.op, r.shape) for r in log
+               if r.op != "all_to_all" and math.prod(r.shape[-2:]) * r.dtype.itemsize >= vocab_bytes / 2]
+        assert not big, (case, recipe, big)
+    plans = _plans(opt)
+    for name, how in plans.items():
+        if "embed_tokens" in name or "lm_head" in name:
+            assert how.how != "owner" or plans_rule(opt, name) == "spectral", (case, recipe, name, how)
+        if case == "ep-whole" and "experts" in name:
+            assert how.how == "local", (recipe, name, how)  # whole experts on every rank: nothing sent
+    kinds = {how.how for how in plans.values()}
+    if (case, recipe) in (("fsdp+tp", "paper:qwen3:b-ii"), ("ep-s1", "paper:olmoe:iii")):
+        assert kinds == {"local", "reduce", "owner"}, (case, recipe, plans)
+    want = dict(ref.named_parameters())
+    for name, p in sharded.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p
+        err = _rel(got.detach(), want[name].detach())
+        assert err <= 1e-5, f"{case} {recipe}: {name} {getattr(p, 'placements', '')} differs by {err:.2e}"
+        for key, value in opt.state[p].items():
+            if value.ndim:
+                mine = value.full_tensor() if isinstance(value, DTensor) else value
+                theirs = opt_ref.state[want[name]][key]
+                if key == "momentum_buffer":
+                    mine, theirs = _centred(mine, opt_ref, want[name]), _centred(theirs, opt_ref, want[name])
+                assert _rel(mine, theirs) <= 1e-5, (case, recipe, name, key)
+    return sharded
+
+
+def _plans(opt):
+    from equiopt.optim.rules import map_key
+    from equiopt.optim.sharded import plan
+
+    out = {}
+    for group in opt.param_groups:
+        if group["rule"] in ("adamw", "sgd"):
+            continue
+        for name, p, layout in zip(group["names"], group["params"], group["layouts"]):
+            out[name] = plan(map_key(group), layout, opt._sharding(p))
+    return out
+
+
+def plans_rule(opt, name):
+    return next(g["rule"] for g in opt.param_groups if name in g["names"])
+
+
+def _check_placements_seen(sharded):
+    """The torchtitan-style plan gives the placements the module docstring lists."""
+    kinds = {}
+    for name, p in sharded.named_parameters():
+        kinds[name] = tuple(type(q).__name__ + (f"({q.dim})" if hasattr(q, "dim") else "") for q in p.placements)
+    assert kinds["model.embed_tokens.weight"] == ("_StridedShard(0)", "Shard(0)"), kinds["model.embed_tokens.weight"]
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == ("Shard(0)", "Shard(1)")
+    assert kinds["model.layers.0.input_layernorm.weight"] == ("Shard(0)", "Replicate")
+
+
+def _worker(rank, world, rendezvous, cases):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        for case, family, recipes in cases:
+            for recipe in recipes:
+                sharded = _check_case(case, family, recipe, rank)
+                if case == "fsdp+tp" and recipe == recipes[0]:
+                    _check_placements_seen(sharded)
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_mesh_step_equals_one_process(case, tmp_path):
+    cases = [c for c in CASES if c[0] == case]
+    mp.spawn(_worker, args=(WORLD, str(tmp_path / "rendezvous"), cases), nprocs=WORLD, join=True)
