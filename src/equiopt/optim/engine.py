@@ -21,12 +21,12 @@ from torch.optim import Optimizer
 
 from ..layouts import Layout, parse_layout
 from .. import maps
-from ..distributed.placements import Sharding, describe_sharding, group_coordinates, mesh_group
+from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, resolved, shape_factor,
                     validate_group)
-from .owners import assign, from_owners, joint_block, map_cost, share, to_owners
-from .sharded import LOCAL, Plan, global_flags, local, plan, reducers
+from .owners import assign, from_owners, map_cost, share, to_owners
+from .sharded import LOCAL, Plan, global_flags, local, owner_batches, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
@@ -523,27 +523,17 @@ class EquivariantOptimizer(Optimizer):
         """Maps of split parameters that need whole work matrices, spread over the ranks that
         hold their pieces: each parameter is mapped on one owner rank (:mod:`.owners`), which
         receives the blocks in one all-to-all and returns the update's blocks in another."""
-        by_group: dict[tuple, list[_WholeTask]] = defaultdict(list)
-        for task in tasks:
-            pg = mesh_group(task.sharding.mesh, task.plan.axes)
-            by_group[(id(pg), task.direction.dtype)].append(task)
-        for members in by_group.values():
-            first = members[0]
-            pg = mesh_group(first.sharding.mesh, first.plan.axes)
-            coords = group_coordinates(first.sharding.mesh_shape, first.sharding.coordinate, first.plan.axes)
-            me = coords.index(first.sharding.coordinate)
-            blocks = [[t.sharding.block_at(c) for c in coords] for t in members]
-            joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
-            owners = assign([sum(map_cost(s) for s in t.layout.work_shapes(j)) for t, j in zip(members, joints)],
-                            len(coords))
-            whole = to_owners([t.direction for t in members], blocks, owners, me, pg)
+        for batch in owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype) for t in tasks]):
+            members = [tasks[i] for i in batch.members]
+            pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
+            whole = to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg)
             updates = {}
             for i, full in whole.items():
                 t = members[i]
                 works = t.layout.to_work_list(full)
                 mapped = _map_whole([(t.key, t.group["eta"], w) for w in works])
                 updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
-            rows = from_owners(updates, blocks, owners, me, pg, like=first.direction)
+            rows = from_owners(updates, batch.blocks, batch.owners, batch.me, pg, like=members[0].direction)
             for t, u in zip(members, rows):
                 add_factored_(t.param, maps.Factored(u), t.coef)
 

@@ -32,11 +32,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed.placements import Sharding, is_dtensor, mesh_group
+from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group
 from ..layouts import Col, Experts, Heads, Layout, Row
+from .owners import assign, joint_block, map_cost
 from .rules import reducible
 
-__all__ = ["local", "ShardSum", "Plan", "plan", "global_flags", "LOCAL"]
+__all__ = ["local", "ShardSum", "Plan", "plan", "global_flags", "LOCAL", "OwnerBatch", "owner_batches", "group_ranks"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -158,3 +159,42 @@ def global_flags(flags: torch.Tensor, shardings: list[Sharding]) -> torch.Tensor
         dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=pg)
         flags = torch.where(mask, reduced > 0.5, flags)
     return flags
+
+
+def group_ranks(sharding: Sharding, axes, coordinate=None) -> tuple[int, ...]:
+    """Global ranks of the group :func:`mesh_group` makes for ``axes`` around ``coordinate``
+    (default: this rank's), in group order."""
+    coords = group_coordinates(sharding.mesh_shape, coordinate or sharding.coordinate, axes)
+    ranks = sharding.mesh.mesh
+    return tuple(int(ranks[c]) for c in coords)
+
+
+class OwnerBatch(NamedTuple):
+    """Owner-mapped parameters that share one process group and dtype: one all-to-all each
+    way. ``members`` index the tasks; ``me`` is this rank's place in the group;
+    ``blocks[k][s]`` is group member ``s``'s block of member ``k``; ``owners[k]`` its owner."""
+
+    members: list[int]
+    me: int
+    blocks: list[list[tuple]]
+    owners: list[int]
+
+
+def owner_batches(tasks: list[tuple], coordinate_of=None) -> list[OwnerBatch]:
+    """Batches of ``(sharding, plan, layout, dtype)`` owner tasks, in the order the step
+    runs them, with each task's owner (longest map first to the least-loaded rank, from
+    global shapes only). ``coordinate_of(sharding)`` is the rank's coordinate on that
+    sharding's mesh (default: this rank's); the planner passes any rank's."""
+    where = coordinate_of or (lambda s: s.coordinate)
+    batches: dict[tuple, list[int]] = {}
+    for i, (sharding, how, _, dtype) in enumerate(tasks):
+        batches.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
+    out = []
+    for members in batches.values():
+        first, how = tasks[members[0]][0], tasks[members[0]][1]
+        coords = group_coordinates(first.mesh_shape, where(first), how.axes)
+        blocks = [[tasks[i][0].block_at(c) for c in coords] for i in members]
+        joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
+        costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
+        out.append(OwnerBatch(members, coords.index(tuple(where(first))), blocks, assign(costs, len(coords))))
+    return out
