@@ -141,6 +141,7 @@ def _check_case(case, family, recipe, rank):
     import equiopt
     from equiopt.distributed import record_collectives
     from equiopt.models import build
+    from equiopt.optim.planner import plan_step
     from torch.distributed.tensor import DTensor
 
     ref = build(family, "tiny", seed=0)
@@ -154,8 +155,11 @@ def _check_case(case, family, recipe, rank):
             p.grad = grads[name].clone()
         _set_grads(sharded, grads)
         opt_ref.step()
+        planned = plan_step(opt, ranks=[rank]).per_rank[rank][0]
         with record_collectives() as log:
             opt.step()
+        # the planner's bytes are the step's: the same decisions, the maps' own reductions
+        assert planned > 0 and log.total_bytes() == planned, (case, recipe, log.summary(), planned)
         # nothing vocabulary-sized is all-reduced or gathered (owner work all-to-alls carry
         # the blocks of every owner-mapped matrix at once; the plans below keep vocabularies off them)
         big = [(r.op, r.shape) for r in log

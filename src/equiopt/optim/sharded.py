@@ -150,8 +150,8 @@ def global_flags(flags: torch.Tensor, shardings: list[Sharding]) -> torch.Tensor
     groups: dict[int, tuple] = {}
     for k, s in enumerate(shardings):
         if s.kind == "sharded" and s.is_sharded:
-            pg = mesh_group(s.mesh, [a for a in s.sharded_axes if s.mesh_shape[a] > 1])
-            groups.setdefault(id(pg), (pg, []))[1].append(k)
+            axes = [a for a in s.sharded_axes if s.mesh_shape[a] > 1]
+            groups.setdefault(group_ranks(s, axes), (mesh_group(s.mesh, axes), []))[1].append(k)
     for pg, members in groups.values():
         mask = torch.zeros(len(shardings), dtype=torch.bool, device=flags.device)
         mask[members] = True

@@ -1,0 +1,205 @@
+"""What an optimizer step sends and computes, per parameter and per rank, before it runs.
+
+:func:`plan_step` walks an :class:`~equiopt.optim.EquivariantOptimizer` as its step
+does, with the step's own decisions (:func:`.sharded.plan` per parameter,
+:func:`.sharded.owner_batches` for owner work), and counts for any rank:
+
+- bytes: the message sizes of the step's collectives, as
+  :func:`equiopt.distributed.record_collectives` counts them (an all-reduce's tensor, an
+  all-to-all's whole input). Reduce maps are run on the meta device with a reducer that
+  records what it would sum, so the bytes are those of the maps' own calls;
+- FLOPs of the matrix products (Grams, inverse square roots, polar iterations) and a few
+  per element for momentum and the update (an estimate: :func:`map_flops`);
+- state bytes (momentum, Adam moments).
+
+Only global shapes, placements and mesh sizes enter, so a model on the meta device,
+sharded over a fake process group of any size, is planned exactly like a real one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from ..distributed.placements import Sharding
+from .rules import factored_map, map_key
+from .sharded import Plan, group_ranks, owner_batches, plan as plan_of
+
+__all__ = ["ParamPlan", "StepPlan", "plan_step", "map_flops"]
+
+ELEMENTWISE_FLOPS = 6  # momentum EMA, Nesterov, decay and the update, per element
+ADAMW_FLOPS = 12
+
+
+class ParamPlan(NamedTuple):
+    """One parameter's plan; the per-rank figures are the largest over the ranks planned."""
+
+    name: str
+    shape: tuple[int, ...]
+    placements: str
+    rule: str
+    plan: str  # "local" | "replicated" | "reduce" | "owner"
+    axes: tuple[str, ...]
+    bytes_sent_per_rank: int
+    flops_per_rank: int
+    state_bytes_per_rank: int
+
+
+class StepPlan(NamedTuple):
+    parameters: list[ParamPlan]
+    per_rank: dict[int, tuple[int, int, int]]  # rank -> (bytes, flops, state bytes)
+    flag_bytes_per_rank: int
+
+    def totals(self) -> dict[str, Any]:
+        busiest = max(self.per_rank, key=lambda r: self.per_rank[r][0]) if self.per_rank else 0
+        return {
+            "bytes_sent_per_rank_max": max((v[0] for v in self.per_rank.values()), default=0),
+            "flops_per_rank_max": max((v[1] for v in self.per_rank.values()), default=0),
+            "state_bytes_per_rank_max": max((v[2] for v in self.per_rank.values()), default=0),
+            "busiest_rank": busiest,
+        }
+
+
+def map_flops(key: tuple, shape: tuple[int, ...], gram_rows: int | None = None) -> int:
+    """Matrix-product FLOPs of ``key``'s map on a ``(..., m, n)`` batch of work matrices
+    (``gram_rows``: the global row count when ``m`` is one shard of it). Polar Express and
+    the coupled inverse square root count three products per iteration; an estimate."""
+    *lead, m, n = shape
+    batch = math.prod(lead)
+    rule, steps = key[0], int(key[6])
+    if rule == "row":
+        return 4 * batch * m * n
+    if rule == "spectral":
+        s = min(m, n)
+        return batch * steps * (4 * m * n * s + 2 * s**3)
+    rows = m if gram_rows is None else gram_rows
+    side = n if rows >= n else rows  # the smaller Gram, see maps.gram_side
+    product = 2 * m * n * side  # the Gram, and the final product with R: twice
+    out = batch * (2 * product + steps * 6 * side**3)
+    return out + (4 * batch * m * n if rule == "hybrid" else 0)
+
+
+class _Recorder:
+    """A :class:`~equiopt.maps.RowReducer` that records the bytes it would all-reduce."""
+
+    def __init__(self, count: int, log: list):
+        self.count = count
+        self.log = log
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.log.append(t.numel() * t.element_size())
+        return t
+
+
+_REDUCE_CACHE: dict = {}
+
+
+def _reduce_bytes(key: tuple, eta, local_shape: tuple, gshape: tuple, how: Plan, dtype: torch.dtype) -> int:
+    cache_key = (key, eta if isinstance(eta, str) else id(eta), local_shape, gshape, bool(how.rows), bool(how.cols), dtype)
+    found = _REDUCE_CACHE.get(cache_key)
+    if found is None:
+        log: list[int] = []
+        rows = _Recorder(gshape[-2], log) if how.rows else None
+        cols = _Recorder(gshape[-1], log) if how.cols else None
+        factored_map(key, eta, torch.empty(local_shape, dtype=dtype, device="meta"), rows, cols)
+        found = _REDUCE_CACHE[cache_key] = sum(log)
+    return found
+
+
+def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
+    """The plan of one step of ``optimizer`` (every parameter with a gradient) for each of
+    ``ranks`` (default: every rank of the default process group, or rank 0 alone)."""
+    import torch.distributed as dist
+
+    if ranks is None:
+        ranks = list(range(dist.get_world_size())) if dist.is_available() and dist.is_initialized() else [0]
+    entries = []  # (group, name, param, layout, sharding, plan)
+    for group in optimizer.param_groups:
+        for j, p in enumerate(group["params"]):
+            sharding = optimizer._sharding(p)
+            how = None
+            if group["rule"] not in ("adamw", "sgd") and sharding.kind == "sharded":
+                how = plan_of(map_key(group), group["layouts"][j], sharding)
+            entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
+    coords: dict[tuple, dict[int, tuple]] = {}
+
+    def coordinate(s: Sharding, rank: int):
+        if s.kind != "sharded":
+            return None
+        table = coords.get(id(s.mesh))
+        if table is None:
+            mesh = s.mesh.mesh
+            table = coords[id(s.mesh)] = {int(r): tuple(int(i) for i in torch.nonzero(mesh == r)[0])
+                                          for r in mesh.flatten()}
+        return table.get(rank)
+
+    per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}
+    per_rank = {}
+    flag_max = 0
+    for rank in ranks:
+        totals = [0, 0, 0]
+
+        def add(name: str, sent: int, flops: int, state: int) -> None:
+            row = per_param[name]
+            for k, v in enumerate((sent, flops, state)):
+                totals[k] += v
+            row[0], row[1], row[2] = max(row[0], sent), max(row[1], flops), max(row[2], state)
+
+        owner_tasks, owner_info = [], []
+        flag_bytes = 0
+        for group in optimizer.param_groups:
+            members = [e for e in entries if e[0] is group]
+            flag_groups = set()
+            for _, _, _, _, s, _ in members:
+                c = coordinate(s, rank)
+                if s.kind == "sharded" and s.is_sharded and c is not None:
+                    flag_groups.add(group_ranks(s, [a for a in s.sharded_axes if s.mesh_shape[a] > 1], c))
+            flag_bytes += 4 * len(members) * len(flag_groups)
+            for _, name, p, layout, s, how in members:
+                c = coordinate(s, rank)
+                block = s.block_at(c) if c is not None else s.block
+                numel = math.prod(b - a for a, b in block)
+                dtype = optimizer._state_dtype(p)
+                item = torch.empty((), dtype=dtype).element_size()
+                if group["rule"] == "adamw":
+                    add(name, 0, ADAMW_FLOPS * numel, 2 * numel * item)
+                    continue
+                state = numel * item
+                if group["rule"] == "sgd":
+                    add(name, 0, ELEMENTWISE_FLOPS * numel, state)
+                    continue
+                key = map_key(group)
+                shape = tuple(b - a for a, b in block)
+                if how is None or how.how == "local":
+                    flops = sum(map_flops(key, w) for w in layout.work_shapes(shape))
+                    add(name, 0, flops + ELEMENTWISE_FLOPS * numel, state)
+                elif how.how == "reduce":
+                    gshape = layout.work_shapes(s.shape)[0]
+                    sent = sum(_reduce_bytes(key, group["eta"], w, gshape, how, dtype) for w in layout.work_shapes(shape))
+                    flops = sum(map_flops(key, w, gshape[-2]) for w in layout.work_shapes(shape))
+                    add(name, sent, flops + ELEMENTWISE_FLOPS * numel, state)
+                else:
+                    owner_tasks.append((s, how, layout, dtype))
+                    owner_info.append((name, key, numel, item, state))
+        for batch in owner_batches(owner_tasks, coordinate_of=lambda s: coordinate(s, rank)):
+            for k, i in enumerate(batch.members):
+                name, key, numel, item, state = owner_info[i]
+                sent, flops = numel * item, ELEMENTWISE_FLOPS * numel
+                if batch.owners[k] == batch.me:
+                    joint = [(min(b[d][0] for b in batch.blocks[k]), max(b[d][1] for b in batch.blocks[k]))
+                             for d in range(len(batch.blocks[k][0]))]
+                    whole = tuple(b - a for a, b in joint)
+                    sent += math.prod(whole) * item
+                    flops += sum(map_flops(key, w) for w in owner_tasks[i][2].work_shapes(whole))
+                add(name, sent, flops, state)
+        totals[0] += flag_bytes
+        flag_max = max(flag_max, flag_bytes)
+        per_rank[rank] = tuple(totals)
+    params = []
+    for group, name, p, layout, s, how in entries:
+        label = "replicated" if s.kind == "replicated" else ("local" if how is None else how.how)
+        axes = tuple(s.axis_name(a) for a in how.axes) if how is not None else ()
+        params.append(ParamPlan(name, tuple(p.shape), s.placements, group["rule"], label, axes, *per_param[name]))
+    return StepPlan(params, per_rank, flag_max)
