@@ -1,4 +1,4 @@
-"""The ``equiopt`` command: demo, data, train, compare, plot, roles, bench."""
+"""The ``equiopt`` command: demo, data, train, compare, plot, roles, plan, bench."""
 
 from __future__ import annotations
 
@@ -110,6 +110,15 @@ def main(argv: list[str] | None = None) -> int:
                                      "callable returning an nn.Module")
     roles.add_argument("--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)")
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
+    plan = sub.add_parser("plan", help="what an optimizer step sends and computes per rank on a device mesh of any size")
+    plan.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (default size paper, e.g. qwen3:paper, "
+                                    "gpt_oss:paper), or a transformers config name or local path")
+    plan.add_argument("--recipe", default="equiopt:default", help="recipe (default %(default)s)")
+    plan.add_argument("--mesh", required=True, metavar="dp_shard=64,tp=8[,ep=..,dp_replicate=..]",
+                      help="mesh dimension sizes; the world is their product")
+    plan.add_argument("--ranks", default=None, metavar="R,...",
+                      help="ranks to plan (default: every rank; the busiest is reported)")
+    plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     passthrough = ("data", "plot", "table", "bench")
@@ -149,6 +158,18 @@ def main(argv: list[str] | None = None) -> int:
             print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
         except (ValueError, TypeError) as err:  # RoleInferenceError, an unknown recipe, not a module
             raise SystemExit(f"equiopt roles: {err}") from None
+    elif args.command == "plan":
+        from . import planning
+
+        try:
+            sizes = planning.parse_mesh(args.mesh)
+            ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+            doc = planning.plan_model(args.model, args.recipe, sizes, ranks)
+        except (ValueError, TypeError, OSError) as err:  # a bad mesh, recipe or model; unsupported placements
+            raise SystemExit(f"equiopt plan: {err}") from None
+        print(planning.format_plan(doc))
+        if args.json:
+            planning.write_json(doc, args.json)
     elif args.command == "bench":
         from .bench import main as bench_main
 

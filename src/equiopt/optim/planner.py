@@ -49,7 +49,7 @@ class ParamPlan(NamedTuple):
 
 class StepPlan(NamedTuple):
     parameters: list[ParamPlan]
-    per_rank: dict[int, tuple[int, int, int]]  # rank -> (bytes, flops, state bytes)
+    per_rank: dict[int, tuple[int, int, int, int]]  # rank -> (bytes, flops, state bytes, parameter elements)
     flag_bytes_per_rank: int
 
     def totals(self) -> dict[str, Any]:
@@ -138,8 +138,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}
     per_rank = {}
     flag_max = 0
+    batch_cache: dict = {}
     for rank in ranks:
-        totals = [0, 0, 0]
+        totals = [0, 0, 0, 0]
 
         def add(name: str, sent: int, flops: int, state: int) -> None:
             row = per_param[name]
@@ -161,6 +162,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 c = coordinate(s, rank)
                 block = s.block_at(c) if c is not None else s.block
                 numel = math.prod(b - a for a, b in block)
+                totals[3] += numel
                 dtype = optimizer._state_dtype(p)
                 item = torch.empty((), dtype=dtype).element_size()
                 if group["rule"] == "adamw":
@@ -183,7 +185,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 else:
                     owner_tasks.append((s, how, layout, dtype))
                     owner_info.append((name, key, numel, item, state))
-        for batch in owner_batches(owner_tasks, coordinate_of=lambda s: coordinate(s, rank)):
+        for batch in owner_batches(owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache):
             for k, i in enumerate(batch.members):
                 name, key, numel, item, state = owner_info[i]
                 sent, flops = numel * item, ELEMENTWISE_FLOPS * numel

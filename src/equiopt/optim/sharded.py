@@ -180,21 +180,27 @@ class OwnerBatch(NamedTuple):
     owners: list[int]
 
 
-def owner_batches(tasks: list[tuple], coordinate_of=None) -> list[OwnerBatch]:
+def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = None) -> list[OwnerBatch]:
     """Batches of ``(sharding, plan, layout, dtype)`` owner tasks, in the order the step
     runs them, with each task's owner (longest map first to the least-loaded rank, from
     global shapes only). ``coordinate_of(sharding)`` is the rank's coordinate on that
-    sharding's mesh (default: this rank's); the planner passes any rank's."""
+    sharding's mesh (default: this rank's); the planner passes any rank's, and a
+    ``cache`` shared by the ranks of one group (their batches differ only in ``me``)."""
     where = coordinate_of or (lambda s: s.coordinate)
     batches: dict[tuple, list[int]] = {}
     for i, (sharding, how, _, dtype) in enumerate(tasks):
         batches.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
     out = []
-    for members in batches.values():
+    for signature, members in batches.items():
         first, how = tasks[members[0]][0], tasks[members[0]][1]
         coords = group_coordinates(first.mesh_shape, where(first), how.axes)
-        blocks = [[tasks[i][0].block_at(c) for c in coords] for i in members]
-        joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
-        costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
-        out.append(OwnerBatch(members, coords.index(tuple(where(first))), blocks, assign(costs, len(coords))))
+        found = None if cache is None else cache.get((signature, tuple(members)))
+        if found is None:
+            blocks = [[tasks[i][0].block_at(c) for c in coords] for i in members]
+            joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
+            costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
+            found = (blocks, assign(costs, len(coords)))
+            if cache is not None:
+                cache[(signature, tuple(members))] = found
+        out.append(OwnerBatch(members, coords.index(tuple(where(first))), *found))
     return out
