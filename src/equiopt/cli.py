@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="mesh dimension sizes; the world is their product")
     plan.add_argument("--ranks", default=None, metavar="R,...",
                       help="ranks to plan (default: every rank; the busiest is reported)")
+    plan.add_argument("--cost-model", default="nccl-h100",
+                      help="constants that choose between reduce and owner plans: nccl-h100 (default), gloo-cpu, "
+                           "reduce, owner")
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sizes = planning.parse_mesh(args.mesh)
             ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
-            doc = planning.plan_model(args.model, args.recipe, sizes, ranks)
+            doc = planning.plan_model(args.model, args.recipe, sizes, ranks, args.cost_model)
         except (ValueError, TypeError, OSError) as err:  # a bad mesh, recipe or model; unsupported placements
             raise SystemExit(f"equiopt plan: {err}") from None
         print(planning.format_plan(doc))

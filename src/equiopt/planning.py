@@ -143,7 +143,8 @@ def _load(spec: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def plan_model(spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] | None = None) -> dict[str, Any]:
+def plan_model(spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] | None = None,
+               cost_model: str = "nccl-h100") -> dict[str, Any]:
     """The plan of ``recipe`` on model ``spec`` over a mesh of ``sizes``, as the JSON document
     ``equiopt plan --json`` writes (keys ``mesh``, ``world``, ``parameters``, ``totals``)."""
     import torch.distributed as dist
@@ -159,7 +160,7 @@ def plan_model(spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] |
         model = _load(spec)
         roles = {row.name: row.role for row in equiopt.assign_roles(model)}
         shard_model(model, sizes)
-        optimizer, _ = equiopt.build_optimizer(model, recipe)
+        optimizer, _ = equiopt.build_optimizer(model, recipe, cost_model=cost_model)
         step = plan_step(optimizer, ranks)
     finally:
         dist.destroy_process_group()
@@ -176,7 +177,7 @@ def plan_model(spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] |
     for p in params:
         p["shape"] = list(p["shape"])
         p["axes"] = list(p["axes"])
-    return {"model": spec, "recipe": recipe, "mesh": sizes, "world": world, "parameters": params, "totals": totals}
+    return {"model": spec, "recipe": recipe, "cost_model": cost_model, "mesh": sizes, "world": world, "parameters": params, "totals": totals}
 
 
 def _mb(n: float) -> str:
@@ -202,6 +203,7 @@ def format_plan(doc: dict[str, Any]) -> str:
     lines += [
         "",
         f"{doc['model']} with {doc['recipe']} on {mesh} ({doc['world']} ranks, {t['ranks_planned']} planned, "
+        f"cost model {doc['cost_model']}, "
         f"{t['seconds']} s): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
         f"busiest rank {t['busiest_rank']}: sends {_mb(t['bytes_sent_per_rank_max'])} MiB per step "
         f"(finite flags {t['finite_flag_bytes_per_rank_max']} B), {t['busiest_rank_flops'] / 1e9:.2f} GFLOP; "

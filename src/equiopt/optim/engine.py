@@ -26,6 +26,7 @@ from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanit
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, resolved, shape_factor,
                     validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
+from .costs import resolve_cost_model
 from .sharded import LOCAL, Plan, global_flags, local, owner_batches, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
@@ -134,6 +135,12 @@ class EquivariantOptimizer(Optimizer):
     float16 and float32 parameters, float64 for float64 ones); ``eager_state=True`` creates all state at construction so every rank
     and checkpoint sees the same keys from step 0.
 
+    ``cost_model`` picks, for a sharded parameter whose map can run either on the shards
+    with all-reduced sums or whole on an owner rank, the cheaper for its mesh
+    (:mod:`.costs`): ``None``/``"auto"`` (constants for NCCL on H100 when the mesh is on
+    CUDA, gloo on CPU otherwise), ``"nccl-h100"``, ``"gloo-cpu"``, ``"reduce"``/``"owner"``
+    (that plan wherever possible) or a :class:`~equiopt.optim.costs.CostModel`.
+
     ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
     so momentum, row scaling, centring and the weight update fuse into few passes):
     ``True`` (Inductor), a backend name, ``False``, or ``None`` (default: on when every
@@ -170,8 +177,11 @@ class EquivariantOptimizer(Optimizer):
         eager_state: bool = False,
         compile: bool | str | None = None,
         divide_work: Any = None,
+        cost_model: Any = None,
     ):
         self.state_dtype = state_dtype
+        resolve_cost_model(cost_model)  # an unknown name fails here, by name
+        self.cost_model = cost_model
         self._replicas = _replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
@@ -228,7 +238,7 @@ class EquivariantOptimizer(Optimizer):
                     )
                 layout.check(tuple(p.shape), names[j])
                 _check_views(p, layout, names[j])
-                self._make_groups(plan(map_key(group), layout, sharding), sharding)
+                self._make_groups(self.plan_of(group, layout, sharding), sharding)
             layouts.append(layout)
         group["layouts"] = layouts
 
@@ -430,6 +440,13 @@ class EquivariantOptimizer(Optimizer):
             found = self._shardings[id(p)] = describe_sharding(p)
         return found
 
+    def plan_of(self, group: dict, layout: Layout, sharding: Sharding) -> Plan:
+        """The :class:`~.sharded.Plan` of a parameter of ``group`` (the step's own decision)."""
+        if sharding.kind != "sharded":
+            return LOCAL
+        device = "cuda" if getattr(sharding.mesh, "device_type", "cpu") == "cuda" else "cpu"
+        return plan(map_key(group), layout, sharding, resolve_cost_model(self.cost_model, device))
+
     @staticmethod
     def _make_groups(how: Plan, sharding: Sharding) -> None:
         """Create, at construction and in the same order on every rank, the process groups
@@ -455,7 +472,7 @@ class EquivariantOptimizer(Optimizer):
         sharding = self._sharding(p)
         layout = group["layouts"][j]
         key = map_key(group)
-        how = plan(key, layout, sharding) if sharding.kind == "sharded" else LOCAL
+        how = self.plan_of(group, layout, sharding) if sharding.kind == "sharded" else LOCAL
         if group["lazy"]:
             direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
         p = local(p)

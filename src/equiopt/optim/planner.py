@@ -9,7 +9,7 @@ does, with the step's own decisions (:func:`.sharded.plan` per parameter,
   all-to-all's whole input). Reduce maps are run on the meta device with a reducer that
   records what it would sum, so the bytes are those of the maps' own calls;
 - FLOPs of the matrix products (Grams, inverse square roots, polar iterations) and a few
-  per element for momentum and the update (an estimate: :func:`map_flops`);
+  per element for momentum and the update (an estimate: :func:`.costs.map_flops`);
 - state bytes (momentum, Adam moments).
 
 Only global shapes, placements and mesh sizes enter, so a model on the meta device,
@@ -24,10 +24,11 @@ from typing import Any, NamedTuple
 import torch
 
 from ..distributed.placements import Sharding
-from .rules import factored_map, map_key
-from .sharded import Plan, group_ranks, owner_batches, plan as plan_of
+from .costs import map_flops, reduce_bytes
+from .rules import map_key
+from .sharded import group_ranks, owner_batches
 
-__all__ = ["ParamPlan", "StepPlan", "plan_step", "map_flops"]
+__all__ = ["ParamPlan", "StepPlan", "plan_step"]
 
 ELEMENTWISE_FLOPS = 6  # momentum EMA, Nesterov, decay and the update, per element
 ADAMW_FLOPS = 12
@@ -62,52 +63,6 @@ class StepPlan(NamedTuple):
         }
 
 
-def map_flops(key: tuple, shape: tuple[int, ...], gram_rows: int | None = None) -> int:
-    """Matrix-product FLOPs of ``key``'s map on a ``(..., m, n)`` batch of work matrices
-    (``gram_rows``: the global row count when ``m`` is one shard of it). Polar Express and
-    the coupled inverse square root count three products per iteration; an estimate."""
-    *lead, m, n = shape
-    batch = math.prod(lead)
-    rule, steps = key[0], int(key[6])
-    if rule == "row":
-        return 4 * batch * m * n
-    if rule == "spectral":
-        s = min(m, n)
-        return batch * steps * (4 * m * n * s + 2 * s**3)
-    rows = m if gram_rows is None else gram_rows
-    side = n if rows >= n else rows  # the smaller Gram, see maps.gram_side
-    product = 2 * m * n * side  # the Gram, and the final product with R: twice
-    out = batch * (2 * product + steps * 6 * side**3)
-    return out + (4 * batch * m * n if rule == "hybrid" else 0)
-
-
-class _Recorder:
-    """A :class:`~equiopt.maps.RowReducer` that records the bytes it would all-reduce."""
-
-    def __init__(self, count: int, log: list):
-        self.count = count
-        self.log = log
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        self.log.append(t.numel() * t.element_size())
-        return t
-
-
-_REDUCE_CACHE: dict = {}
-
-
-def _reduce_bytes(key: tuple, eta, local_shape: tuple, gshape: tuple, how: Plan, dtype: torch.dtype) -> int:
-    cache_key = (key, eta if isinstance(eta, str) else id(eta), local_shape, gshape, bool(how.rows), bool(how.cols), dtype)
-    found = _REDUCE_CACHE.get(cache_key)
-    if found is None:
-        log: list[int] = []
-        rows = _Recorder(gshape[-2], log) if how.rows else None
-        cols = _Recorder(gshape[-1], log) if how.cols else None
-        factored_map(key, eta, torch.empty(local_shape, dtype=dtype, device="meta"), rows, cols)
-        found = _REDUCE_CACHE[cache_key] = sum(log)
-    return found
-
-
 def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     """The plan of one step of ``optimizer`` (every parameter with a gradient) for each of
     ``ranks`` (default: every rank of the default process group, or rank 0 alone)."""
@@ -121,7 +76,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             sharding = optimizer._sharding(p)
             how = None
             if group["rule"] not in ("adamw", "sgd") and sharding.kind == "sharded":
-                how = plan_of(map_key(group), group["layouts"][j], sharding)
+                how = optimizer.plan_of(group, group["layouts"][j], sharding)
             entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
     coords: dict[tuple, dict[int, tuple]] = {}
 
@@ -179,7 +134,8 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     add(name, 0, flops + ELEMENTWISE_FLOPS * numel, state)
                 elif how.how == "reduce":
                     gshape = layout.work_shapes(s.shape)[0]
-                    sent = sum(_reduce_bytes(key, group["eta"], w, gshape, how, dtype) for w in layout.work_shapes(shape))
+                    sent = sum(reduce_bytes(key, group["eta"], w, gshape, bool(how.rows), bool(how.cols), dtype)
+                               for w in layout.work_shapes(shape))
                     flops = sum(map_flops(key, w, gshape[-2]) for w in layout.work_shapes(shape))
                     add(name, sent, flops + ELEMENTWISE_FLOPS * numel, state)
                 else:

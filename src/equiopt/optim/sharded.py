@@ -34,6 +34,7 @@ import torch
 
 from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group
 from ..layouts import Col, Experts, Heads, Layout, Row
+from .costs import CostModel, prefers_reduce
 from .owners import assign, joint_block, map_cost
 from .rules import reducible
 
@@ -118,20 +119,28 @@ def cuts(layout: Layout, sharding: Sharding) -> dict[str, tuple[int, ...]]:
     return {k: tuple(sorted(v)) for k, v in out.items()}
 
 
-def plan(key: tuple, layout: Layout, sharding: Sharding) -> Plan:
-    """The :class:`Plan` of a parameter under ``key``'s map (see the module)."""
+def plan(key: tuple, layout: Layout, sharding: Sharding, costs: CostModel | None = None) -> Plan:
+    """The :class:`Plan` of a parameter under ``key``'s map (see the module). Where both a
+    reduce and an owner plan are possible, ``costs`` picks the cheaper (default: reduce)."""
     if sharding.kind != "sharded":
         return LOCAL
     cut = cuts(layout, sharding)
     if not (cut["rows"] or cut["cols"] or cut["opaque"]):
         return LOCAL
-    if not cut["opaque"]:
-        m, n = layout.work_shapes(sharding.shape)[0][-2:]
-        if not cut["cols"] and reducible(key, m, n):
-            return Plan("reduce", rows=cut["rows"])
-        if key[0] == "row":
-            return Plan("reduce", rows=cut["rows"], cols=cut["cols"])
-    return Plan("owner", rows=cut["rows"], cols=tuple(sorted(set(cut["cols"]) | set(cut["opaque"]))))
+    owner = Plan("owner", rows=cut["rows"], cols=tuple(sorted(set(cut["cols"]) | set(cut["opaque"]))))
+    if cut["opaque"]:
+        return owner
+    shapes = layout.work_shapes(sharding.shape)
+    m, n = shapes[0][-2:]
+    if not cut["cols"] and reducible(key, m, n):
+        reduce = Plan("reduce", rows=cut["rows"])
+    elif key[0] == "row":
+        reduce = Plan("reduce", rows=cut["rows"], cols=cut["cols"])
+    else:
+        return owner
+    if costs is None or prefers_reduce(costs, key, shapes, sharding.mesh_shape, reduce, owner):
+        return reduce
+    return owner
 
 
 def reducers(how: Plan, sharding: Sharding, work_shape) -> tuple:
@@ -164,9 +173,23 @@ def global_flags(flags: torch.Tensor, shardings: list[Sharding]) -> torch.Tensor
 def group_ranks(sharding: Sharding, axes, coordinate=None) -> tuple[int, ...]:
     """Global ranks of the group :func:`mesh_group` makes for ``axes`` around ``coordinate``
     (default: this rank's), in group order."""
-    coords = group_coordinates(sharding.mesh_shape, coordinate or sharding.coordinate, axes)
-    ranks = sharding.mesh.mesh
-    return tuple(int(ranks[c]) for c in coords)
+    coordinate = tuple(coordinate or sharding.coordinate)
+    axes = tuple(axes)
+    key = (id(sharding.mesh), axes, tuple(-1 if a in axes else c for a, c in enumerate(coordinate)))
+    found = _GROUP_RANKS.get(key)
+    if found is None:
+        table = sharding.mesh.mesh.tolist()
+        found = []
+        for c in group_coordinates(sharding.mesh_shape, coordinate, axes):
+            entry = table
+            for i in c:
+                entry = entry[i]
+            found.append(entry)
+        found = _GROUP_RANKS[key] = tuple(found)
+    return found
+
+
+_GROUP_RANKS: dict = {}
 
 
 class OwnerBatch(NamedTuple):

@@ -41,6 +41,7 @@ def build_optimizer(
     compile: bool | str | None = None,
     state_dtype: torch.dtype | None = None,
     divide_work: Any = None,
+    cost_model: Any = None,
     **role_options: Any,
 ) -> tuple[EquivariantOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """``(optimizer, scheduler)`` for ``model`` from a recipe (name, TOML path or Recipe).
@@ -54,7 +55,7 @@ def build_optimizer(
     are passed to it); ``overrides`` replace recipe fields per role (``"*"`` for all).
     Without ``total_steps`` the scheduler holds every group's base lr (after AdamW
     warm-up); with it, the recipe's schedules run to 0 at ``total_steps``.
-    ``eager_state``, ``compile``, ``state_dtype`` and ``divide_work`` are the optimizer's
+    ``eager_state``, ``compile``, ``state_dtype``, ``divide_work`` and ``cost_model`` are the optimizer's
     own options (see :class:`~equiopt.optim.EquivariantOptimizer`); ``divide_work=None``
     divides the matrix maps among the replicas when ``model`` is wrapped in DDP (its
     process group), and not otherwise.
@@ -66,7 +67,7 @@ def build_optimizer(
     if divide_work is None:
         divide_work = _ddp_group(model)
     optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state, compile=compile,
-                                     state_dtype=state_dtype, divide_work=divide_work)
+                                     state_dtype=state_dtype, divide_work=divide_work, cost_model=cost_model)
     optimizer.role_table = table
     optimizer.recipe = rec
     return optimizer, build_scheduler(optimizer, total_steps)

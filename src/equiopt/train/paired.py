@@ -195,7 +195,7 @@ def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
         return "(no configuration besides the baseline)"
     metric, base = rows[0].metric, rows[0].baseline
     better = "higher" if metric in HIGHER_IS_BETTER else "lower"
-    header = ["configuration", f"paired seeds", f"mean diff in {metric} vs {base}", "95 % CI (Student t)",
+    header = ["configuration", "paired seeds", f"mean diff in {metric} vs {base}", "95 % CI (Student t)",
               f"seeds {better} than baseline", "per-seed diff (seed: diff)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for r in rows:

@@ -1,0 +1,145 @@
+"""What a map costs on a split work matrix, and the cost model that picks between plans.
+
+Where a parameter's map can run either on the shards with all-reduced sums ("reduce")
+or on one owner rank ("owner"), the cheaper depends on the mesh size and the shapes: per
+rank, a ring all-reduce of a ``c x c`` Gram sends about ``8 c^2`` bytes and every rank
+then inverts it, while an owner round trip sends about ``8 r c / N`` bytes and the
+owners share the maps (``N`` ranks, ``r x c`` work matrix). So the Gram wins when
+``c < r / N`` and loses at large ``N``: at 512 ranks one all-reduced 1024 x 1024 Gram per
+MLP matrix costs more than sending the matrix to an owner. :class:`CostModel` turns bytes
+and FLOPs into seconds with named constants (bandwidth and FLOP/s per rank) and keeps any
+matrix larger than ``owner_max_bytes`` (a vocabulary) off owners.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .rules import factored_map
+
+__all__ = ["CostModel", "COST_MODELS", "resolve_cost_model", "map_flops", "reduce_bytes"]
+
+PREFER = ("cheaper", "reduce", "owner")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of the plan choice: ``bandwidth`` (bytes/s a rank sends in a collective),
+    ``flops`` (FLOP/s of the maps' matrix products on a rank), ``owner_max_bytes`` (the
+    largest matrix, in bytes of its float32 momentum, ever sent whole to an owner) and
+    ``prefer`` (``"cheaper"``; ``"reduce"`` or ``"owner"`` wherever that plan is possible)."""
+
+    bandwidth: float
+    flops: float
+    owner_max_bytes: int = 128 * 2**20
+    prefer: str = "cheaper"
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.prefer not in PREFER:
+            raise ValueError(f"cost model: unknown prefer {self.prefer!r}; valid: {', '.join(PREFER)}")
+        if self.bandwidth <= 0 or self.flops <= 0:
+            raise ValueError(f"cost model: bandwidth and flops must be > 0, got {self.bandwidth}, {self.flops}")
+
+
+COST_MODELS = {
+    # gloo over loopback on a 2-core CPU: about 1 GB/s per rank, float32 products at 100 GFLOP/s
+    "gloo-cpu": CostModel(1e9, 1e11, name="gloo-cpu"),
+    # NCCL across H100 nodes (400 Gb/s per GPU), bfloat16 products at a realistic 200 TFLOP/s
+    "nccl-h100": CostModel(4.5e10, 2e14, name="nccl-h100"),
+}
+
+
+def resolve_cost_model(spec, device_type: str = "cpu") -> CostModel:
+    """``None``/``"auto"`` (by device: ``nccl-h100`` on CUDA, ``gloo-cpu`` otherwise), a
+    name of :data:`COST_MODELS`, ``"reduce"``/``"owner"`` (the device's model, that plan
+    wherever possible), or a :class:`CostModel`."""
+    if isinstance(spec, CostModel):
+        return spec
+    base = COST_MODELS["nccl-h100" if device_type == "cuda" else "gloo-cpu"]
+    if spec is None or spec == "auto":
+        return base
+    if spec in ("reduce", "owner"):
+        return CostModel(base.bandwidth, base.flops, base.owner_max_bytes, spec, base.name)
+    if spec in COST_MODELS:
+        return COST_MODELS[spec]
+    raise ValueError(f"unknown cost_model {spec!r}; valid: auto, reduce, owner, {', '.join(COST_MODELS)} "
+                     "or an equiopt.optim.costs.CostModel")
+
+
+def map_flops(key: tuple, shape: tuple[int, ...], gram_rows: int | None = None) -> int:
+    """Matrix-product FLOPs of ``key``'s map on a ``(..., m, n)`` batch of work matrices
+    (``gram_rows``: the global row count when ``m`` is one shard of it). Polar Express and
+    the coupled inverse square root count three products per iteration; an estimate."""
+    *lead, m, n = shape
+    batch = math.prod(lead)
+    rule, steps = key[0], int(key[6])
+    if rule == "row":
+        return 4 * batch * m * n
+    if rule == "spectral":
+        s = min(m, n)
+        return batch * steps * (4 * m * n * s + 2 * s**3)
+    rows = m if gram_rows is None else gram_rows
+    side = n if rows >= n else rows  # the smaller Gram, see maps.gram_side
+    out = batch * (4 * m * n * side + steps * 6 * side**3)  # the Gram and the product with R
+    return out + (4 * batch * m * n if rule == "hybrid" else 0)
+
+
+class _Recorder:
+    """A :class:`~equiopt.maps.RowReducer` that records the bytes it would all-reduce."""
+
+    def __init__(self, count: int, log: list):
+        self.count = count
+        self.log = log
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.log.append(t.numel() * t.element_size())
+        return t
+
+
+_REDUCE_CACHE: dict = {}
+
+
+def reduce_bytes(key: tuple, eta, local_shape: tuple, gshape: tuple, rows: bool, cols: bool,
+                 dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the map of ``key`` all-reduces on a ``local_shape`` piece of ``gshape`` work
+    matrices split on their rows and/or columns: the map itself runs on the meta device
+    with reducers that record what they would sum."""
+    cache_key = (key, eta if isinstance(eta, str) else id(eta), tuple(local_shape), tuple(gshape[-2:]), rows, cols, dtype)
+    found = _REDUCE_CACHE.get(cache_key)
+    if found is None:
+        log: list[int] = []
+        factored_map(key, eta, torch.empty(tuple(local_shape), dtype=dtype, device="meta"),
+                     _Recorder(gshape[-2], log) if rows else None, _Recorder(gshape[-1], log) if cols else None)
+        found = _REDUCE_CACHE[cache_key] = sum(log)
+    return found
+
+
+def _size(mesh_shape, axes) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, reduce, owner) -> bool:
+    """Whether the ``reduce`` plan is the one to run rather than ``owner`` (both possible)
+    for a parameter whose global work matrices are ``work_shapes``: per rank, the reduce
+    plan's ring all-reduce and the map on its shard against the owner round trip and the
+    owner's map shared among the owner group (:class:`CostModel`)."""
+    whole = sum(math.prod(s) for s in work_shapes) * 4
+    if costs.prefer == "reduce" or whole > costs.owner_max_bytes:
+        return True
+    if costs.prefer == "owner":
+        return False
+    n_rows, n_cols, n_owner = _size(mesh_shape, reduce.rows), _size(mesh_shape, reduce.cols), _size(mesh_shape, owner.axes)
+    n_reduce = max(n_rows, n_cols) if not (reduce.rows and reduce.cols) else n_rows * n_cols
+    t_reduce = t_owner = 0.0
+    for shape in work_shapes:
+        *lead, m, n = shape
+        batch = math.prod(lead)
+        local = (batch, -(-m // n_rows), -(-n // n_cols))
+        sent = reduce_bytes(key, "inverse", local, shape, bool(reduce.rows), bool(reduce.cols))
+        t_reduce += 2 * (n_reduce - 1) / n_reduce * sent / costs.bandwidth + map_flops(key, local, m) / costs.flops
+        t_owner += 8 * batch * m * n / n_owner / costs.bandwidth + map_flops(key, (batch, m, n)) / n_owner / costs.flops
+    return t_reduce <= t_owner
