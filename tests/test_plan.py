@@ -1,0 +1,128 @@
+"""The plan of a step before launch: per-parameter decisions from placements alone, the cost
+model's choice between reduce and owner, and ``equiopt plan`` on a fake 512-rank mesh."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from equiopt.distributed.placements import Sharding, Split, row_range
+from equiopt.layouts import parse_layout
+from equiopt.optim.costs import COST_MODELS, CostModel, resolve_cost_model
+from equiopt.optim.sharded import plan
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+HYBRID = ("hybrid", "row_then_right", False, 1e-8, 1.0, "polar_express", 5, "inverse", None, "nu")
+MUON = ("spectral", None, False, 1e-8, 0.0, "polar_express", 5, "inverse", None, "nu")
+ROW = ("row",) + HYBRID[1:]
+
+
+def _rows_split(shape, n, dim=0, mesh=None):
+    """A Sharding whose dimension ``dim`` is split like torch.chunk over one mesh axis of ``n``."""
+    ranges = {(i,): row_range(shape[dim], n, i) for i in range(n)}
+    block = tuple(ranges[(0,)] if d == dim else (0, s) for d, s in enumerate(shape))
+    return Sharding("w", "sharded", tuple(shape), block, mesh, (n,), ("dp_shard",), (0,), (dim,),
+                    {dim: Split((0,), ranges)}, "(Shard(dim=%d),)" % dim)
+
+
+def test_placements_decide_the_plan():
+    row, col = parse_layout("row"), parse_layout("col")
+    # rows split: Grams reduce, row-norm reduces, Muon needs owners
+    assert plan(HYBRID, row, _rows_split((512, 64), 4)) == ("reduce", (0,), ())
+    assert plan(ROW, row, _rows_split((512, 64), 4)).how == "reduce"
+    assert plan(MUON, row, _rows_split((512, 64), 4)) == ("owner", (0,), ())
+    # columns split (Megatron's vocabulary Shard(1); FSDP on a down projection's work columns)
+    assert plan(ROW, row, _rows_split((512, 64), 4, dim=1)) == ("reduce", (), (0,))
+    assert plan(HYBRID, row, _rows_split((512, 64), 4, dim=1)) == ("owner", (), (0,))
+    assert plan(HYBRID, col, _rows_split((64, 512), 4, dim=1)).how == "reduce"  # Rowwise TP: neurons split
+    # heads the split keeps whole need nothing; heads it cuts go to owners
+    assert plan(MUON, parse_layout("heads:16"), _rows_split((128, 64), 4)).how == "local"
+    assert plan(MUON, parse_layout("heads:16"), _rows_split((48, 64), 4)).how == "owner"
+    # expert stacks split by whole experts are local; inside experts, as their inner layout
+    assert plan(MUON, parse_layout("experts:row"), _rows_split((8, 96, 64), 4)).how == "local"
+    assert plan(HYBRID, parse_layout("experts:row"), _rows_split((8, 96, 64), 2, dim=1)).how == "reduce"
+    assert plan(HYBRID, parse_layout("experts:gate_up:interleave:cols"), _rows_split((8, 64, 192), 2, dim=2)).how == "owner"
+
+
+def test_cost_model_chooses_gram_while_c_below_r_over_n():
+    """A c x c Gram all-reduce against an owner round trip (about 8c^2 vs 8rc/N bytes per
+    rank, plus the maps): the Gram while the rows per rank exceed c, owners beyond."""
+    costs = CostModel(bandwidth=1e9, flops=1e30)  # bytes alone decide
+    c = 256
+    for n in (2, 8, 64, 128):  # (not at c == r / N, where the ring factor (N - 1) / N decides)
+        r = 8192
+        want = "reduce" if c < r / n else "owner"
+        assert plan(HYBRID, parse_layout("row"), _rows_split((r, c), n), costs).how == want, (n, want)
+    # with the maps' FLOPs counted, every rank inverting the same Gram loses at scale too
+    h100 = COST_MODELS["nccl-h100"]
+    assert plan(HYBRID, parse_layout("row"), _rows_split((3072, 1024), 512), h100).how == "owner"
+    assert plan(HYBRID, parse_layout("row"), _rows_split((3072, 1024), 2), h100).how == "reduce"
+    # a vocabulary matrix is never sent whole to an owner, whatever the mesh
+    assert plan(HYBRID, parse_layout("row"), _rows_split((151936, 1024), 512), h100).how == "reduce"
+    # uncentred row-norm on split rows sends nothing: always reduce
+    assert plan(ROW, parse_layout("row"), _rows_split((3072, 1024), 512), h100).how == "reduce"
+    assert plan(HYBRID, parse_layout("row"), _rows_split((3072, 1024), 512), resolve_cost_model("reduce")).how == "reduce"
+    with pytest.raises(ValueError, match="unknown cost_model 'fast'"):
+        resolve_cost_model("fast")
+
+
+def test_equiopt_plan_on_a_fake_512_rank_mesh(tmp_path, capsys):
+    from equiopt.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "qwen3:tiny", "--recipe", "paper:qwen3:b-ii", "--mesh", "dp_shard=64,tp=8",
+                 "--json", str(out), "--ranks", "0,1,511", "--cost-model", "reduce"]) == 0
+    assert not dist.is_initialized()
+    doc = json.loads(out.read_text())
+    assert doc["world"] == 512 and doc["mesh"] == {"dp_shard": 64, "tp": 8} and doc["totals"]["ranks_planned"] == 3
+    assert set(doc["totals"]) >= {"bytes_sent_per_rank_max", "flops_per_rank_max", "state_bytes_per_rank_max"}
+    by_name = {p["name"]: p for p in doc["parameters"]}
+    for p in doc["parameters"]:
+        assert set(p) >= {"name", "shape", "placements", "role", "rule", "plan", "bytes_sent_per_rank",
+                          "flops_per_rank"}
+    emb = by_name["model.embed_tokens.weight"]
+    assert emb["placements"].startswith("(_StridedShard(dim=0") and emb["role"] == "embedding" and emb["plan"] == "reduce"
+    assert by_name["model.layers.0.mlp.down_proj.weight"]["placements"] == "(Shard(dim=0), Shard(dim=1))"
+    assert by_name["model.layers.0.input_layernorm.weight"]["plan"] == "local"
+    # a Gram all-reduce of the embedding's d x d (and d-vectors): at least d^2 float32 bytes
+    assert emb["bytes_sent_per_rank"] >= 64 * 64 * 4
+    text = capsys.readouterr().out
+    assert "busiest rank" in text and "512 ranks" in text
+
+
+def test_equiopt_plan_rejects_bad_meshes():
+    from equiopt.planning import parse_mesh
+
+    assert list(parse_mesh("tp=8,dp_shard=64")) == ["dp_shard", "tp"]
+    for bad in ("dp=2", "tp=0", "tp", ""):
+        with pytest.raises(ValueError, match="--mesh"):
+            parse_mesh(bad)
+    assert math.prod(parse_mesh("dp_replicate=2,dp_shard=4,ep=2,tp=2").values()) == 32
+
+
+def test_meta_blocks_of_a_fake_mesh_match_torch():
+    """On a fake 512-rank group, every rank's block of a strided (FSDP over TP) placement is
+    the one torch's compute_local_shape_and_global_offset gives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from equiopt.distributed import describe_sharding
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=512)
+    try:
+        mesh = init_device_mesh("cpu", (64, 8), mesh_dim_names=("dp_shard", "tp"))
+        placements = [_StridedShard(0, split_factor=8), Shard(0)]
+        w = distribute_tensor(torch.empty(1000, 24, device="meta"), mesh, placements, src_data_rank=None)
+        s = describe_sharding(w, "w")
+        for coord in [(0, 0), (1, 0), (0, 1), (63, 7), (17, 3)]:
+            shape, offset = _compute_local_shape_and_global_offset((1000, 24), (64, 8), list(coord), placements)
+            assert s.block_at(coord)[0] == ((offset[0], offset[0] + shape[0]) if shape[0] else s.block_at(coord)[0])
+            assert s.block_at(coord)[0][1] - s.block_at(coord)[0][0] == shape[0]
+    finally:
+        dist.destroy_process_group()
