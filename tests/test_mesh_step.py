@@ -217,10 +217,57 @@ def _check_placements_seen(sharded):
     assert kinds["model.layers.0.input_layernorm.weight"] == ("Shard(0)", "Replicate")
 
 
+def _check_reshard(rank, directory):
+    """DCP: save the model and optimizer on the 2 x 2 FSDP + TP mesh, load them into the
+    model sharded by FSDP alone over 4 ranks (4 x 1), and the next step still equals one
+    process (as the trainer saves and restores: get_state_dict / set_state_dict)."""
+    import equiopt
+    from equiopt.models import build
+    from equiopt.train.checkpoint import load_checkpoint, save_checkpoint
+    from equiopt.train.parallel import apply_fsdp2
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    recipe = "paper:qwen3:b-ii"
+    ref = build("qwen3", "tiny", seed=0)
+    first = _layouts("fsdp+tp", ref)
+    opt_ref, _ = equiopt.build_optimizer(ref, recipe, overrides=FLOAT32)
+    opt, _ = equiopt.build_optimizer(first, recipe, overrides=FLOAT32)
+    grads = _grads(ref, 0)
+    for name, p in ref.named_parameters():
+        p.grad = grads[name].clone()
+    _set_grads(first, grads)
+    opt_ref.step()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(first, opt)
+    save_checkpoint(directory, 1, {"model": model_sd, "optimizer": {"state": optim_sd["state"]}})
+    second = apply_fsdp2(build("qwen3", "tiny", seed=1), torch.device("cpu"), WORLD)  # other weights: all loaded
+    opt2, _ = equiopt.build_optimizer(second, recipe, overrides=FLOAT32, eager_state=True)
+    model_sd, optim_sd = get_state_dict(second, opt2)
+    tensors = {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+    assert load_checkpoint(directory, tensors) is not None
+    set_state_dict(second, opt2, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": optim_sd["param_groups"]})
+    grads = _grads(ref, 1)
+    for name, p in ref.named_parameters():
+        p.grad = grads[name].clone()
+    _set_grads(second, grads)
+    opt_ref.step()
+    opt2.step()
+    want = dict(ref.named_parameters())
+    for name, p in second.named_parameters():
+        assert isinstance(p, DTensor) and len(p.placements) == 1, (name, p.placements)
+        err = _rel(p.full_tensor(), want[name].detach())
+        assert err <= 1e-5, f"after resharding 2 x 2 -> 4: {name} differs by {err:.2e}"
+
+
 def _worker(rank, world, rendezvous, cases):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
+        if cases == "reshard":
+            _check_reshard(rank, rendezvous + ".ckpt")
+            cases = []
         for case, family, recipes in cases:
             for recipe, costs in recipes:
                 sharded = _check_case(case, family, recipe, costs, rank)
@@ -236,3 +283,7 @@ def _worker(rank, world, rendezvous, cases):
 def test_mesh_step_equals_one_process(case, tmp_path):
     cases = [c for c in CASES if c[0] == case]
     mp.spawn(_worker, args=(WORLD, str(tmp_path / "rendezvous"), cases), nprocs=WORLD, join=True)
+
+
+def test_checkpoint_saved_on_2x2_loads_on_4x1(tmp_path):
+    mp.spawn(_worker, args=(WORLD, str(tmp_path / "rendezvous"), "reshard"), nprocs=WORLD, join=True)
