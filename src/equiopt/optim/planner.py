@@ -63,6 +63,24 @@ class StepPlan(NamedTuple):
         }
 
 
+def _coordinates(mesh) -> dict[int, tuple[int, ...]]:
+    """Every global rank's coordinate on ``mesh``. A sub-mesh (``mesh["dp_shard"]``) holds
+    only this rank's slice of ranks; the other ranks have their own slices of the same
+    shape, so their coordinates are read off the root mesh by dimension name."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, root_names = tuple(mesh.mesh_dim_names or ()), tuple(root.mesh_dim_names or ())
+    if root is mesh or not names or not set(names) <= set(root_names):
+        ranks = mesh.mesh
+        return {int(r): tuple(int(i) for i in torch.nonzero(ranks == r)[0]) for r in ranks.flatten()}
+    dims = [root_names.index(n) for n in names]
+    ranks = root.mesh
+    out = {}
+    for r in ranks.flatten().tolist():
+        at = torch.nonzero(ranks == r)[0].tolist()
+        out[int(r)] = tuple(at[d] for d in dims)
+    return out
+
+
 def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     """The plan of one step of ``optimizer`` (every parameter with a gradient) for each of
     ``ranks`` (default: every rank of the default process group, or rank 0 alone)."""
@@ -85,9 +103,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             return None
         table = coords.get(id(s.mesh))
         if table is None:
-            mesh = s.mesh.mesh
-            table = coords[id(s.mesh)] = {int(r): tuple(int(i) for i in torch.nonzero(mesh == r)[0])
-                                          for r in mesh.flatten()}
+            table = coords[id(s.mesh)] = _coordinates(s.mesh)
         return table.get(rank)
 
     per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}

@@ -219,7 +219,11 @@ def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = N
         coords = group_coordinates(first.mesh_shape, where(first), how.axes)
         found = None if cache is None else cache.get((signature, tuple(members)))
         if found is None:
-            blocks = [[tasks[i][0].block_at(c) for c in coords] for i in members]
+            # the tasks of one group may sit on different meshes over the same ranks (a dense
+            # parameter on the dp_shard sub-mesh, an expert stack on the whole mesh): each
+            # task's members in its own coordinates, in the group's (increasing rank) order
+            blocks = [[tasks[i][0].block_at(c) for c in group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]),
+                                                                           tasks[i][1].axes)] for i in members]
             joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
             costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
             found = (blocks, assign(costs, len(coords)))
