@@ -126,3 +126,25 @@ def test_meta_blocks_of_a_fake_mesh_match_torch():
             assert s.block_at(coord)[0][1] - s.block_at(coord)[0][0] == shape[0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_split_that_is_not_one_block_fails_by_name():
+    """``Shard(0)`` then ``_StridedShard(0, sf=2)`` leaves rank (0, 0) rows {0, 2} of 8 x 4 (torch's
+    own example): not a block, so the optimizer refuses it when built, naming the parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from equiopt.distributed import UnsupportedShardingError
+    from equiopt.optim import EquivariantOptimizer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        w = torch.nn.Parameter(distribute_tensor(torch.empty(8, 4, device="meta"), mesh,
+                                                 [Shard(0), _StridedShard(0, split_factor=2)], src_data_rank=None))
+        with pytest.raises(UnsupportedShardingError, match=r"'mlp\.up_proj\.weight'.*_StridedShard.*not contiguous"):
+            EquivariantOptimizer([{"params": [w], "names": ["mlp.up_proj.weight"]}], rule="hybrid")
+    finally:
+        dist.destroy_process_group()
