@@ -56,6 +56,11 @@ class RowReducer(Protocol):
     is a partial sum on each shard. ``sum(t)`` completes it (an all-reduce over the
     shard group; it may work in place on ``t``, always a fresh tensor) and ``count`` is
     the global row count. With ``reducer=None`` the maps take the matrix as whole.
+
+    A reducer may also have ``take(t, dim)``: the rows (along ``dim``) this rank adds to
+    the sums. Replicas that all hold the whole matrix (DDP, HSDP's replica axis) divide a
+    Gram this way: each sums its own slice of the rows, the sum completes it, and every
+    replica finishes the map on all rows, so no update is sent.
     """
 
     count: int
@@ -63,17 +68,22 @@ class RowReducer(Protocol):
     def sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
+def _take(reducer: Optional[RowReducer], t: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """The rows of ``t`` that ``reducer``'s sums take from this rank (all, unless it divides them)."""
+    take = getattr(reducer, "take", None)
+    return t if take is None else take(t, dim)
+
+
 def _col_mean(x: torch.Tensor, reducer: Optional[RowReducer]) -> torch.Tensor:
     """Column means over the rows, ``(..., 1, n)``: local, or completed by ``reducer``."""
     if reducer is None:
         return x.mean(dim=-2, keepdim=True)
-    return reducer.sum(x.sum(dim=-2, keepdim=True)) / reducer.count
+    return reducer.sum(_take(reducer, x).sum(dim=-2, keepdim=True)) / reducer.count
 
 
 def _row_sum(t: torch.Tensor, reducer: Optional[RowReducer]) -> torch.Tensor:
     """``t.sum(-1)`` of per-row values ``t`` (``(..., m)``), completed by ``reducer``."""
-    s = t.sum(-1)
-    return s if reducer is None else reducer.sum(s)
+    return t.sum(-1) if reducer is None else reducer.sum(_take(reducer, t, -1).sum(-1))
 
 
 class Factored(NamedTuple):
@@ -167,7 +177,8 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, redu
     s = eta_scale(norms, eta, eps, n)
     shift = None
     if centered:
-        shift = (s.mT @ x) / x.shape[-2] if reducer is None else reducer.sum(s.mT @ x) / reducer.count
+        shift = (s.mT @ x) / x.shape[-2] if reducer is None else \
+            reducer.sum(_take(reducer, s).mT @ _take(reducer, x)) / reducer.count
     return Factored(x, row=s, shift=shift)
 
 
@@ -247,7 +258,8 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     if left:
         C = x @ x.mT
     else:
-        C = x.mT @ x if reducer is None else reducer.sum(x.mT @ x)
+        part = _take(reducer, x)
+        C = x.mT @ x if reducer is None else reducer.sum(part.mT @ part)
     A = C
     if left and centered:
         # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean

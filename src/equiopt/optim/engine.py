@@ -23,11 +23,11 @@ from ..layouts import Layout, parse_layout
 from .. import maps
 from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, resolved, shape_factor,
-                    validate_group)
+from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
+                    shape_factor, validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
 from .costs import resolve_cost_model
-from .sharded import LOCAL, Plan, global_flags, local, owner_batches, plan, reducers
+from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
@@ -454,7 +454,7 @@ class EquivariantOptimizer(Optimizer):
         if sharding.kind != "sharded" or not sharding.is_sharded:
             return
         mesh_group(sharding.mesh, [a for a in sharding.sharded_axes if sharding.mesh_shape[a] > 1])
-        for axes in ((how.rows, how.cols) if how.how == "reduce" else (how.axes,)):
+        for axes in ((how.rows + how.replicas, how.cols) if how.how == "reduce" else (how.axes,)):
             if axes:
                 mesh_group(sharding.mesh, axes)
 
@@ -488,6 +488,13 @@ class EquivariantOptimizer(Optimizer):
         global_shapes = layout.work_shapes(sharding.shape)
         sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
         divide = self._replicas is not None and sharding.kind == "local" and key[0] in DIVIDED_RULES
+        if divide and reducible(key, *global_shapes[0][-2:]) and len(global_shapes) == 1:
+            # a Gram map of a replicated matrix: each replica sums a slice of the rows, the
+            # d x d sums are all-reduced, every replica finishes the map on all rows
+            import torch.distributed as dist
+
+            part = (dist.get_rank(self._replicas), dist.get_world_size(self._replicas))
+            sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part), None), False
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
             if sums is None and w.numel() == 0:
                 continue  # an empty block of a stack of experts: nothing to map, nothing sent

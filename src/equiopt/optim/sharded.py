@@ -28,11 +28,12 @@ decisions are made for a fake mesh of any size (``equiopt plan``).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group
+from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group, row_range
 from ..layouts import Col, Experts, Heads, Layout, Row
 from .costs import CostModel, prefers_reduce
 from .owners import assign, joint_block, map_cost
@@ -48,11 +49,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 class ShardSum:
     """:class:`equiopt.maps.RowReducer` of a split work matrix: all-reduce (sum) over
-    ``group``; ``count`` is the global size of the axis summed over."""
+    ``group``; ``count`` is the global size of the axis summed over. ``part = (i, n)``:
+    this rank is replica ``i`` of ``n`` that hold the same rows, and adds only the ``i``-th
+    of ``n`` slices of them to the sums (:meth:`take`), so replicas divide the work."""
 
-    def __init__(self, group, count: int):
+    def __init__(self, group, count: int, part: tuple[int, int] | None = None):
         self.group = group
         self.count = count
+        self.part = part
+
+    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.part is None:
+            return t
+        a, b = row_range(t.shape[dim], self.part[1], self.part[0])
+        return t.narrow(dim, a, b - a)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -65,13 +75,16 @@ class ShardSum:
 class Plan(NamedTuple):
     """How one parameter's map runs: ``how`` (``"local"``, ``"reduce"`` or ``"owner"``);
     for ``"reduce"``, the mesh axes that cut the work rows (``rows``, summed over by the
-    Gram/column sums) and the work columns (``cols``, summed over by row norms); for
+    Gram/column sums), the work columns (``cols``, summed over by row norms) and the
+    replica axes that divide the Gram among themselves (``replicas``: each replica sums
+    a slice of its rows; HSDP's ``dp_replicate``); for
     ``"owner"``, the axes that cut the rows (``rows``) and those that cut anything else
     (``cols``): the ranks of all of them (:attr:`axes`) share the owner work."""
 
     how: str
     rows: tuple[int, ...] = ()
     cols: tuple[int, ...] = ()
+    replicas: tuple[int, ...] = ()
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -133,7 +146,9 @@ def plan(key: tuple, layout: Layout, sharding: Sharding, costs: CostModel | None
     shapes = layout.work_shapes(sharding.shape)
     m, n = shapes[0][-2:]
     if not cut["cols"] and reducible(key, m, n):
-        reduce = Plan("reduce", rows=cut["rows"])
+        # Gram maps: replicas of the same rows sum one slice each instead of all of them
+        replicas = tuple(a for a in sharding.replicate_axes if sharding.mesh_shape[a] > 1) if key[0] != "row" else ()
+        reduce = Plan("reduce", rows=cut["rows"], replicas=replicas)
     elif key[0] == "row":
         reduce = Plan("reduce", rows=cut["rows"], cols=cut["cols"])
     else:
@@ -146,7 +161,14 @@ def plan(key: tuple, layout: Layout, sharding: Sharding, costs: CostModel | None
 def reducers(how: Plan, sharding: Sharding, work_shape) -> tuple:
     """The row and column :class:`ShardSum` of a ``"reduce"`` plan (None where nothing is cut)."""
     m, n = work_shape[-2:]
-    rows = ShardSum(mesh_group(sharding.mesh, how.rows), m) if how.rows else None
+    part = None
+    if how.replicas:
+        sizes = [sharding.mesh_shape[a] for a in how.replicas]
+        index = 0
+        for a, size in zip(how.replicas, sizes):
+            index = index * size + sharding.coordinate[a]
+        part = (index, math.prod(sizes))
+    rows = ShardSum(mesh_group(sharding.mesh, how.rows + how.replicas), m, part) if how.rows else None
     cols = ShardSum(mesh_group(sharding.mesh, how.cols), n) if how.cols else None
     return rows, cols
 
