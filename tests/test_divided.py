@@ -1,10 +1,11 @@
 """Optimizer work divided among DDP replicas (``divide_work``), on 2 and 3 gloo processes.
 
 Every rank holds the same parameters and gradients (as after DDP's all-reduce). With
-``divide_work`` each matrix-product map runs on one owner rank and is broadcast: the
-weights must be bit-identical on every rank, equal the undivided step, each rank must
-map only its share of the matrices, and what crosses ranks is exactly the broadcast
-updates of the divided maps.
+``divide_work`` the Gram maps (right-spectral, hybrid) sum one slice of the rows per
+replica and all-reduce the ``d x d`` sums; every other matrix-product map runs on one
+owner rank and is broadcast. The weights must be bit-identical on every rank, equal the
+undivided step, each rank must do only its share, and what crosses ranks is exactly the
+Grams and the broadcast updates.
 """
 
 import copy
@@ -93,12 +94,51 @@ def _check_division(world):
         assert _rel(p.detach(), r.detach()) <= 1e-5
 
 
+def _check_gram_division(world):
+    """A vocabulary-shaped matrix under hybrid and right-spectral maps: each replica forms
+    the Gram of its slice of rows (the products it computes shrink with the world), one
+    d x d all-reduce (and d-vectors when centred) crosses ranks, no update is sent."""
+    from equiopt.distributed import record_collectives
+    from equiopt.optim import EquivariantOptimizer
+
+    m, d = 3001, 48  # uneven slices over 2 and 3 ranks
+    gen = torch.Generator().manual_seed(11)
+    base, grad = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
+    for kw in (dict(rule="hybrid"), dict(rule="hybrid", center=True, scale="rms"), dict(rule="right", center=True)):
+        w = torch.nn.Parameter(base.clone())
+        w.grad = grad.clone()
+        opt = EquivariantOptimizer([w], lr=0.1, method="exact", divide_work=True, **kw)
+        products = []
+        original = torch.Tensor.__matmul__
+
+        def counting(a, b):
+            if a.shape[-2] == d and a.shape[-1] > d:  # x^T x: a Gram over some rows
+                products.append(a.shape[-1])
+            return original(a, b)
+
+        torch.Tensor.__matmul__ = counting
+        try:
+            with record_collectives() as log:
+                opt.step()
+        finally:
+            torch.Tensor.__matmul__ = original
+        assert products and sum(products) <= -(-m // world), (kw, products)  # this rank's rows only
+        assert set(log.ops()) == {"all_reduce"} and any(r.shape[-2:] == (d, d) for r in log), (kw, log.summary())
+        assert log.total_bytes() < m * d * 4 / 10, (kw, log.summary())
+        ref = torch.nn.Parameter(base.clone())
+        ref.grad = grad.clone()
+        EquivariantOptimizer([ref], lr=0.1, method="exact", **kw).step()
+        assert _identical_on_every_rank(w), kw
+        assert _rel(w.detach(), ref.detach()) <= 1e-5, kw
+
+
 def _worker(rank, world, rendezvous):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         _check_recipes(world)
         _check_division(world)
+        _check_gram_division(world)
         # drop every optimizer and tensor that refers to the group while it is alive
         # (as Trainer.run does): teardown after destroy_process_group can abort gloo
         import gc
