@@ -120,11 +120,13 @@ class EquivariantOptimizer(Optimizer):
     - ``names``: parameter names for messages (one per parameter).
 
     ``divide_work``: a process group over which the plain (non-DTensor) parameters are
-    replicated, as under DDP, or ``True`` for the default group: each matrix-product map
-    (spectral, one-sided, hybrid) then runs on one rank of it, chosen to balance the work,
-    and its update is broadcast, so per-rank work falls with the world size and the
-    weights stay identical on every rank. Row-norm and element-wise rules, which cost
-    less than sending their results, run on every rank.
+    replicated, as under DDP, or ``True`` for the default group: Gram maps (right Gram
+    one-sided and hybrid) are divided by rows (each rank sums its slice of the rows, the
+    ``d x d`` sums are all-reduced, every rank finishes the map on all rows); the other
+    matrix-product maps (spectral, left Grams) run on one rank each, chosen to balance
+    the work, and their updates are broadcast. Per-rank work falls with the world size
+    and the weights stay identical on every rank. Row-norm and element-wise rules, which
+    cost less than sending their results, run on every rank.
     :func:`equiopt.build_optimizer` sets it from a DDP-wrapped model.
 
     A group with ``center`` stores the momentum of the matrices it maps whole on this rank
