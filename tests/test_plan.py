@@ -11,7 +11,7 @@ import torch.distributed as dist
 from equiopt.distributed.placements import Sharding, Split, row_range
 from equiopt.layouts import parse_layout
 from equiopt.optim.costs import COST_MODELS, CostModel, resolve_cost_model
-from equiopt.optim.sharded import plan
+from equiopt.optim.sharded import Plan, plan
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -31,13 +31,18 @@ def _rows_split(shape, n, dim=0, mesh=None):
 def test_placements_decide_the_plan():
     row, col = parse_layout("row"), parse_layout("col")
     # rows split: Grams reduce, row-norm reduces, Muon needs owners
-    assert plan(HYBRID, row, _rows_split((512, 64), 4)) == ("reduce", (0,), ())
+    assert plan(HYBRID, row, _rows_split((512, 64), 4)) == Plan("reduce", rows=(0,))
     assert plan(ROW, row, _rows_split((512, 64), 4)).how == "reduce"
-    assert plan(MUON, row, _rows_split((512, 64), 4)) == ("owner", (0,), ())
+    assert plan(MUON, row, _rows_split((512, 64), 4)) == Plan("owner", rows=(0,))
     # columns split (Megatron's vocabulary Shard(1); FSDP on a down projection's work columns)
-    assert plan(ROW, row, _rows_split((512, 64), 4, dim=1)) == ("reduce", (), (0,))
-    assert plan(HYBRID, row, _rows_split((512, 64), 4, dim=1)) == ("owner", (), (0,))
+    assert plan(ROW, row, _rows_split((512, 64), 4, dim=1)) == Plan("reduce", cols=(0,))
+    assert plan(HYBRID, row, _rows_split((512, 64), 4, dim=1)) == Plan("owner", cols=(0,))
     assert plan(HYBRID, col, _rows_split((64, 512), 4, dim=1)).how == "reduce"  # Rowwise TP: neurons split
+    # HSDP: the replica axis divides the Gram (each replica sums a slice of its shard's rows)
+    hsdp = Sharding("w", "sharded", (512, 64), ((0, 256), (0, 64)), None, (2, 2), ("dp_replicate", "dp_shard"), (0, 0),
+                    (None, 0), {0: Split((1,), {(i,): row_range(512, 2, i) for i in range(2)})}, "")
+    assert plan(HYBRID, row, hsdp) == Plan("reduce", rows=(1,), replicas=(0,))
+    assert plan(ROW, row, hsdp) == Plan("reduce", rows=(1,))  # nothing to divide
     # heads the split keeps whole need nothing; heads it cuts go to owners
     assert plan(MUON, parse_layout("heads:16"), _rows_split((128, 64), 4)).how == "local"
     assert plan(MUON, parse_layout("heads:16"), _rows_split((48, 64), 4)).how == "owner"
@@ -91,6 +96,21 @@ def test_equiopt_plan_on_a_fake_512_rank_mesh(tmp_path, capsys):
     assert emb["bytes_sent_per_rank"] >= 64 * 64 * 4
     text = capsys.readouterr().out
     assert "busiest rank" in text and "512 ranks" in text
+
+
+def test_equiopt_plan_reads_a_transformers_config_path(tmp_path):
+    from transformers import Qwen3Config
+
+    from equiopt.models import config
+    from equiopt.planning import plan_model
+
+    config("qwen3", "tiny").save_pretrained(tmp_path)
+    assert isinstance(config("qwen3", "tiny"), Qwen3Config)
+    doc = plan_model(str(tmp_path), "paper:qwen3:a-i", {"dp_shard": 4, "tp": 2}, ranks=[0, 7])
+    assert doc["world"] == 8 and not dist.is_initialized()
+    plans = {p["name"]: p for p in doc["parameters"]}
+    assert plans["lm_head.weight"]["role"] == "lm_head" and plans["lm_head.weight"]["plan"] == "reduce"
+    assert {p["plan"] for p in doc["parameters"]} >= {"local", "owner"}
 
 
 def test_equiopt_plan_rejects_bad_meshes():
