@@ -46,8 +46,10 @@ class CostModel:
 
 
 COST_MODELS = {
-    # gloo over loopback on a 2-core CPU: about 1 GB/s per rank, float32 products at 100 GFLOP/s
-    "gloo-cpu": CostModel(1e9, 1e11, name="gloo-cpu"),
+    # gloo over loopback on a 2-core CPU, one thread per process: float32 products at about
+    # 100 GFLOP/s, and 250 MB/s, the rate at which gathering update rows of the --stack
+    # model's vocabulary matrices stops paying (python -m equiopt.bench --divided)
+    "gloo-cpu": CostModel(2.5e8, 1e11, name="gloo-cpu"),
     # NCCL across H100 nodes (400 Gb/s per GPU), bfloat16 products at a realistic 200 TFLOP/s
     "nccl-h100": CostModel(4.5e10, 2e14, name="nccl-h100"),
 }
@@ -143,3 +145,19 @@ def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, 
         t_reduce += 2 * (n_reduce - 1) / n_reduce * sent / costs.bandwidth + map_flops(key, local, m) / costs.flops
         t_owner += 8 * batch * m * n / n_owner / costs.bandwidth + map_flops(key, (batch, m, n)) / n_owner / costs.flops
     return t_reduce <= t_owner
+
+
+def prefers_row_gather(costs: CostModel, key: tuple, shape: tuple, replicas: int) -> bool:
+    """For a Gram map of a matrix every one of ``replicas`` ranks holds whole (DDP): whether
+    to map each rank's slice of rows completely and all-gather the update rows (``m d``
+    bytes, all the map's products divided) rather than divide only the Gram (``d x d``
+    sums; the product with ``R`` and the inverse square root on every rank)."""
+    if costs.prefer != "cheaper" or replicas < 2:
+        return False
+    *lead, m, d = shape
+    batch = math.prod(lead)
+    flops = map_flops(key, tuple(shape))
+    gram = 2 * batch * m * d * min(m, d)
+    t_gram = (flops - gram * (1 - 1 / replicas)) / costs.flops
+    t_rows = 4 * batch * m * d * (replicas - 1) / replicas / costs.bandwidth + flops / replicas / costs.flops
+    return t_rows < t_gram

@@ -12,6 +12,7 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, NamedTuple
@@ -21,12 +22,12 @@ from torch.optim import Optimizer
 
 from ..layouts import Layout, parse_layout
 from .. import maps
-from ..distributed.placements import Sharding, describe_sharding, mesh_group
+from ..distributed.placements import Sharding, describe_sharding, mesh_group, row_range
 from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
                     shape_factor, validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
-from .costs import resolve_cost_model
+from .costs import prefers_row_gather, resolve_cost_model
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
@@ -413,6 +414,8 @@ class EquivariantOptimizer(Optimizer):
         for bucket, items in buckets.items():
             if bucket[-1] == "divided":
                 divided.append((bucket[0], items))
+            elif len(bucket) > 2 and bucket[2] == "rows":
+                self._run_row_gathered(bucket[0], items)
             else:
                 self._run_bucket(bucket[0], items)
         if divided:
@@ -497,6 +500,13 @@ class EquivariantOptimizer(Optimizer):
 
             part = (dist.get_rank(self._replicas), dist.get_world_size(self._replicas))
             sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part), None), False
+            costs = resolve_cost_model(self.cost_model, p.device.type)
+            if prefers_row_gather(costs, key, global_shapes[0], part[1]):
+                # cheaper still: each replica maps its rows completely, the update rows are gathered
+                buckets[(key, tuple(global_shapes[0][-2:]), "rows", id(self._replicas))].append(
+                    (layout.to_work_list(direction)[0], self._work_views(p, layout)[0],
+                     okf * (-lr * shape_factor(group, *global_shapes[0][-2:])), group, sums))
+                return
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
             if sums is None and w.numel() == 0:
                 continue  # an empty block of a stack of experts: nothing to map, nothing sent
@@ -596,6 +606,39 @@ class EquivariantOptimizer(Optimizer):
             u = torch.stack(shared[start:start + count]).view(w.shape)
             start += count
             add_factored_(pw, maps.Factored(u), coef)
+
+    @staticmethod
+    def _run_row_gathered(key: tuple, items: list) -> None:
+        """Gram maps of replicated matrices divided by rows completely: each replica maps its
+        slice of every matrix's rows (sums over rows all-reduced), and one all-gather brings
+        every replica's update rows (slices padded to the largest), so all add the same update."""
+        import torch.distributed as dist
+
+        sums = items[0][4][0]
+        pg, (me, n) = sums.group, sums.part
+        pieces, layouts = [], []
+        for w, _, _, group, _ in items:
+            m = w.shape[-2]
+            a, b = row_range(m, n, me)
+            u = maps.materialize(factored_map(key, group["eta"], w.narrow(-2, a, b - a), ShardSum(pg, m))).to(w.dtype)
+            size = -(-m // n)
+            if b - a < size:
+                u = torch.cat([u, u.new_zeros(*u.shape[:-2], size - (b - a), u.shape[-1])], dim=-2)
+            pieces.append(u.reshape(-1))
+            layouts.append((w.shape, size))
+        flat = torch.cat(pieces)
+        out = flat.new_empty(n * flat.numel())
+        dist.all_gather_into_tensor(out, flat, group=pg)
+        per_rank = out.view(n, -1)
+        start = 0
+        for (w, pw, coef, _, _), (shape, size) in zip(items, layouts):
+            lead, m, d = shape[:-2], shape[-2], shape[-1]
+            count = math.prod(lead) * size * d
+            rows = per_rank[:, start:start + count].reshape(n, *lead, size, d)
+            start += count
+            full = torch.cat([rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)],
+                             dim=-2)
+            add_factored_(pw, maps.Factored(full), coef)
 
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
