@@ -1,8 +1,6 @@
 """Final-logit, router and weight diagnostics: hand-computed values and agreement checks."""
 
 import math
-import os
-import socket
 from collections import namedtuple
 
 import pytest
@@ -397,17 +395,13 @@ def test_weight_tracker_from_assignments_and_cumulative_interval():
 
 
 # ------------------------------------------------------------------ distributed reduction
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _dist_worker(rank, world, rendezvous, logits, router, queue):
+    import gc
 
-
-def _dist_worker(rank, world, port, logits, router, queue):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         lm = logit_metrics(logits[rank::world], all_reduce=True)
         rm = router_metrics([r[rank::world] for r in router], top_k=2, all_reduce=True)
@@ -423,20 +417,24 @@ def _dist_worker(rank, world, port, logits, router, queue):
             p.mul_(2.0)
         ws = tracker.update_stats()["matrix"]
         queue.put((rank, lm, {k: rm[k] for k in ROUTER_METRIC_KEYS}, ws))
+        # no tensor that refers to the group may outlive it (teardown can abort gloo)
+        del p, tracker
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
-def test_all_reduce_gives_metrics_of_the_union():
+def test_all_reduce_gives_metrics_of_the_union(tmp_path):
     import torch.multiprocessing as mp
 
     logits = 3 * randn(10, 17, seed=50)
     router = [randn(12, 5, seed=51), randn(12, 5, seed=52) * 4]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_dist_worker, args=(r, 2, port, logits, router, queue)) for r in range(2)]
+    rendezvous = str(tmp_path / "rendezvous")
+    procs = [ctx.Process(target=_dist_worker, args=(r, 2, rendezvous, logits, router, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in procs]

@@ -273,6 +273,8 @@ def _worker(rank, world, rendezvous, cases):
                 sharded = _check_case(case, family, recipe, costs, rank)
                 if case == "fsdp+tp" and recipe == recipes[0][0]:
                     _check_placements_seen(sharded)
+                del sharded
+        # no tensor that refers to the group may outlive it (teardown can abort gloo)
         gc.collect()
         dist.barrier()
     finally:
