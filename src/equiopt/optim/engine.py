@@ -28,7 +28,7 @@ from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, prec
                     shape_factor, validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
 from .costs import prefers_row_gather, resolve_cost_model
-from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, plan, reducers
+from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
@@ -559,7 +559,17 @@ class EquivariantOptimizer(Optimizer):
         """Maps of split parameters that need whole work matrices, spread over the ranks that
         hold their pieces: each parameter is mapped on one owner rank (:mod:`.owners`), which
         receives the blocks in one all-to-all and returns the update's blocks in another."""
-        for batch in owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype) for t in tasks]):
+        units = []  # one per owner task: a whole parameter, or one expert of a stack
+        for t in tasks:
+            start = t.sharding.block[0][0]
+            for lead in owner_units(t.sharding, t.layout, t.sharding.block):
+                if lead is None:
+                    units.append((t, None))
+                else:
+                    units.append((t._replace(param=t.param.narrow(0, lead[0] - start, 1),
+                                             direction=t.direction.narrow(0, lead[0] - start, 1)), lead))
+        tasks = [t for t, _ in units]
+        for batch in owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]):
             members = [tasks[i] for i in batch.members]
             pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
             whole = to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg)

@@ -26,7 +26,7 @@ import torch
 from ..distributed.placements import Sharding
 from .costs import map_flops, reduce_bytes
 from .rules import map_key
-from .sharded import group_ranks, owner_batches
+from .sharded import group_ranks, owner_batches, owner_units
 
 __all__ = ["ParamPlan", "StepPlan", "plan_step"]
 
@@ -155,8 +155,12 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     flops = sum(map_flops(key, w, gshape[-2]) for w in layout.work_shapes(shape))
                     add(name, sent, flops + ELEMENTWISE_FLOPS * numel, state)
                 else:
-                    owner_tasks.append((s, how, layout, dtype))
-                    owner_info.append((name, key, numel, item, state))
+                    units = owner_units(s, layout, block)
+                    for k, lead in enumerate(units):
+                        part = numel if lead is None else numel // max(block[0][1] - block[0][0], 1)
+                        owner_tasks.append((s, how, layout, dtype, lead))
+                        owner_info.append((name, key, part, item, state if k == 0 else 0))
+        owned: dict[str, list[int]] = {}  # per parameter: the sum over its owner tasks
         for batch in owner_batches(owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache):
             for k, i in enumerate(batch.members):
                 name, key, numel, item, state = owner_info[i]
@@ -167,7 +171,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     whole = tuple(b - a for a, b in joint)
                     sent += math.prod(whole) * item
                     flops += sum(map_flops(key, w) for w in owner_tasks[i][2].work_shapes(whole))
-                add(name, sent, flops, state)
+                row = owned.setdefault(name, [0, 0, 0])
+                row[0], row[1], row[2] = row[0] + sent, row[1] + flops, row[2] + state
+        for name, (sent, flops, state) in owned.items():
+            add(name, sent, flops, state)
         totals[0] += flag_bytes
         flag_max = max(flag_max, flag_bytes)
         per_rank[rank] = tuple(totals)

@@ -39,7 +39,8 @@ from .costs import CostModel, prefers_reduce
 from .owners import assign, joint_block, map_cost
 from .rules import reducible
 
-__all__ = ["local", "ShardSum", "Plan", "plan", "global_flags", "LOCAL", "OwnerBatch", "owner_batches", "group_ranks"]
+__all__ = ["local", "ShardSum", "Plan", "plan", "global_flags", "LOCAL", "OwnerBatch", "owner_batches", "owner_units",
+           "group_ranks"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -225,15 +226,34 @@ class OwnerBatch(NamedTuple):
     owners: list[int]
 
 
+def owner_units(sharding: Sharding, layout: Layout, block: tuple) -> list:
+    """The owner tasks of one parameter whose rank holds ``block``: ``[None]`` (the whole
+    parameter), or one ``(start, stop)`` of dimension 0 per leading index when that
+    dimension only batches work matrices (expert stacks, batched heads): each expert is
+    then mapped on its own owner, so a stack's work spreads over the group like separate
+    matrices'. The ranks of an owner group hold the same leading range (a split of it
+    would be a batch split, outside the group)."""
+    if len(sharding.shape) < 3 or _dim_roles(layout, len(sharding.shape))[0] != "batch":
+        return [None]
+    return [(e, e + 1) for e in range(*block[0])]
+
+
 def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = None) -> list[OwnerBatch]:
-    """Batches of ``(sharding, plan, layout, dtype)`` owner tasks, in the order the step
-    runs them, with each task's owner (longest map first to the least-loaded rank, from
-    global shapes only). ``coordinate_of(sharding)`` is the rank's coordinate on that
-    sharding's mesh (default: this rank's); the planner passes any rank's, and a
-    ``cache`` shared by the ranks of one group (their batches differ only in ``me``)."""
+    """Batches of ``(sharding, plan, layout, dtype, lead)`` owner tasks, in the order the
+    step runs them, with each task's owner (longest map first to the least-loaded rank,
+    from global shapes only); ``lead`` is the task's range of dimension 0 (None: all of
+    the rank's block, see :func:`owner_units`). ``coordinate_of(sharding)`` is the rank's
+    coordinate on that sharding's mesh (default: this rank's); the planner passes any
+    rank's, and a ``cache`` shared by the ranks of one group (their batches differ only in
+    ``me``)."""
     where = coordinate_of or (lambda s: s.coordinate)
+
+    def block(task, c):
+        b = task[0].block_at(c)
+        return b if task[4] is None else (task[4],) + b[1:]
+
     batches: dict[tuple, list[int]] = {}
-    for i, (sharding, how, _, dtype) in enumerate(tasks):
+    for i, (sharding, how, _, dtype, _) in enumerate(tasks):
         batches.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
     out = []
     for signature, members in batches.items():
@@ -244,8 +264,8 @@ def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = N
             # the tasks of one group may sit on different meshes over the same ranks (a dense
             # parameter on the dp_shard sub-mesh, an expert stack on the whole mesh): each
             # task's members in its own coordinates, in the group's (increasing rank) order
-            blocks = [[tasks[i][0].block_at(c) for c in group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]),
-                                                                           tasks[i][1].axes)] for i in members]
+            blocks = [[block(tasks[i], c) for c in group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]),
+                                                                      tasks[i][1].axes)] for i in members]
             joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
             costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
             found = (blocks, assign(costs, len(coords)))
