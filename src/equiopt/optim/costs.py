@@ -147,17 +147,32 @@ def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, 
     return t_reduce <= t_owner
 
 
-def prefers_row_gather(costs: CostModel, key: tuple, shape: tuple, replicas: int) -> bool:
-    """For a Gram map of a matrix every one of ``replicas`` ranks holds whole (DDP): whether
-    to map each rank's slice of rows completely and all-gather the update rows (``m d``
-    bytes, all the map's products divided) rather than divide only the Gram (``d x d``
-    sums; the product with ``R`` and the inverse square root on every rank)."""
-    if costs.prefer != "cheaper" or replicas < 2:
-        return False
+def replica_division(costs: CostModel, key: tuple, shape: tuple, replicas: int) -> str:
+    """How ``replicas`` ranks that each hold a whole matrix (DDP) divide its Gram map:
+    ``"gram"`` (each sums the Gram of a slice of the rows; ``d x d`` sums all-reduced; the
+    product with ``R`` and the inverse square root on every rank), ``"rows"`` (each maps
+    its rows completely; the update rows all-gathered, ``m d`` bytes) or ``"owner"`` (one
+    rank maps it and broadcasts the update, ``m d`` bytes, everything divided over the
+    matrices): the cheapest per rank under ``costs``. A vocabulary's Gram dominates
+    its map and the Gram wins; a SwiGLU matrix's ``d x d`` inverse square root costs as
+    much as its products and an owner wins unless bandwidth is scarce. Matrices over
+    ``owner_max_bytes`` never go to an owner."""
+    if costs.prefer == "reduce" or replicas < 2:
+        return "gram"
     *lead, m, d = shape
     batch = math.prod(lead)
     flops = map_flops(key, tuple(shape))
     gram = 2 * batch * m * d * min(m, d)
-    t_gram = (flops - gram * (1 - 1 / replicas)) / costs.flops
-    t_rows = 4 * batch * m * d * (replicas - 1) / replicas / costs.bandwidth + flops / replicas / costs.flops
-    return t_rows < t_gram
+    inverse = batch * int(key[6]) * 6 * min(m, d) ** 3  # the d x d inverse square root, on every rank but for owners
+    update = 4 * batch * m * d * (replicas - 1) / replicas / costs.bandwidth
+    sums = 2 * (replicas - 1) / replicas * 4 * batch * d * d / costs.bandwidth
+    times = {
+        "gram": sums + (flops - gram * (1 - 1 / replicas)) / costs.flops,
+        "rows": sums + update + ((flops - inverse) / replicas + inverse) / costs.flops,
+        "owner": update + flops / replicas / costs.flops,
+    }
+    if 4 * batch * m * d > costs.owner_max_bytes:  # a vocabulary is never mapped whole on one rank
+        del times["owner"]
+    if costs.prefer == "owner" and "owner" in times:
+        return "owner"
+    return min(times, key=lambda k: times[k])

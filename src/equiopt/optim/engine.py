@@ -27,7 +27,7 @@ from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanit
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
                     shape_factor, validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
-from .costs import prefers_row_gather, resolve_cost_model
+from .costs import replica_division, resolve_cost_model
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan, reducers
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
@@ -121,13 +121,15 @@ class EquivariantOptimizer(Optimizer):
     - ``names``: parameter names for messages (one per parameter).
 
     ``divide_work``: a process group over which the plain (non-DTensor) parameters are
-    replicated, as under DDP, or ``True`` for the default group: Gram maps (right Gram
-    one-sided and hybrid) are divided by rows (each rank sums its slice of the rows, the
-    ``d x d`` sums are all-reduced, every rank finishes the map on all rows); the other
-    matrix-product maps (spectral, left Grams) run on one rank each, chosen to balance
-    the work, and their updates are broadcast. Per-rank work falls with the world size
-    and the weights stay identical on every rank. Row-norm and element-wise rules, which
-    cost less than sending their results, run on every rank.
+    replicated, as under DDP, or ``True`` for the default group. Each Gram map (right
+    Gram one-sided and hybrid) is divided as the cost model finds cheapest
+    (:func:`~.costs.replica_division`): by slices of rows for the Gram (``d x d`` sums
+    all-reduced, every rank finishes on all rows), by rows completely (update rows
+    all-gathered) or on an owner; the other matrix-product maps (spectral, left Grams)
+    run on one rank each, chosen to balance the work, and their updates are broadcast.
+    Per-rank work falls with the world size and the weights stay identical on every rank.
+    Row-norm and element-wise rules, which cost less than sending their results, run on
+    every rank.
     :func:`equiopt.build_optimizer` sets it from a DDP-wrapped model.
 
     A group with ``center`` stores the momentum of the matrices it maps whole on this rank
@@ -493,15 +495,18 @@ class EquivariantOptimizer(Optimizer):
         global_shapes = layout.work_shapes(sharding.shape)
         sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
         divide = self._replicas is not None and sharding.kind == "local" and key[0] in DIVIDED_RULES
+        division = None
         if divide and reducible(key, *global_shapes[0][-2:]) and len(global_shapes) == 1:
-            # a Gram map of a replicated matrix: each replica sums a slice of the rows, the
-            # d x d sums are all-reduced, every replica finishes the map on all rows
             import torch.distributed as dist
 
             part = (dist.get_rank(self._replicas), dist.get_world_size(self._replicas))
+            division = replica_division(resolve_cost_model(self.cost_model, p.device.type), key, global_shapes[0],
+                                        part[1])
+        if division in ("gram", "rows"):
+            # a Gram map of a replicated matrix: each replica sums a slice of the rows, the
+            # d x d sums are all-reduced, every replica finishes the map on all rows
             sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part), None), False
-            costs = resolve_cost_model(self.cost_model, p.device.type)
-            if prefers_row_gather(costs, key, global_shapes[0], part[1]):
+            if division == "rows":
                 # cheaper still: each replica maps its rows completely, the update rows are gathered
                 buckets[(key, tuple(global_shapes[0][-2:]), "rows", id(self._replicas))].append(
                     (layout.to_work_list(direction)[0], self._work_views(p, layout)[0],
