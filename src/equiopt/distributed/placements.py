@@ -92,12 +92,17 @@ class Sharding:
     @property
     def is_sharded(self) -> bool:
         """Whether some mesh dimension of size > 1 splits the tensor."""
-        return any(self.mesh_shape[a] > 1 for a in self.sharded_axes)
+        return bool(self.split_axes)
 
     @property
     def sharded_axes(self) -> tuple[int, ...]:
         """Mesh dimensions that split some tensor dimension."""
         return tuple(a for a, d in enumerate(self.dims) if d is not None)
+
+    @property
+    def split_axes(self) -> tuple[int, ...]:
+        """The sharded mesh dimensions of size > 1: the ranks that hold different pieces."""
+        return tuple(a for a in self.sharded_axes if self.mesh_shape[a] > 1)
 
     @property
     def replicate_axes(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ matrix larger than ``owner_max_bytes`` (a vocabulary) off owners.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -147,6 +148,7 @@ def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, 
     return t_reduce <= t_owner
 
 
+@functools.lru_cache(maxsize=4096)  # asked every step for every replicated Gram map
 def replica_division(costs: CostModel, key: tuple, shape: tuple, replicas: int) -> str:
     """How ``replicas`` ranks that each hold a whole matrix (DDP) divide its Gram map:
     ``"gram"`` (each sums the Gram of a slice of the rows; ``d x d`` sums all-reduced; the

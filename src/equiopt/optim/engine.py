@@ -195,6 +195,7 @@ class EquivariantOptimizer(Optimizer):
         self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
         self._shardings: dict[int, Sharding] = {}
+        self._plans: dict[tuple, Plan] = {}
         defaults = dict(
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
@@ -447,12 +448,19 @@ class EquivariantOptimizer(Optimizer):
             found = self._shardings[id(p)] = describe_sharding(p)
         return found
 
-    def plan_of(self, group: dict, layout: Layout, sharding: Sharding) -> Plan:
-        """The :class:`~.sharded.Plan` of a parameter of ``group`` (the step's own decision)."""
+    def plan_of(self, group: dict, layout: Layout, sharding: Sharding, key: tuple | None = None) -> Plan:
+        """The :class:`~.sharded.Plan` of a parameter of ``group`` (the step's own decision;
+        ``key``: the group's :func:`map_key`, when the caller has it). Made once per
+        parameter, map settings and layout: the step asks for it every time."""
         if sharding.kind != "sharded":
             return LOCAL
-        device = "cuda" if getattr(sharding.mesh, "device_type", "cpu") == "cuda" else "cpu"
-        return plan(map_key(group), layout, sharding, resolve_cost_model(self.cost_model, device))
+        key = map_key(group) if key is None else key
+        cache_key = (id(sharding), key, layout, self.cost_model)
+        found = self._plans.get(cache_key)
+        if found is None:
+            device = "cuda" if getattr(sharding.mesh, "device_type", "cpu") == "cuda" else "cpu"
+            found = self._plans[cache_key] = plan(key, layout, sharding, resolve_cost_model(self.cost_model, device))
+        return found
 
     @staticmethod
     def _make_groups(how: Plan, sharding: Sharding) -> None:
@@ -460,8 +468,8 @@ class EquivariantOptimizer(Optimizer):
         a parameter's step will use (products of mesh axes are made by a collective call)."""
         if sharding.kind != "sharded" or not sharding.is_sharded:
             return
-        mesh_group(sharding.mesh, [a for a in sharding.sharded_axes if sharding.mesh_shape[a] > 1])
-        for axes in ((how.rows + how.replicas, how.cols) if how.how == "reduce" else (how.axes,)):
+        mesh_group(sharding.mesh, sharding.split_axes)
+        for axes in ((how.row_sum_axes, how.cols) if how.how == "reduce" else (how.axes,)):
             if axes:
                 mesh_group(sharding.mesh, axes)
 
@@ -479,7 +487,7 @@ class EquivariantOptimizer(Optimizer):
         sharding = self._sharding(p)
         layout = group["layouts"][j]
         key = map_key(group)
-        how = self.plan_of(group, layout, sharding) if sharding.kind == "sharded" else LOCAL
+        how = self.plan_of(group, layout, sharding, key) if sharding.kind == "sharded" else LOCAL
         if group["lazy"]:
             direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
         p = local(p)

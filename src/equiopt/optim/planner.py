@@ -127,7 +127,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             for _, _, _, _, s, _ in members:
                 c = coordinate(s, rank)
                 if s.kind == "sharded" and s.is_sharded and c is not None:
-                    flag_groups.add(group_ranks(s, [a for a in s.sharded_axes if s.mesh_shape[a] > 1], c))
+                    flag_groups.add(group_ranks(s, s.split_axes, c))
             flag_bytes += 4 * len(members) * len(flag_groups)
             for _, name, p, layout, s, how in members:
                 c = coordinate(s, rank)

@@ -91,6 +91,11 @@ class Plan(NamedTuple):
     def axes(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.rows) | set(self.cols)))
 
+    @property
+    def row_sum_axes(self) -> tuple[int, ...]:
+        """The axes a ``"reduce"`` plan's sums over rows run over: the cutting and replica axes."""
+        return self.rows + self.replicas
+
 
 LOCAL = Plan("local")
 
@@ -169,7 +174,7 @@ def reducers(how: Plan, sharding: Sharding, work_shape) -> tuple:
         for a, size in zip(how.replicas, sizes):
             index = index * size + sharding.coordinate[a]
         part = (index, math.prod(sizes))
-    rows = ShardSum(mesh_group(sharding.mesh, how.rows + how.replicas), m, part) if how.rows else None
+    rows = ShardSum(mesh_group(sharding.mesh, how.row_sum_axes), m, part) if how.rows else None
     cols = ShardSum(mesh_group(sharding.mesh, how.cols), n) if how.cols else None
     return rows, cols
 
@@ -182,8 +187,7 @@ def global_flags(flags: torch.Tensor, shardings: list[Sharding]) -> torch.Tensor
     groups: dict[int, tuple] = {}
     for k, s in enumerate(shardings):
         if s.kind == "sharded" and s.is_sharded:
-            axes = [a for a in s.sharded_axes if s.mesh_shape[a] > 1]
-            groups.setdefault(group_ranks(s, axes), (mesh_group(s.mesh, axes), []))[1].append(k)
+            groups.setdefault(group_ranks(s, s.split_axes), (mesh_group(s.mesh, s.split_axes), []))[1].append(k)
     for pg, members in groups.values():
         mask = torch.zeros(len(shardings), dtype=torch.bool, device=flags.device)
         mask[members] = True
