@@ -16,37 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from map_work import check_work_divided, counting_map_work
+from sharded_steps import global_grads, give_grads, in_quotient, rel
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 FAMILIES = ("qwen3", "gemma3", "olmoe", "gpt_oss")
 EXACT = {"*": {"method": "exact"}}
 STEPS = 2
-
-
-def _grads(model, step):
-    """A global gradient for every parameter, equal on every rank (seeded by step)."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    out = {}
-    for name, p in model.named_parameters():
-        g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        if name.endswith("embed_tokens.weight"):
-            g[::3] = 0  # tokens absent from the batch: zero rows
-        out[name] = g
-    return out
-
-
-def _set_grads(model, grads):
-    from equiopt.distributed import describe_sharding
-    from torch.distributed.tensor import DTensor
-
-    for name, p in model.named_parameters():
-        g = grads[name]
-        s = describe_sharding(p, name)
-        if s.kind == "local":
-            p.grad = g.clone()
-            continue
-        p.grad = DTensor.from_local(g[s.local_slices()].clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
 def _pair(family, recipe, world, overrides, **model_kw):
@@ -59,22 +35,6 @@ def _pair(family, recipe, world, overrides, **model_kw):
     opt_ref, _ = equiopt.build_optimizer(ref, recipe, overrides=overrides)
     opt, _ = equiopt.build_optimizer(sharded, recipe, overrides=overrides)
     return ref, sharded, opt_ref, opt
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _in_quotient(t, opt, param):
-    """``t`` with every work matrix centred when ``param``'s group has a centred map: such a
-    map sees only ``Pi M``, and a step that maps the whole matrix locally stores ``Pi M``."""
-    for group in opt.param_groups:
-        for j, q in enumerate(group["params"]):
-            if q is param and group["center"] and group["rule"] != "spectral":
-                t = t.clone()
-                for w in group["layouts"][j].to_work_list(t):
-                    w.sub_(w.mean(dim=-2, keepdim=True))
-    return t
 
 
 def _check_equal_steps(world):
@@ -91,17 +51,14 @@ def _check_equal_steps(world):
     for family, recipe, overrides in cases:
         ref, sharded, opt_ref, opt = _pair(family, recipe, world, overrides)
         for step in range(STEPS):
-            grads = _grads(ref, step)
-            for name, p in ref.named_parameters():
-                p.grad = grads[name].clone()
-            _set_grads(sharded, grads)
+            give_grads(global_grads(ref, step, seed=1000), ref, sharded)
             opt_ref.step()
             opt.step()
         want = dict(ref.named_parameters())
         for name, p in sharded.named_parameters():
             assert isinstance(p, DTensor), name
             got = p.full_tensor()
-            err = _rel(got, want[name].detach())
+            err = rel(got, want[name].detach())
             assert err <= 1e-5, f"{recipe} {overrides} world {world}: {name} differs by {err:.2e}"
             # optimizer state stays a DTensor like its parameter (DCP saves and reshards it)
             for key, value in opt.state[p].items():
@@ -109,8 +66,8 @@ def _check_equal_steps(world):
                     assert isinstance(value, DTensor) and value.placements == p.placements, (name, key)
                     mine, theirs = value.full_tensor(), opt_ref.state[want[name]][key]
                     if key == "momentum_buffer":
-                        mine, theirs = _in_quotient(mine, opt_ref, want[name]), _in_quotient(theirs, opt_ref, want[name])
-                    assert _rel(mine, theirs) <= 1e-5, (recipe, name, key)
+                        mine, theirs = in_quotient(mine, opt_ref, want[name]), in_quotient(theirs, opt_ref, want[name])
+                    assert rel(mine, theirs) <= 1e-5, (recipe, name, key)
 
 
 def _check_communication(world):
@@ -121,7 +78,7 @@ def _check_communication(world):
     totals = {}
     for recipe in ("paper:qwen3:a-i", "paper:qwen3:b-ii"):
         ref, sharded, opt_ref, opt = _pair("qwen3", recipe, world, EXACT, vocab_size=vocab, hidden_size=d)
-        _set_grads(sharded, _grads(ref, 0))
+        give_grads(global_grads(ref, 0, seed=1000), sharded)
         with record_collectives() as log:
             opt.step()
         assert all(r.bytes < vocab_bytes / world for r in log), [(r.op, r.shape) for r in log if r.bytes >= vocab_bytes / world]
@@ -159,7 +116,7 @@ def _check_communication(world):
         ref = torch.nn.Parameter(base.clone())
         ref.grad = grad.clone()
         EquivariantOptimizer([ref], lr=0.1, rule=rule, center=center, method="exact").step()
-        assert _rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, center)
+        assert rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, center)
     # the scale-transferable size (its soft row count is a sum over rows too), every hybrid order
     for rule, order, center in (("right", "row_then_right", True), ("hybrid", "row_then_right", True),
                                 ("hybrid", "right_then_row", False), ("hybrid", "right_then_row", True)):
@@ -170,7 +127,7 @@ def _check_communication(world):
         ref = torch.nn.Parameter(base.clone())
         ref.grad = grad.clone()
         EquivariantOptimizer([ref], **kw).step()
-        assert _rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, order, center)
+        assert rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, order, center)
     # lazy rows (an embedding's sparse gradient): masked on each shard, on the reduce path
     # (hybrid, right Gram) and on the owner path (spectral: the rows sent are masked)
     sparse = grad * (torch.rand(m, generator=torch.Generator().manual_seed(5)) < 0.3)[:, None]
@@ -182,7 +139,7 @@ def _check_communication(world):
         ref.grad = sparse.clone()
         EquivariantOptimizer([ref], lr=0.1, lazy=True, **kw).step()
         got = w.full_tensor()
-        assert _rel(got, ref.detach()) <= 1e-5, kw
+        assert rel(got, ref.detach()) <= 1e-5, kw
         unseen = sparse.abs().sum(dim=1) == 0
         assert torch.equal(got[unseen], base[unseen]), kw
     # a layout whose work rows are cut by the shards: the local gradient cannot tell, say so
@@ -224,7 +181,7 @@ def _check_owner_based(world):
         ref = torch.nn.Parameter(b.clone())
         ref.grad = g.clone()
         EquivariantOptimizer([ref], **kw).step()
-        assert _rel(p.full_tensor(), ref.detach()) <= 1e-5
+        assert rel(p.full_tensor(), ref.detach()) <= 1e-5
 
 
 def _worker(rank, world, rendezvous, results):

@@ -20,47 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from sharded_steps import global_grads, give_grads, in_quotient, rel
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 FLOAT32 = {"*": {"polar_dtype": "float32"}}
 STEPS = 2
 WORLD = 4
-
-
-def _grads(model, step):
-    gen = torch.Generator().manual_seed(2000 + step)
-    out = {}
-    for name, p in model.named_parameters():
-        g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        if name.endswith("embed_tokens.weight"):
-            g[::3] = 0
-        out[name] = g
-    return out
-
-
-def _set_grads(model, grads):
-    """Each DTensor's gradient distributed like its parameter, by torch."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for name, p in model.named_parameters():
-        g = grads[name].clone()
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _centred(t, opt, param):
-    """``t`` in the quotient when ``param``'s group has a centred map (see test_fsdp2_step)."""
-    for group in opt.param_groups:
-        for j, q in enumerate(group["params"]):
-            if q is param and group["center"] and group["rule"] != "spectral":
-                t = t.clone()
-                for w in group["layouts"][j].to_work_list(t):
-                    w.sub_(w.mean(dim=-2, keepdim=True))
-    return t
 
 
 def _tensor_parallel(model, tp_mesh):
@@ -154,10 +120,7 @@ def _check_case(case, family, recipe, costs, rank):
     opt, _ = equiopt.build_optimizer(sharded, recipe, overrides=FLOAT32, cost_model=costs)
     vocab_bytes = ref.get_input_embeddings().weight.numel() * 4
     for step in range(STEPS):
-        grads = _grads(ref, step)
-        for name, p in ref.named_parameters():
-            p.grad = grads[name].clone()
-        _set_grads(sharded, grads)
+        give_grads(global_grads(ref, step, seed=2000), ref, sharded)
         opt_ref.step()
         planned = plan_step(opt, ranks=[rank]).per_rank[rank][0]
         with record_collectives() as log:
@@ -181,15 +144,15 @@ def _check_case(case, family, recipe, costs, rank):
     want = dict(ref.named_parameters())
     for name, p in sharded.named_parameters():
         got = p.full_tensor() if isinstance(p, DTensor) else p
-        err = _rel(got.detach(), want[name].detach())
+        err = rel(got.detach(), want[name].detach())
         assert err <= 1e-5, f"{case} {recipe}: {name} {getattr(p, 'placements', '')} differs by {err:.2e}"
         for key, value in opt.state[p].items():
             if value.ndim:
                 mine = value.full_tensor() if isinstance(value, DTensor) else value
                 theirs = opt_ref.state[want[name]][key]
                 if key == "momentum_buffer":
-                    mine, theirs = _centred(mine, opt_ref, want[name]), _centred(theirs, opt_ref, want[name])
-                assert _rel(mine, theirs) <= 1e-5, (case, recipe, name, key)
+                    mine, theirs = in_quotient(mine, opt_ref, want[name]), in_quotient(theirs, opt_ref, want[name])
+                assert rel(mine, theirs) <= 1e-5, (case, recipe, name, key)
     return sharded
 
 
@@ -233,10 +196,7 @@ def _check_reshard(rank, directory):
     first = _layouts("fsdp+tp", ref)
     opt_ref, _ = equiopt.build_optimizer(ref, recipe, overrides=FLOAT32)
     opt, _ = equiopt.build_optimizer(first, recipe, overrides=FLOAT32)
-    grads = _grads(ref, 0)
-    for name, p in ref.named_parameters():
-        p.grad = grads[name].clone()
-    _set_grads(first, grads)
+    give_grads(global_grads(ref, 0, seed=2000), ref, first)
     opt_ref.step()
     opt.step()
     model_sd, optim_sd = get_state_dict(first, opt)
@@ -248,16 +208,13 @@ def _check_reshard(rank, directory):
     assert load_checkpoint(directory, tensors) is not None
     set_state_dict(second, opt2, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": optim_sd["param_groups"]})
-    grads = _grads(ref, 1)
-    for name, p in ref.named_parameters():
-        p.grad = grads[name].clone()
-    _set_grads(second, grads)
+    give_grads(global_grads(ref, 1, seed=2000), ref, second)
     opt_ref.step()
     opt2.step()
     want = dict(ref.named_parameters())
     for name, p in second.named_parameters():
         assert isinstance(p, DTensor) and len(p.placements) == 1, (name, p.placements)
-        err = _rel(p.full_tensor(), want[name].detach())
+        err = rel(p.full_tensor(), want[name].detach())
         assert err <= 1e-5, f"after resharding 2 x 2 -> 4: {name} differs by {err:.2e}"
 
 
