@@ -487,7 +487,7 @@ class EquivariantOptimizer(Optimizer):
         sharding = self._sharding(p)
         layout = group["layouts"][j]
         key = map_key(group)
-        how = self.plan_of(group, layout, sharding, key) if sharding.kind == "sharded" else LOCAL
+        how = self.plan_of(group, layout, sharding, key)
         if group["lazy"]:
             direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
         p = local(p)
