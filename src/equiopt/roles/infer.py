@@ -43,6 +43,19 @@ _MLP_IN_NAMES = {"gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_f
                  "up", "gate", "w12"}
 
 
+def _mla_dims(block: nn.Module) -> tuple[int, int, int, int, int | None] | None:
+    """``(heads, qk_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank)`` of a multi-head
+    latent attention block (DeepSeek V2/V3 in torchtitan and transformers), else None."""
+    qk, v = _positive_int(getattr(block, "qk_head_dim", None)), _positive_int(getattr(block, "v_head_dim", None))
+    heads = next((h for n in ("n_heads", "num_heads", "num_attention_heads")
+                  if (h := _positive_int(getattr(block, n, None)))), None)
+    if qk is None or v is None or heads is None:
+        return None
+    rope = _positive_int(getattr(block, "qk_rope_head_dim", None)) or 0
+    nope = _positive_int(getattr(block, "qk_nope_head_dim", None)) or qk - rope
+    return heads, qk, nope, v, _positive_int(getattr(block, "kv_lora_rank", None))
+
+
 class RoleInferenceError(ValueError):
     """A parameter whose role or storage convention cannot be determined."""
 
@@ -209,6 +222,23 @@ def _storage(module: nn.Module, attr: str) -> str:
 
 def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
+
+
+# A tensor named by its axes (torchtitan's ``w1_EFD``, ``w2_EDF``, ``mlp1_weight_EGD``,
+# ``mlp1_bias_EG``): one capital letter per dimension; E = experts, D = model width,
+# F = FFN width, G = fused gate/up (2 F).
+_AXES_SUFFIX = re.compile(r"_([A-Z]+)$")
+
+
+def _axes(attr: str, ndim: int) -> str | None:
+    """The axis letters a parameter's name ends with, when there is one per dimension."""
+    m = _AXES_SUFFIX.search(attr)
+    return m.group(1) if m is not None and len(m.group(1)) == ndim else None
+
+
+def _is_bias(attr: str) -> bool:
+    """``bias``, ``q_bias``, or an axis-named bias such as ``mlp1_bias_EG``."""
+    return attr.endswith("bias") or bool(re.search(r"(^|_)bias_[A-Z]+$", attr))
 
 
 def _rule_table(rules) -> list[tuple[re.Pattern, str, Any]]:
@@ -438,8 +468,8 @@ class _Context:
         name = f"{mod_name}.{attr}" if mod_name else attr
         shape = tuple(p.shape)
         self.dims = self.dims_at(mod_name)
-        if want is None and (p.ndim < 2 or attr.endswith("bias")):
-            kind = "bias" if attr.endswith("bias") else ("scalar" if p.ndim == 0 else "1-D")
+        if want is None and (p.ndim < 2 or _is_bias(attr)):
+            kind = "bias" if _is_bias(attr) else ("scalar" if p.ndim == 0 else "1-D")
             return "vector", None, f"{kind} parameter: element-wise rule"
         emb = self.embeddings.get(id(p))
         if emb is not None and want in (None, "embedding"):
@@ -486,6 +516,9 @@ class _Context:
         where = type(block).__name__
         if not self.per_head:
             return "attention", Row(), f"{where} projection: whole matrix (per_head=False)"
+        mla = _mla_dims(block)
+        if mla is not None:
+            return self._mla(where, st, out, inp, mla)
         if hd is None:
             raise self._fail(
                 name, p.shape, f"no head size found for {where} (no head_dim / num_heads on the block, nor a config "
@@ -517,6 +550,26 @@ class _Context:
             layout = Heads(hd, "cols") if st == "out_in" else Heads(hd)
             return "attention", layout, f"{where} output projection ({inp} -> {out}): {heads} blocks of {hd} columns, one per head"
         return "attention", Row(), f"{where} projection ({inp} -> {out}) not split by heads: whole matrix"
+
+    def _mla(self, where, st, out, inp, mla):
+        """Multi-head latent attention (DeepSeek V2/V3): the query and the key/value
+        up-projections have a block of rows per head, the output projection a block of
+        columns per head; the latent down-projections have no head axis."""
+        heads, qk, nope, v, kv_rank = mla
+        rows = (lambda size: Heads(size)) if st != "in_out" else (lambda size: Heads(size, "cols"))
+        if out == heads * (nope + v) and (kv_rank is None or inp == kv_rank):
+            if nope == v:
+                return "attention", rows(v), (f"{where} key/value up-projection ({inp} -> {out}): {2 * heads} "
+                                              f"blocks of {v} rows, a key and a value block per head")
+            return "attention", rows(nope + v), (f"{where} key/value up-projection ({inp} -> {out}): {heads} "
+                                                 f"blocks of {nope + v} rows, one per head")
+        if out == heads * qk:
+            return "attention", rows(qk), f"{where} query projection ({inp} -> {out}): {heads} blocks of {qk} rows, one per head"
+        if inp == heads * v and out == self.dims.hidden:
+            layout = Heads(v, "cols") if st != "in_out" else Heads(v)
+            return "attention", layout, (f"{where} output projection ({inp} -> {out}): {heads} blocks of {v} "
+                                         "columns, one per head")
+        return "attention", Row(), f"{where} latent projection ({inp} -> {out}): no head axis, whole matrix"
 
     def _mlp(self, name, mod_name, module, attr, p, ctx, want):
         d = self.dims
@@ -579,7 +632,11 @@ class _Context:
         d = self.dims
         E, a, b = p.shape
         transposed = getattr(module, "is_transposed", None)
-        if transposed is None:
+        axes = _axes(attr, 3)
+        named = transposed is None and axes is not None and axes[0] == "E" and axes[1:].count("D") == 1
+        if named:  # axis-named stacks (w1_EFD, w2_EDF) are stored (experts, out, in), as nn.Linear stores a matrix
+            transposed = False
+        elif transposed is None:
             if b == d.hidden and a != d.hidden:
                 transposed = False
             elif a == d.hidden and b != d.hidden:
@@ -587,7 +644,9 @@ class _Context:
             else:
                 raise self._fail(name, p.shape, f"expert tensor in {type(module).__name__} with undeclared storage")
         out, inp = (b, a) if transposed else (a, b)
-        if out == d.hidden and inp == d.hidden:  # square experts: the tensor's name decides
+        if named:  # the axis that is the model width tells the side, whatever the sizes
+            side = "in" if axes[2] == "D" else "out"
+        elif out == d.hidden and inp == d.hidden:  # square experts: the tensor's name decides
             side = "out" if "down" in attr or attr.endswith(("w2", "wo")) else ("in" if "gate" in attr or "up" in attr else None)
             if side is None:
                 raise self._fail(name, p.shape, "square expert tensor: cannot tell input from output projection")
@@ -600,7 +659,7 @@ class _Context:
             return "mlp_out", Experts(inner), f"{E} experts' output projections ({inp} -> {out}): neurons x hidden each"
         gated = getattr(module, "has_gate", None)
         if gated is None:
-            gated = "gate" in attr
+            gated = "gate" in attr or (named and "G" in axes)
         if gated:
             concatenated = getattr(module, "is_concatenated", None)
             if concatenated is None:
