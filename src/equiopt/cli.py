@@ -15,6 +15,15 @@ def _load_model(spec: str):
     family, _, size = spec.partition(":")
     if family in models.FAMILIES:
         return models.build(family, size or "tiny", device="meta")
+    if family == "torchtitan":
+        try:
+            from .integrations.torchtitan import build_model
+        except ImportError as err:
+            raise SystemExit(f"equiopt: {spec!r} needs torchtitan (pip install 'equiopt[titan]'): {err}") from None
+        try:
+            return build_model(size, device="meta")
+        except ValueError as err:
+            raise SystemExit(f"equiopt: {err}") from None
     if ":" in spec:
         import importlib
 
@@ -22,7 +31,7 @@ def _load_model(spec: str):
         obj = getattr(importlib.import_module(module), attr)
         return obj() if callable(obj) else obj
     raise SystemExit(f"unknown model {spec!r}: use one of {', '.join(models.FAMILIES)} (optionally :SIZE), "
-                     "or module:attribute")
+                     "torchtitan:MODEL[:FLAVOR], or module:attribute")
 
 
 def _parse_sets(items: list[str]) -> dict:
@@ -106,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("table", help="final validation losses of run directories, mean and std over seeds",
                    add_help=False)
     roles = sub.add_parser("roles", help="print the role table of a model: name, shape, role, work shape, rule, lr")
-    roles.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (e.g. qwen3:paper, olmoe:tiny), or module:attribute of a "
-                                     "callable returning an nn.Module")
+    roles.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (e.g. qwen3:paper, olmoe:tiny), a torchtitan model "
+                                     "torchtitan:MODEL[:FLAVOR] (e.g. torchtitan:llama3:8B, torchtitan:deepseek_v3:16B), "
+                                     "or module:attribute of a callable returning an nn.Module")
     roles.add_argument("--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)")
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
     plan = sub.add_parser("plan", help="what an optimizer step sends and computes per rank on a device mesh of any size")
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         from .roles import assign_roles
 
         model = _load_model(args.model)
+        if args.model.startswith("torchtitan:"):  # with the conventions torchtitan's modules do not declare
+            from .integrations.torchtitan import role_table as assign_roles
         try:
             print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
         except (ValueError, TypeError) as err:  # RoleInferenceError, an unknown recipe, not a module

@@ -7,14 +7,17 @@ Each submodule imports its trainer library only when used, so equiopt needs none
   per-role schedules), or ``Trainer(..., optimizers=equiopt.build_optimizer(model, ...))``.
 - :mod:`equiopt.integrations.lightning`: ``configure_optimizers`` returns
   ``lightning.configure_optimizers(self, recipe=...)``.
+- :mod:`equiopt.integrations.torchtitan`: ``config.optimizer = torchtitan.equiopt_config(recipe=...)``
+  in a torchtitan ``Trainer.Config`` (a container that resolves the optimizer name
+  ``"equiopt"``; roles of torchtitan's Llama 3, Qwen3, DeepSeek V3 and gpt-oss models).
 - A plain loop (one process or ``torchrun`` with DDP / FSDP2) needs no adapter:
   ``optimizer, scheduler = equiopt.build_optimizer(ddp_model, recipe, total_steps)``;
   roles are those of the bare model, whatever wraps it.
 
-Runnable scripts for all three are in the repository's ``examples/`` folder.
+Runnable scripts for each are in the repository's ``examples/`` folder.
 """
 
-__all__ = ["hf", "lightning"]
+__all__ = ["hf", "lightning", "torchtitan"]
 
 
 def __getattr__(name):
