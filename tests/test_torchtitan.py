@@ -210,6 +210,23 @@ def test_pattern_groups_mix_with_torchtitans_own_optimizers():
     assert not any(n.endswith("norm.weight") for n in _names(container))
 
 
+def test_pipeline_stages_get_an_optimizer_each_with_their_own_roles():
+    """Model parts as pipeline parallelism cuts them (torchtitan sets the modules a stage
+    does not run to None): each part's factory call finds the roles in its own part."""
+    first, last = _plain("llama3"), _plain("llama3")
+    first.norm = first.lm_head = None
+    del first.layers["1"]
+    last.tok_embeddings = None
+    del last.layers["0"]
+    container = tt.equiopt_config().build(model_parts=[first, last])
+    assert len(container.optimizers) == 2
+    stage = [{n: g["role"] for g in o.param_groups for n in g["param_names"]} for o in container.optimizers]
+    assert stage[0]["tok_embeddings.weight"] == "embedding" and "lm_head.weight" not in stage[0]
+    assert stage[1]["lm_head.weight"] == "lm_head" and "tok_embeddings.weight" not in stage[1]
+    assert stage[1]["layers.1.feed_forward.w2.weight"] == "mlp_out"
+    assert set(stage[0]) | set(stage[1]) == {n for m in (first, last) for n, _ in m.named_parameters()}
+
+
 def test_steps_equal_build_optimizer_and_state_dict_round_trips():
     """The container steps exactly as equiopt.build_optimizer; its flat state dict (torchtitan's
     helpers) holds no per-parameter lists and loads into a fresh container, whose state is
