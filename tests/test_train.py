@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from equiopt.data.prepare import prepare
 from equiopt.data.tokenizers import train_bpe
 from equiopt.train import (
-    ConfigError, NonFiniteLossError, Trainer, from_dict, latest_checkpoint, load_checkpoint, read_checkpoint,
+    CheckpointError, CheckpointWarning, ConfigError, NonFiniteLossError, Trainer, from_dict, latest_checkpoint, load_checkpoint, read_checkpoint,
     save_checkpoint, train,
 )
 
@@ -103,19 +103,17 @@ def test_checkpoint_write_is_atomic_under_a_crash(tmp_path, monkeypatch):
     # the next save clears what the crashed ones left; keep=2 keeps the newest two
     for step in (4, 5):
         save_checkpoint(tmp_path, step, {"x": torch.full((3,), float(step)), "opt": {"m": torch.zeros(4)}}, {"step": step})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000002.partial", ".step_00000003.partial",
-                                                           "latest", "step_00000004", "step_00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000005"]
     assert read_checkpoint(tmp_path)["x"].tolist() == [5.0] * 3
-    # a damaged newest checkpoint (e.g. copied half-way by hand) is skipped
+    # a damaged newest checkpoint (e.g. copied half-way by hand) is skipped, with a warning
     (tmp_path / "step_00000005" / ".metadata").write_bytes(b"garbage")
     assert latest_checkpoint(tmp_path).name == "step_00000004"
-    assert load_checkpoint(tmp_path, template)[1]["step"] == 4 and template["x"].tolist() == [4.0] * 3
+    with pytest.warns(CheckpointWarning, match=r"step_00000005 is damaged: \.metadata is truncated \(7 of \d+ bytes\)"):
+        assert load_checkpoint(tmp_path, template)[1]["step"] == 4 and template["x"].tolist() == [4.0] * 3
 
 
 def test_checkpoints_unpickle_nothing_but_dcp_metadata(tmp_path):
     import pickle
-
-    from equiopt.train import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"'extra\.note' is a str, not a tensor"):
         save_checkpoint(tmp_path, 1, {"x": torch.ones(2), "extra": {"note": "hi"}})
@@ -125,10 +123,19 @@ def test_checkpoints_unpickle_nothing_but_dcp_metadata(tmp_path):
         def __reduce__(self):
             return (os.system, ("echo pwned",))
 
-    (tmp_path / "step_00000001" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    from equiopt.train.checkpoint import _hash_file, _write_manifest
+
+    ckpt = tmp_path / "step_00000001"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata is (truncated|damaged)"):  # the manifest sees it first
+        read_checkpoint(ckpt)
+    # one who rewrites the manifest as well still meets the restricted unpickler
+    _write_manifest(ckpt, {p.name: _hash_file(p) for p in ckpt.iterdir() if p.name != "manifest.json"})
     with pytest.raises(CheckpointError, match=r"refusing to unpickle"):
-        read_checkpoint(tmp_path / "step_00000001")
-    assert latest_checkpoint(tmp_path) is None and load_checkpoint(tmp_path, {"x": torch.empty(2)}) is None
+        read_checkpoint(ckpt)
+    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*step_00000001 is damaged.*refusing to unpickle"):
+        load_checkpoint(tmp_path, {"x": torch.empty(2)})
     # the single-file checkpoints of earlier versions are not silently ignored by a resume
     legacy = tmp_path / "legacy"
     legacy.mkdir()

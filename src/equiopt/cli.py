@@ -50,9 +50,10 @@ def _parse_sets(items: list[str]) -> dict:
     return out
 
 
-def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True) -> list[str]:
+def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True,
+                 resume_from: str | None = None) -> list[str]:
     from .roles import RoleInferenceError
-    from .train import load_config, train
+    from .train import CheckpointError, load_config, train
     from .train.config import ConfigError
 
     out_dirs = []
@@ -66,8 +67,8 @@ def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True)
             print(f"{cfg.out_path}: already done, skipped (use --force to retrain)")
         else:
             try:
-                train(cfg, resume=resume)
-            except (ConfigError, RoleInferenceError) as err:
+                train(cfg, resume=resume, resume_from=resume_from)
+            except (ConfigError, RoleInferenceError, CheckpointError) as err:
                 raise SystemExit(f"equiopt: {path}: {err}") from None
         out_dirs.append(str(cfg.out_path))
     import torch.distributed as dist
@@ -89,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     tr = sub.add_parser("train", help="train from a TOML config (single process or under torchrun)")
     tr.add_argument("config")
-    tr.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    resume = tr.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the run's newest intact checkpoint (a damaged newer one is skipped "
+                             "with a warning)")
+    resume.add_argument("--resume-from", default=None, metavar="DIR",
+                        help="continue from exactly this checkpoint directory (e.g. RUN/checkpoints/step_00001000); "
+                             "fails if it is damaged, naming the intact ones")
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
     cmp = sub.add_parser("compare", help="train several configs (or seeds) and print the final-loss table and figures")
     cmp.add_argument("configs", nargs="+")
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return data_main(rest) or 0
     elif args.command == "train":
-        _run_configs([args.config], _parse_sets(args.set), resume=args.resume)
+        _run_configs([args.config], _parse_sets(args.set), resume=args.resume, resume_from=args.resume_from)
     elif args.command == "compare":
         return _compare(args, argv)
     elif args.command == "plot":

@@ -1,4 +1,4 @@
-"""Distributed, atomic checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Distributed, atomic, self-verifying checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 A checkpoint is a directory ``DIR/step_00001000/`` holding
 
@@ -8,7 +8,9 @@ A checkpoint is a directory ``DIR/step_00001000/`` holding
   FSDP2): DCP reads whatever slices each loading rank needs;
 - ``checkpoint.json``: plain data (step, tokens, scheduler, data position, optimizer
   hyperparameters, config, the world size that wrote it);
-- ``rank_<r>.json``: per-rank plain data (RNG states), one file per writing rank.
+- ``rank_<r>.json``: per-rank plain data (RNG states), one file per writing rank;
+- ``manifest.json``: the name, size and SHA-256 of every other file of the checkpoint,
+  and a SHA-256 of that list itself.
 
 Nothing is unpickled on load beyond DCP's own metadata, which is read with an
 unpickler that accepts only DCP's metadata classes, ``torch.Size``, dtypes and paths;
@@ -17,13 +19,26 @@ tensors are read with ``weights_only=True`` and any pickled object entry is refu
 Atomicity: every rank writes into ``DIR/.step_00001000.partial/`` (files fsynced), then
 rank 0 fsyncs it, renames it to ``step_00001000`` and only then replaces the ``latest``
 pointer (itself written to a temporary file, fsynced and renamed). A crash at any
-moment leaves either the old checkpoint or the new one complete: readers ignore
-``.partial`` directories, follow ``latest`` and fall back to the newest complete
-checkpoint.
+moment leaves either the old checkpoint or the new one complete: readers ignore hidden
+(``.partial``) directories, and the next save removes what crashed saves left.
+
+Integrity: each rank hashes the files it wrote itself (its DCP data files and its
+``rank_<r>.json``), so no rank reads another's bytes; the hashes are gathered on rank 0,
+which adds ``.metadata``, ``checkpoint.json`` and any file no rank claimed and writes
+``manifest.json`` into the partial directory before the rename: the manifest is part of
+the atomic unit. Loading verifies the manifest first (under torch.distributed the ranks
+share the hashing, each a slice of the files, and agree on the result): a file that is
+missing, shorter or longer than written, or whose bytes changed makes the checkpoint
+*damaged*. :func:`load_checkpoint` on a run's checkpoint directory then falls back to the
+newest intact checkpoint with a :class:`CheckpointWarning` naming the damaged one; on one
+checkpoint directory it raises a :class:`CheckpointError` that says what is damaged and
+which checkpoints beside it are intact. Checkpoints of earlier versions (no manifest, and
+``checkpoint.json`` not naming one) load with the structural checks only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -39,15 +54,23 @@ import torch
 
 POINTER = "latest"
 META = "checkpoint.json"
+MANIFEST = "manifest.json"
 FORMAT = 1
+MANIFEST_FORMAT = 1
 _PREFIX = "step_"
+_CHUNK = 1 << 22
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "read_checkpoint", "atomic_write_bytes", "POINTER", "META"]
+__all__ = ["CheckpointError", "CheckpointWarning", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "list_checkpoints", "check_checkpoint", "read_checkpoint", "atomic_write_bytes", "POINTER", "META",
+           "MANIFEST"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read as asked; the message says which and why."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older intact one."""
 
 
 # ----------------------------------------------------------------------- files
@@ -107,17 +130,37 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_int(value: int) -> int:
-    """Rank 0's ``value`` on every rank (an int64 tensor on the backend's device)."""
+def _broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` (plain data) on every rank."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(t, src=0)
-    return int(t.item())
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_object(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` (plain data), in rank order, on rank 0; None on the other ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
+def _all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value`` (plain data), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 # ------------------------------------------------------------- safe DCP reading
@@ -197,6 +240,192 @@ def _quiet_single_process():
         yield
 
 
+def _writer(path: Path):
+    """DCP's file writer that records the files this rank wrote (for the manifest)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class RecordingFileSystemWriter(FileSystemWriter):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.written: list[str] = []
+
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+
+            def record(done) -> None:
+                try:
+                    results = done.value()
+                except BaseException:  # the save fails anyway; nothing to record
+                    return
+                for result in results:
+                    name = getattr(getattr(result, "storage_data", None), "relative_path", None)
+                    if isinstance(name, str) and name not in self.written:
+                        self.written.append(name)
+
+            future.add_done_callback(record)
+            return future
+
+    return RecordingFileSystemWriter(str(path), sync_files=True)
+
+
+def _dcp_failure(err: BaseException) -> str:
+    """One line per failed rank of DCP's ``CheckpointException`` (its message is a raw traceback)."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, Mapping) or not failures:
+        return f"{type(err).__name__}: {err}"
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        lines.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    return "; ".join(lines)
+
+
+def _inner_error(err: BaseException) -> CheckpointError | None:
+    """Our own :class:`CheckpointError` raised inside DCP (e.g. by the load planner), if any."""
+    for failure in (getattr(err, "failures", None) or {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, CheckpointError):
+            return exc
+    return None
+
+
+# ------------------------------------------------------------------ manifest
+def _hash_file(path: Path) -> dict[str, Any]:
+    """``{"size": bytes, "sha256": hex}`` of a file."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _files_digest(files: Mapping[str, Any]) -> str:
+    text = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_manifest(path: Path, files: Mapping[str, Any]) -> None:
+    files = {name: dict(files[name]) for name in sorted(files)}
+    _write_json(path / MANIFEST, {"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": files,
+                                  "digest": _files_digest(files)})
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """``(files, problems)`` of a checkpoint's manifest; ``files`` None when there is no
+    usable manifest (a checkpoint of an earlier version has none, and no problem then)."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        meta = None
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        if isinstance(meta, dict) and "manifest" not in meta:
+            return None, []  # written before checkpoints had manifests
+        return None, [f"{MANIFEST} is missing"]
+    except OSError as err:
+        return None, [f"{MANIFEST} cannot be read ({err.strerror or err})"]
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        ok = isinstance(files, dict) and manifest.get("digest") == _files_digest(files) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values())
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        return None, [f"{MANIFEST} is damaged (its own checksum does not match)"]
+    if int(manifest.get("format", 0)) > MANIFEST_FORMAT or manifest.get("algorithm") != "sha256":
+        return None, [f"{MANIFEST} has format {manifest.get('format')!r} ({manifest.get('algorithm')!r}), "
+                      f"newer than this equiopt reads"]
+    return files, []
+
+
+def _check_files(path: Path, files: Mapping[str, Any], names: list[str]) -> list[str]:
+    problems = []
+    for name in names:
+        want = files[name]
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if size < want["size"]:
+            problems.append(f"{name} is truncated ({size} of {want['size']} bytes)")
+        elif size > want["size"]:
+            problems.append(f"{name} has {size} bytes, {want['size']} were written")
+        elif _hash_file(path / name)["sha256"] != want["sha256"]:
+            problems.append(f"{name} is damaged (its SHA-256 differs from the one recorded at save time)")
+    return problems
+
+
+def _check_readable(path: Path, skip: set[str]) -> list[str]:
+    """Whether ``checkpoint.json`` parses and ``.metadata`` unpickles (safely)."""
+    problems = []
+    if META not in skip:
+        try:
+            json.loads((path / META).read_text())
+        except FileNotFoundError:
+            problems.append(f"{META} is missing")
+        except (OSError, ValueError) as err:
+            problems.append(f"{META} is unreadable ({err})")
+    if ".metadata" not in skip:
+        try:
+            _read_metadata(path)
+        except FileNotFoundError:
+            problems.append(".metadata is missing")
+        except CheckpointError as err:
+            problems.append(f".metadata: {err}")
+        except Exception as err:  # a damaged pickle raises whatever the bytes make it raise
+            problems.append(f".metadata is unreadable ({type(err).__name__}: {err})")
+    return problems
+
+
+def _problems(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with the checkpoint ``path`` (empty: intact). With ``share=(i, n)``
+    this process hashes only every n-th file from the i-th (the ranks split the work);
+    the manifest and the readability checks are done by share 0."""
+    index, count = share
+    if not path.is_dir():
+        return [f"{path} is not a directory"] if index == 0 else []
+    files, problems = _read_manifest(path)
+    if files is None:
+        if problems:
+            return problems if index == 0 else []
+        return _check_readable(path, set()) if index == 0 else []  # an earlier version's checkpoint
+    names = sorted(files)
+    problems = _check_files(path, files, names[index::count])
+    if index == 0:
+        for required in (META, ".metadata"):
+            if required not in files:
+                problems.append(f"{MANIFEST} does not list {required}")
+        problems += _check_readable(path, {p.split(" ", 1)[0] for p in problems})
+    return problems
+
+
+def _problems_everywhere(path: Path) -> list[str]:
+    """:func:`_problems` with the hashing shared by the ranks; every rank gets the union."""
+    rank, world, _ = _dist_state()
+    found = _all_gather_object(_problems(path, (rank, world)))
+    out: list[str] = []
+    for problems in found:
+        out.extend(p for p in problems if p not in out)
+    return out
+
+
+def check_checkpoint(path: str | Path) -> list[str]:
+    """What is damaged in the checkpoint directory ``path``: one line per problem (a file
+    missing, truncated, grown or changed since it was saved; an unreadable manifest,
+    ``checkpoint.json`` or ``.metadata``). Empty when the checkpoint is intact. Reads every
+    byte of the checkpoint in this process."""
+    return _problems(Path(path))
+
+
 # ------------------------------------------------------------------- listing
 def _step_of(path: Path) -> int | None:
     name = path.name
@@ -212,39 +441,79 @@ def _complete(path: Path) -> bool:
     return path.is_dir() and _step_of(path) is not None and (path / ".metadata").is_file() and (path / META).is_file()
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Complete checkpoints in ``directory``: the one ``latest`` names first, then newest first."""
-    directory = Path(directory)
+def _is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` names one checkpoint (rather than a directory of checkpoints)."""
+    return _step_of(path) is not None or any((path / name).exists() for name in (META, MANIFEST, ".metadata"))
+
+
+def _pointed(directory: Path) -> str | None:
+    try:
+        return (directory / POINTER).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _step_dirs(directory: Path) -> list[Path]:
+    """Every (visible) checkpoint directory, complete or not: the one ``latest`` names first, then newest first."""
     if not directory.is_dir():
         return []
-    found = sorted((p for p in directory.iterdir() if _complete(p)), key=lambda p: _step_of(p), reverse=True)
-    pointer = directory / POINTER
-    if pointer.is_file():
-        named = directory / pointer.read_text().strip()
-        if named in found:
-            found.remove(named)
-            found.insert(0, named)
+    found = sorted((p for p in directory.iterdir() if p.is_dir() and _step_of(p) is not None),
+                   key=lambda p: _step_of(p), reverse=True)
+    named = _pointed(directory)
+    if named is not None and (directory / named) in found:
+        found.remove(directory / named)
+        found.insert(0, directory / named)
     return found
 
 
-def _readable(path: Path) -> bool:
-    try:
-        json.loads((path / META).read_text())
-        _read_metadata(path)
-        return True
-    except Exception:  # a damaged or foreign checkpoint: the caller tries the next one
-        return False
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Checkpoints in ``directory`` that have their files' names (not verified; see
+    :func:`check_checkpoint`): the one ``latest`` names first, then newest first."""
+    return [p for p in _step_dirs(Path(directory)) if _complete(p)]
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete, readable checkpoint of ``directory`` (following ``latest``), or None."""
-    for path in list_checkpoints(directory):
-        if _readable(path):
+    """The newest intact checkpoint of ``directory`` (following ``latest``; verified), or None."""
+    for path in _step_dirs(Path(directory)):
+        if not _problems(path):
             return path
     return None
 
 
+def _intact_names(directory: Path, skip: Path | None = None) -> list[str]:
+    return [p.name for p in _step_dirs(directory) if p != skip and not _problems(p)]
+
+
+def _damage(path: Path, problems: list[str]) -> str:
+    return f"{path} is damaged: " + "; ".join(problems)
+
+
+def _damaged_message(path: Path, problems: list[str]) -> str:
+    intact = _intact_names(path.parent, skip=path)
+    where = f"intact checkpoints in {path.parent}: {', '.join(intact)}" if intact else \
+        f"there is no intact checkpoint in {path.parent}"
+    return f"{_damage(path, problems)}. It cannot be resumed; {where}"
+
+
 # ---------------------------------------------------------------------- save
+def _clear_leftovers(directory: Path) -> None:
+    """Remove what crashed saves and deletions left: hidden ``.step_*`` directories."""
+    for p in directory.iterdir():
+        if p.name.startswith("." + _PREFIX) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint: hide it first (one rename), so that a crash leaves no visible half."""
+    hidden = path.parent / f".{path.name}.deleted"
+    shutil.rmtree(hidden, ignore_errors=True)
+    try:
+        os.replace(path, hidden)
+    except OSError:
+        hidden = path
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
 def save_checkpoint(
     directory: str | Path,
     step: int,
@@ -253,7 +522,8 @@ def save_checkpoint(
     rank_extras: Mapping[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write ``step_<step>`` atomically and point ``latest`` at it; collective under torch.distributed.
+    """Write ``step_<step>`` atomically with its manifest and point ``latest`` at it;
+    collective under torch.distributed.
 
     ``tensors``: a nested dict of tensors or DTensors (each rank passes its own shards);
     ``extras``: JSON-serialisable data, taken from rank 0; ``rank_extras``: JSON data of
@@ -268,18 +538,29 @@ def save_checkpoint(
     partial = directory / f".{final.name}.partial"
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # what a crashed save left behind
+        _clear_leftovers(directory)
         partial.mkdir()
     _barrier()
-    writer = dcp.FileSystemWriter(str(partial), sync_files=True)
+    writer = _writer(partial)
     with _quiet_single_process():
         dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)
+    mine = list(writer.written)
     if rank_extras is not None:
         _write_json(partial / _rank_file(rank), dict(rank_extras))
-    _barrier()
+        mine.append(_rank_file(rank))
+    # each rank hashes what it wrote; rank 0 gathers the hashes (this is also the barrier)
+    gathered = _gather_object({name: _hash_file(partial / name) for name in mine})
     if rank == 0:
-        meta = {"format": FORMAT, "step": int(step), "world_size": world, **(dict(extras or {}))}
+        meta = {"format": FORMAT, "step": int(step), "world_size": world, "manifest": MANIFEST,
+                **(dict(extras or {}))}
         _write_json(partial / META, meta)
+        files: dict[str, Any] = {}
+        for entries in gathered or ():
+            files.update(entries)
+        for p in sorted(partial.iterdir()):  # .metadata, checkpoint.json, anything no rank claimed
+            if p.is_file() and p.name not in files and p.name != MANIFEST:
+                files[p.name] = _hash_file(p)
+        _write_manifest(partial, files)
         _fsync_dir(partial)
         old = None
         if final.exists():  # the same step saved again (a run resumed from an earlier one)
@@ -292,9 +573,12 @@ def save_checkpoint(
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if keep > 0:
-            done = sorted((p for p in directory.iterdir() if _complete(p) and p != final), key=_step_of)
+            # older steps only: those of a later step belong to a timeline this run went back
+            # from (a resume from an earlier checkpoint) and are replaced when it gets there
+            done = sorted((p for p in directory.iterdir() if p.is_dir() and _step_of(p) is not None
+                           and _step_of(p) < step), key=_step_of)
             for stale in done[: max(len(done) - (keep - 1), 0)]:
-                shutil.rmtree(stale, ignore_errors=True)
+                _remove(stale)
     _barrier()
     return final
 
@@ -304,37 +588,69 @@ def load_checkpoint(
     directory: str | Path,
     tensors: Mapping[str, Any],
 ) -> tuple[Path, dict[str, Any], dict[str, Any] | None] | None:
-    """Load the newest checkpoint of ``directory`` (or the checkpoint directory given) into ``tensors``.
+    """Load a verified checkpoint into ``tensors``: the newest intact one of a run's
+    checkpoint ``directory``, or exactly the checkpoint directory given.
 
     ``tensors`` is the template: a nested dict of this rank's tensors or DTensors, filled
     in place (DCP reshards: the checkpoint may come from another world size or
-    strategy). Collective under torch.distributed: rank 0 chooses the checkpoint.
+    strategy). Collective under torch.distributed: the ranks share the verification and
+    agree on the checkpoint.
+
+    Damage (see :func:`check_checkpoint`): in a run's directory a damaged checkpoint is
+    skipped for the next older intact one with a :class:`CheckpointWarning` naming it
+    (raised as :class:`CheckpointError` when none is intact); a damaged checkpoint named
+    directly raises :class:`CheckpointError` saying what is damaged and which
+    checkpoints beside it are intact.
+
     Returns ``(path, extras, rank_extras)`` (``rank_extras`` None when the checkpoint
     has no file for this rank, e.g. it was written by fewer ranks), or None if there is
     no checkpoint.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     rank, world, distributed = _dist_state()
     directory = Path(directory)
-    if _complete(directory):
-        candidates = [directory]
-        directory = directory.parent
+    if _is_checkpoint(directory):
+        path = directory
+        problems = _problems_everywhere(path)
+        if problems:
+            raise CheckpointError(_broadcast_object(_damaged_message(path, problems) if rank == 0 else None))
     else:
-        candidates = list_checkpoints(directory)
-        if not candidates and any(directory.glob(f"{_PREFIX}*.pt")):
-            raise CheckpointError(f"{directory} holds only single-file checkpoints (step_*.pt) of an earlier equiopt, "
-                                  f"which this version does not resume; start a new run or resume with that version")
-    choice = -1
-    if rank == 0:
-        choice = next((_step_of(p) for p in candidates if _readable(p)), -1)
-    choice = _broadcast_int(choice)
-    if choice < 0:
-        return None
-    path = directory / f"{_PREFIX}{choice:08d}"
+        names = None
+        if rank == 0:
+            names = [p.name for p in _step_dirs(directory)]
+            if not names and any(directory.glob(f"{_PREFIX}*.pt")):
+                names = "legacy"
+        names = _broadcast_object(names)
+        if names == "legacy":
+            raise CheckpointError(f"{directory} holds only single-file checkpoints (step_*.pt) of an earlier "
+                                  f"equiopt, which this version does not resume; start a new run or resume with "
+                                  f"that version")
+        path, damaged = None, []
+        for name in names:
+            problems = _problems_everywhere(directory / name)
+            if not problems:
+                path = directory / name
+                break
+            damaged.append(_damage(directory / name, problems))
+        if path is None:
+            if damaged:
+                raise CheckpointError(f"no intact checkpoint in {directory}: " + " | ".join(damaged)
+                                      + ". Remove the damaged checkpoints (or the directory) to start over")
+            return None
+        if damaged and rank == 0:
+            warnings.warn(" | ".join(damaged) + f". Resuming from {path}, the newest intact checkpoint",
+                          CheckpointWarning, stacklevel=2)
     _check_tensors(tensors)
-    with _quiet_single_process():
-        dcp.load(tensors, storage_reader=_reader(path), planner=_load_planner(), no_dist=not distributed)
+    try:
+        with _quiet_single_process():
+            dcp.load(tensors, storage_reader=_reader(path), planner=_load_planner(), no_dist=not distributed)
+    except CheckpointException as err:
+        inner = _inner_error(err)
+        if inner is not None:
+            raise CheckpointError(f"{path}: {inner}") from None
+        raise CheckpointError(f"{path}: loading failed ({_dcp_failure(err)})") from None
     extras = json.loads((path / META).read_text())
     if int(extras.get("format", 0)) != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {extras.get('format')!r}, this equiopt reads {FORMAT}")
@@ -346,16 +662,23 @@ def load_checkpoint(
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """A whole checkpoint in this process, as plain tensors: its extras plus the tensor tree.
 
-    ``path``: a checkpoint directory or a run's checkpoint directory (its newest
+    ``path``: a checkpoint directory (verified: a damaged one raises
+    :class:`CheckpointError`) or a run's checkpoint directory (its newest intact
     checkpoint). For inspection and evaluation; training resumes with :func:`load_checkpoint`.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
-    if not _complete(path):
+    if _is_checkpoint(path):
+        problems = _problems(path)
+        if problems:
+            raise CheckpointError(_damaged_message(path, problems))
+    else:
         found = latest_checkpoint(path)
         if found is None:
-            raise CheckpointError(f"{path}: no complete checkpoint")
+            damaged = [_damage(p, _problems(p)) for p in _step_dirs(path)]
+            raise CheckpointError(f"{path}: no intact checkpoint" + (": " + " | ".join(damaged) if damaged else ""))
         path = found
     metadata = _read_metadata(path)
     flat: dict[str, torch.Tensor] = {}
@@ -363,8 +686,13 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         if not hasattr(item, "properties") or not hasattr(item, "size"):
             raise CheckpointError(f"{path}: entry {key!r} is not a tensor")
         flat[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-    with _quiet_single_process():
-        dcp.load(flat, storage_reader=_reader(path), planner=_load_planner(), no_dist=True)
+    try:
+        with _quiet_single_process():
+            dcp.load(flat, storage_reader=_reader(path), planner=_load_planner(), no_dist=True)
+    except CheckpointException as err:
+        inner = _inner_error(err)
+        raise CheckpointError(f"{path}: {inner}" if inner is not None else
+                              f"{path}: loading failed ({_dcp_failure(err)})") from None
     tree: dict[str, Any] = json.loads((path / META).read_text())
     mapping = getattr(metadata, "planner_data", None) or {}
     for key, value in flat.items():

@@ -5,9 +5,11 @@ of all ranks together), bf16 autocast on CUDA, cross-entropy plus the optional r
 auxiliary terms, optional gradient clipping (off by default, as in the paper), then the
 recipe's optimizer and schedulers. Validation, final-logit and router diagnostics run
 at ``val_every``; per-role weight and update RMS at ``log_every``. Checkpoints are
-``torch.distributed.checkpoint`` directories written atomically by all ranks;
-``resume=True`` continues from the newest one at any world size and strategy (in one
-process on CPU bit for bit).
+``torch.distributed.checkpoint`` directories written atomically by all ranks, each with
+a manifest of its files' sizes and SHA-256 sums; ``resume=True`` continues from the
+newest intact one at any world size and strategy (in one process on CPU bit for bit),
+skipping a damaged newer one with a warning; ``resume_from=DIR`` continues from exactly
+that checkpoint and fails with a :class:`~equiopt.train.CheckpointError` if it is damaged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import math
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ from .. import diagnostics as diag
 from ..data.loader import TokenLoader, ValidationBatches
 from ..roles import build_optimizer
 from .checkpoint import (
-    latest_checkpoint, load_checkpoint, param_groups_from_json, param_groups_to_json, rng_state, save_checkpoint,
+    CheckpointError, CheckpointWarning, latest_checkpoint, load_checkpoint, param_groups_from_json, param_groups_to_json, rng_state, save_checkpoint,
     set_rng_state,
 )
 from .config import Config, ConfigError, check_data
@@ -110,9 +113,17 @@ def _top_k(model: nn.Module) -> int | None:
 
 
 class Trainer:
-    """Holds the model, optimizer, data and logs of one run; :meth:`run` trains it."""
+    """Holds the model, optimizer, data and logs of one run; :meth:`run` trains it.
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+    ``resume=True``: continue from the newest intact checkpoint of the run's own
+    checkpoint directory, if any (a damaged newer one is skipped with a
+    :class:`~equiopt.train.CheckpointWarning`). ``resume_from``: a checkpoint directory
+    (``.../checkpoints/step_00001000``, of this run or another) to continue from exactly;
+    a damaged one raises :class:`~equiopt.train.CheckpointError`.
+    """
+
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True,
+                 resume_from: str | os.PathLike | None = None):
         self.cfg = cfg
         check_data(cfg)
         self.dist = setup_distributed(cfg.run.device)
@@ -147,9 +158,11 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         self.step, self.tokens = 0, 0
         self.tokens_per_step = d.batch_size * d.seq_len
-        restored = None
-        if resume:
-            restored = self._restore()
+        restored, self._skipped = None, []
+        if resume_from is not None:
+            restored = self._restore(Path(resume_from), exact=True)
+        elif resume:
+            restored = self._restore(self.ckpt_dir)
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
@@ -162,8 +175,10 @@ class Trainer:
                          recipe=str(cfg.optim.recipe), world_size=self.dist.world_size, strategy=self.strategy,
                          roles={r.name: r.role for r in table})
         else:
+            skipped = {"skipped_damaged": self._skipped} if self._skipped else {}
             self.log.log("meta", self.step, self.tokens, resumed_from=str(restored), world_size=self.dist.world_size,
-                         strategy=self.strategy, saved_world_size=self._saved_layout[0], saved_strategy=self._saved_layout[1])
+                         strategy=self.strategy, saved_world_size=self._saved_layout[0], saved_strategy=self._saved_layout[1],
+                         **skipped)
 
     @property
     def strategy(self) -> str:
@@ -217,11 +232,24 @@ class Trainer:
         return save_checkpoint(self.ckpt_dir, self.step, tensors, extras, {"rng": rng_state(self.device)},
                                keep=self.cfg.train.keep_checkpoints)
 
-    def _restore(self) -> Path | None:
+    def _restore(self, source: Path, exact: bool = False) -> Path | None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from .checkpoint import _is_checkpoint
+
+        if exact and not _is_checkpoint(source):
+            held = sorted(p.name for p in source.glob("step_*")) if source.is_dir() else []
+            raise CheckpointError(f"resume from {source}: not a checkpoint directory"
+                                  + (f" (it holds {', '.join(held)}: name one of them, or resume the run with "
+                                     f"--resume)" if held else (" (it does not exist)" if not source.exists() else "")))
         tensors, groups = self._tensor_state()
-        found = load_checkpoint(self.ckpt_dir, tensors)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            found = load_checkpoint(source, tensors)
+        for w in caught:  # shown as usual, and kept for the run log
+            if issubclass(w.category, CheckpointWarning):
+                self._skipped.append(str(w.message))
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if found is None:
             return None
         path, extras, mine = found
@@ -389,6 +417,9 @@ class Trainer:
         return {"status": status, "step": self.step, "tokens": self.tokens, **last_val, "out_dir": str(self.out)}
 
 
-def train(cfg: Config, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train one run from a validated :class:`Config`; returns its final validation metrics."""
-    return Trainer(cfg, resume=resume, progress=progress).run()
+def train(cfg: Config, resume: bool = False, progress: bool = True,
+          resume_from: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Train one run from a validated :class:`Config`; returns its final validation metrics.
+
+    ``resume`` and ``resume_from`` as for :class:`Trainer`."""
+    return Trainer(cfg, resume=resume, progress=progress, resume_from=resume_from).run()
