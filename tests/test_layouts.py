@@ -11,6 +11,7 @@ from equiopt.layouts import (
     Col,
     Compose,
     Experts,
+    Flatten,
     Fused,
     GateUp,
     Heads,
@@ -123,9 +124,17 @@ def flat_layouts(draw):
 
 
 @st.composite
+def folded_layouts(draw):
+    """A Flatten layout (a convolution weight, possibly grouped) and a stored shape."""
+    tail = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    groups = draw(st.integers(1, 3))
+    return Flatten(tail, groups), (groups * draw(dims), draw(dims)) + tail
+
+
+@st.composite
 def layouts_and_shapes(draw):
     """Any layout, possibly with one or two expert axes, and a stored shape."""
-    layout, shape = draw(flat_layouts())
+    layout, shape = draw(st.one_of(flat_layouts(), flat_layouts(), folded_layouts()))
     for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
         layout, shape = Experts(layout), (draw(st.integers(1, 3)),) + shape
     return layout, shape
@@ -356,6 +365,9 @@ NAME = "model.layers.0.mlp.gate_up_proj"
         (Fused((4, 2), axis=1), (3, 7), "sum to 6"),
         (Fused((4, 2), Heads(4)), (6, 3), "block 1"),
         (Compose(Col(), Heads(4)), (3, 6), "divisible"),
+        (Flatten((3, 3)), (8, 4, 3), "4-D"),
+        (Flatten((3, 3)), (8, 4, 3, 5), "(3, 5) are not (3, 3)"),
+        (Flatten(4, groups=3), (8, 1, 4), "divisible by groups 3"),
     ],
 )
 def test_clear_errors_name_the_parameter(layout, shape, detail):
@@ -412,6 +424,9 @@ def test_from_work_rejects_mixed_dtypes():
         lambda: Fused((2, 0)),
         lambda: Fused((2, 2), parts=[Row()]),
         lambda: Fused((2, 2), parts=Experts(Row())),
+        lambda: Flatten(()),
+        lambda: Flatten((3, 0)),
+        lambda: Flatten(3, groups=0),
     ],
 )
 def test_invalid_constructor_arguments(build):
@@ -457,6 +472,9 @@ def test_layouts_are_immutable_and_hashable():
         ("col>heads:64", Compose(Col(), Heads(64))),
         ("experts:(col>heads:64)", Experts(Compose(Col(), Heads(64)))),
         (" Experts : Col ", Experts(Col())),
+        ("flatten:3x3", Flatten((3, 3))),
+        ("flatten:4:groups=16", Flatten((4,), groups=16)),
+        ("experts:flatten:2x2x2", Experts(Flatten((2, 2, 2)))),
     ],
 )
 def test_parse_layout(spec, expected):
@@ -479,7 +497,8 @@ def test_parse_layout_nested_round_trips():
 @pytest.mark.parametrize(
     "spec",
     ["", "rows", "heads", "heads:x", "heads:0", "heads_cols:8:rows", "gate_up:zigzag", "gate_up:cols:rows",
-     "fused", "fused:4,x", "fused:4,4:row/col/row", "experts:nope", "col>", "(row", "row:1"],
+     "fused", "fused:4,x", "fused:4,4:row/col/row", "experts:nope", "col>", "(row", "row:1", "flatten",
+     "flatten:3x", "flatten:0", "flatten:3:groups", "flatten:3:g=2"],
 )
 def test_parse_layout_errors_list_valid_forms(spec):
     with pytest.raises(ValueError, match=r"(?s)invalid layout spec.*heads:HD.*gate_up"):
@@ -552,3 +571,17 @@ def test_stack_by_shape_errors():
     with pytest.raises(ValueError, match="expected"):
         restore([torch.zeros(4, 2, 3)])
     assert stack_by_shape([])[0] == []
+
+
+def test_flatten_is_a_convolution_weight_as_its_patch_matrix():
+    conv = torch.nn.Conv2d(4, 6, (3, 2), groups=2, bias=False)
+    w = conv.weight.detach()  # (6, 2, 3, 2)
+    whole, grouped = Flatten((3, 2)).to_work(w), Flatten((3, 2), groups=2).to_work(w)
+    assert whole.shape == (6, 12) and grouped.shape == (2, 3, 12)
+    assert whole.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    x = torch.randn(1, 4, 3, 2)  # one patch: the output is each group's block times its flattened inputs
+    y = conv(x).reshape(6)
+    for g in range(2):
+        patch = x[0, 2 * g: 2 * g + 2].reshape(12)
+        torch.testing.assert_close(y[3 * g: 3 * g + 3], grouped[g] @ patch)
+        torch.testing.assert_close(grouped[g], whole[3 * g: 3 * g + 3])

@@ -33,6 +33,8 @@ layout                         stored               work
 ``GateUp(mode, split=False)``  ``(2*f, d)``         ``(f, 2*d)``, row i = ``[gate_i, up_i]``
 ``GateUp(mode, axis=1)``       ``(d, 2*f)``         as above (rows are still the f neurons)
 ``Experts(inner)``             ``(E, *s)``          ``(E, *w)`` for each inner work ``w``
+``Flatten(k)``                 ``(m, c, *k)``       ``(m, c*prod(k))`` (a convolution weight)
+``Flatten(k, groups=g)``       ``(m, c, *k)``       ``(g, m/g, c*prod(k))``, one block per group
 ``Fused(sizes, parts, 0)``     ``(sum(sizes), n)``  part i's work of ``t[o_i:o_i+s_i]``
 ``Fused(sizes, parts, 1)``     ``(m, sum(sizes))``  part i's work of ``t[:, o_i:o_i+s_i]``
 ``Compose(outer, inner)``      outer's stored       inner's work of every outer work
@@ -66,6 +68,7 @@ __all__ = [
     "GateUp",
     "Fused",
     "Experts",
+    "Flatten",
     "Compose",
     "parse_layout",
     "stack_by_shape",
@@ -462,6 +465,85 @@ class Experts(Layout):
 
 
 @dataclass(frozen=True, repr=False)
+class Flatten(Layout):
+    """A tensor with trailing axes ``tail`` folded into the columns: stored ``(m, c, *tail)``
+    -> work ``(m, c * prod(tail))`` (a view of a contiguous tensor); rows are the stored
+    first axis.
+
+    This is a convolution weight ``(out, in/groups, *kernel)`` as the matrix the layer
+    applies to each flattened input patch: ``Flatten((3, 3))`` turns a ``Conv2d(64, 128,
+    3)`` weight ``(128, 64, 3, 3)`` into ``(128, 576)``. A grouped convolution is block
+    diagonal: ``groups=g`` gives one work matrix per group, ``(g, m/g, c * prod(tail))``
+    with ``work[j]`` the rows ``j*m/g : (j+1)*m/g`` (the output channels of group ``j``);
+    a depthwise ``Conv1d(d, d, 4, groups=d)`` weight ``(d, 1, 4)`` becomes ``d`` blocks of
+    one row, ``(d, 1, 4)``.
+    """
+
+    tail: tuple[int, ...]
+    groups: int = 1
+
+    def __post_init__(self):
+        tail = (self.tail,) if isinstance(self.tail, int) else tuple(self.tail)
+        if not tail:
+            raise ValueError("Flatten needs at least one trailing axis to fold")
+        object.__setattr__(self, "tail", tuple(_positive_int(k, "Flatten axis size") for k in tail))
+        object.__setattr__(self, "groups", _positive_int(self.groups, "Flatten groups"))
+
+    def __repr__(self) -> str:
+        return f"Flatten({self.tail!r}" + (f", groups={self.groups})" if self.groups > 1 else ")")
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        return 2 + len(self.tail)
+
+    @property
+    def spec(self) -> str:
+        return "flatten:" + "x".join(map(str, self.tail)) + (f":groups={self.groups}" if self.groups > 1 else "")
+
+    @property
+    def _fold(self) -> int:
+        return math.prod(self.tail)
+
+    def _problem(self, shape):
+        k = len(self.tail)
+        if shape[-k:] != self.tail:
+            return f"trailing axes {shape[-k:]} are not {self.tail}"
+        rows = shape[-k - 2]
+        if rows % self.groups:
+            return f"row count {rows} is not divisible by groups {self.groups}"
+        return None
+
+    def _to_work(self, t):
+        w = t.flatten(-len(self.tail) - 1)
+        return [w.unflatten(-2, (self.groups, w.shape[-2] // self.groups)) if self.groups > 1 else w]
+
+    def _from_work(self, work):
+        w = work[0]
+        if self.groups > 1:
+            w = w.flatten(-3, -2)
+        return w.unflatten(-1, (w.shape[-1] // self._fold, *self.tail))
+
+    def _work_shapes(self, shape):
+        k = len(self.tail)
+        lead, rows, cols = shape[: -k - 2], shape[-k - 2], shape[-k - 1] * self._fold
+        if self.groups > 1:
+            return [lead + (self.groups, rows // self.groups, cols)]
+        return [lead + (rows, cols)]
+
+    def _stored_shape(self, shapes):
+        s = shapes[0]
+        if self.groups > 1:
+            if s[-3] != self.groups:
+                raise ValueError("not one block per group")
+            lead, rows, cols = s[:-3], s[-3] * s[-2], s[-1]
+        else:
+            lead, rows, cols = s[:-2], s[-2], s[-1]
+        if cols % self._fold:
+            raise ValueError("columns do not fold")
+        return lead + (rows, cols // self._fold) + self.tail
+
+
+@dataclass(frozen=True, repr=False)
 class Fused(Layout):
     """Blocks of possibly unequal sizes concatenated along ``axis``, each with its own layout.
 
@@ -639,6 +721,8 @@ SPEC_FORMS = """\
   gate_up[:concat|:interleave][:rows|:cols][:split|:paired]
                                 fused gate/up, e.g. gate_up:interleave:cols
   experts[:SPEC]                leading expert axis, e.g. experts:col (default experts:row)
+  flatten:K1xK2..[:groups=G]    trailing axes folded into the columns (a convolution weight):
+                                (m, c, K1, K2) -> (m, c*K1*K2); with groups: (G, m/G, c*K1*K2)
   fused:S1,S2,..[:SPEC|:SPEC1/SPEC2/..]
                                 blocks concatenated along rows (fused_cols: along columns)
   SPEC>SPEC                     compose: the right layout on each work of the left one
@@ -706,6 +790,15 @@ def _parse(s: str) -> Layout:
         return GateUp(**kwargs)
     if head == "experts":
         return Experts(_parse(rest) if rest else Row())
+    if head == "flatten":
+        tail, _, option = rest.partition(":")
+        groups = 1
+        if option:
+            key, eq, value = option.partition("=")
+            if key != "groups" or not eq:
+                raise ValueError(f"flatten takes only groups=G, got {option!r}")
+            groups = int(value)
+        return Flatten(tuple(int(k) for k in tail.split("x")), groups)
     if head in ("fused", "fused_cols"):
         sizes, _, parts = rest.partition(":")
         size_list = tuple(int(x) for x in sizes.split(","))
