@@ -1,7 +1,7 @@
 """Orthogonal polar factor ``X (X^T X)^(-1/2) = U V^T`` of batched matrices.
 
 Methods (each matrix of a batch is normalised on its own, by its Frobenius norm, which
-bounds the spectral norm):
+bounds the spectral norm, with a 1 % margin except in ``"newton_schulz_torch"``):
 
 ``"polar_express"``
     The Polar Express iteration (Amsel et al., 2025): odd quintics from the greedy
@@ -9,6 +9,15 @@ bounds the spectral norm):
     :mod:`equiopt.linalg.coefficients`), in bfloat16 by default as Muon runs it.
 ``"newton_schulz"``
     Muon's tuned quintic Newton-Schulz iteration (bfloat16 by default).
+``"newton_schulz_torch"``
+    The same iteration normalised as ``torch.optim.Muon`` does it (and K. Jordan's
+    reference code): the input is cast to the iteration dtype first and divided by its
+    Frobenius norm computed in that dtype, ``max(norm, 1e-7)``, without the 1 % margin the
+    other methods add. Muon's quintic does not converge to 1, so its output depends on
+    the input's scale: the margin alone moves the update by about 1 %. With this method
+    the spectral rule reproduces ``torch.optim.Muon`` (equal iterates in bfloat16), with
+    ``lr_scale="spectral"`` for its ``adjust_lr_fn="original"`` (the default) and
+    ``lr_scale="match_adamw"`` for ``"match_rms_adamw"``.
 ``"gram_newton_schulz"``
     The same quintic steps carried out on the small Gram matrix: for ``X`` with
     ``m <= n`` rows every iterate is ``Q_k X_0`` with ``Q_k`` a polynomial in
@@ -31,7 +40,7 @@ import torch
 
 from .coefficients import MUON_NS_COEFFICIENTS, schedule
 
-POLAR_METHODS = ("polar_express", "newton_schulz", "gram_newton_schulz", "exact")
+POLAR_METHODS = ("polar_express", "newton_schulz", "newton_schulz_torch", "gram_newton_schulz", "exact")
 
 # Polar Express design interval and safety (Amsel et al. use l = 1e-3 and a 1% margin
 # on the upper end for bfloat16 rounding).
@@ -40,6 +49,8 @@ POLAR_SAFETY = 1.01
 # Frobenius normalisation margin and floor (a zero matrix stays zero).
 NORM_MARGIN = 1.01
 NORM_FLOOR = 1e-7
+# ``"newton_schulz_torch"``: the norm's lower clamp (torch.optim.Muon's default ``eps``).
+TORCH_NORM_EPS = 1e-7
 
 
 def _coefficients(method: str, steps: int):
@@ -57,8 +68,8 @@ def polar(
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype.
 
-    ``dtype`` is the iteration's precision (default bfloat16 for ``"polar_express"`` and
-    ``"newton_schulz"``, float32 for ``"gram_newton_schulz"``).
+    ``dtype`` is the iteration's precision (default bfloat16 for ``"polar_express"``,
+    ``"newton_schulz"`` and ``"newton_schulz_torch"``, float32 for ``"gram_newton_schulz"``).
     """
     if method not in POLAR_METHODS:
         raise ValueError(f"unknown polar method {method!r}; valid: {', '.join(POLAR_METHODS)}")
@@ -80,9 +91,13 @@ def polar(
         dtype = torch.float32 if method == "gram_newton_schulz" else torch.bfloat16
     tall = X.shape[-2] > X.shape[-1]
     x = X.mT if tall else X
-    norm = torch.linalg.matrix_norm(x.float(), keepdim=True)
-    x = (x.float() / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
-    coeffs = _coefficients("newton_schulz" if method == "newton_schulz" else "polar_express", steps)
+    if method == "newton_schulz_torch":
+        x = x.to(dtype)
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min(TORCH_NORM_EPS)
+    else:
+        norm = torch.linalg.matrix_norm(x.float(), keepdim=True)
+        x = (x.float() / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
+    coeffs = _coefficients("newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps)
     if method == "gram_newton_schulz":
         x = _gram_iterate(x, coeffs, restart_every)
     else:

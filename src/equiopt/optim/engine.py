@@ -209,7 +209,11 @@ class EquivariantOptimizer(Optimizer):
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
-        self._prepare_group(group, index)
+        try:
+            self._prepare_group(group, index)
+        except Exception:
+            del self.param_groups[index]  # a refused group leaves the optimizer as it was
+            raise
         if self.eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
@@ -220,6 +224,8 @@ class EquivariantOptimizer(Optimizer):
         params = group["params"]
         names = group.get("names")
         if names is None:
+            names = group.get("param_names")  # torch's, from named_parameters()
+        if names is None:
             names = [f"{where}.params[{j}]" for j in range(len(params))]
         elif len(names) != len(params):
             raise ValueError(f"{where}: 'names' has {len(names)} entries for {len(params)} parameters")
@@ -229,6 +235,10 @@ class EquivariantOptimizer(Optimizer):
             raise ValueError(f"{where}: 'layouts' has {len(per_param)} entries for {len(params)} parameters")
         layouts = []
         for j, p in enumerate(params):
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {names[j]!r} has dtype {p.dtype}: EquivariantOptimizer steps real "
+                                 "floating-point tensors only (float64, float32, bfloat16, float16), not complex "
+                                 "or integer ones")
             # unsupported placements (Partial, non-contiguous splits) fail here, by name
             sharding = self._shardings[id(p)] = describe_sharding(p, names[j])
             spec = group["layout"] if per_param is None or per_param[j] is None else per_param[j]
@@ -303,8 +313,12 @@ class EquivariantOptimizer(Optimizer):
         sd = dict(state_dict)
         sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
         saved = sd["state"]
+        built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         super().load_state_dict(sd)
-        for group in self.param_groups:
+        for index, (group, own) in enumerate(zip(self.param_groups, built)):
+            for key, value in own.items():
+                group.setdefault(key, value)  # a state_dict from before a setting existed: keep this one's
+            validate_group(group, f"param_groups[{index}]")
             group["layouts"] = [parse_layout(spec) for spec in group["layouts"]]
         # torch casts floating state to each parameter's dtype; keep the saved dtypes
         # (float32 moments of bfloat16 parameters) so a round trip is exact, and keep
@@ -315,8 +329,27 @@ class EquivariantOptimizer(Optimizer):
             for key, value in saved.get(i, {}).items():
                 if torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, dtype=value.dtype, copy=True)
-            if self.state[p] and "nonfinite" not in self.state[p]:
-                self.state[p]["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state = self.state.get(p)  # (no empty entry for a parameter without state)
+            if state and "nonfinite" not in state:
+                state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
+
+    # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
+    _CACHES = ("_compiled_step", "_lr_cache", "_last_flags", "_shardings", "_plans")
+
+    def __getstate__(self) -> dict:
+        """torch's state (defaults, state, param groups) and this optimizer's own settings,
+        so that ``copy.deepcopy`` and pickling give an optimizer that steps; hooks and
+        caches are not copied."""
+        state = super().__getstate__()
+        for key, value in vars(self).items():
+            if key not in state and key not in self._CACHES and not key.startswith("_optimizer_"):
+                state[key] = value
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._compiled_step = None
+        self._lr_cache, self._last_flags, self._shardings, self._plans = {}, [], {}, {}
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
