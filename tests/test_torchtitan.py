@@ -20,7 +20,6 @@ import copy
 import gc
 import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
