@@ -17,23 +17,29 @@ def inv_sqrt(A, eps):
     return V @ torch.diag(lam ** -0.5) @ V.T
 
 
+def damp(C, eps, damping, D):
+    """The damping of the Gram ``C`` of ``D``: the paper's absolute ``eps``, or ``eps ||D||_F^2 / min(m, n)``."""
+    return eps if damping == "absolute" else eps * torch.trace(C).item() / min(D.shape)
+
+
 def row_diag(D, eps):
     return torch.diag(torch.stack([1.0 / (D[i].norm() + eps) for i in range(D.shape[0])]))
 
 
-def right(D, eps, alpha, centered=False):
+def right(D, eps, alpha, centered=False, damping="relative"):
     P = projector(D.shape[0]) if centered else torch.eye(D.shape[0], dtype=D.dtype)
     Db = P @ D
     C = Db.T @ Db
-    R = inv_sqrt(C, eps)
+    R = inv_sqrt(C, damp(C, eps, damping, D))
     nu = max(torch.trace(C @ R).item(), eps)
     return P @ (nu**alpha * Db @ R)
 
 
-def left(D, eps, alpha, centered=False):
+def left(D, eps, alpha, centered=False, damping="relative"):
     P = projector(D.shape[0]) if centered else torch.eye(D.shape[0], dtype=D.dtype)
     Db = P @ D
     C = Db @ Db.T
+    eps_c = damp(C, eps, damping, D)
     if centered:
         # (C + eps Pi)^(-1/2) on 1-perp: eigendecomposition restricted to the centred subspace
         lam, V = torch.linalg.eigh(C)
@@ -42,9 +48,9 @@ def left(D, eps, alpha, centered=False):
         overlap = (V.T @ ones).abs()
         keep[overlap.argmax()] = False
         Vk, lk = V[:, keep], lam[keep]
-        L = Vk @ torch.diag((lk + eps) ** -0.5) @ Vk.T
+        L = Vk @ torch.diag((lk + eps_c) ** -0.5) @ Vk.T
     else:
-        L = inv_sqrt(C, eps)
+        L = inv_sqrt(C, eps_c)
     nu = max(torch.trace(C @ L).item(), eps)
     return P @ (nu**alpha * L @ Db)
 
@@ -55,7 +61,7 @@ def row(D, eps, centered=False):
     return P @ row_diag(Db, eps) @ Db
 
 
-def hybrid(D, order, eps, alpha, centered=False):
+def hybrid(D, order, eps, alpha, centered=False, damping="relative"):
     """Algorithm 2, line by line."""
     m = D.shape[0]
     P = projector(m) if centered else torch.eye(m, dtype=D.dtype)
@@ -63,16 +69,16 @@ def hybrid(D, order, eps, alpha, centered=False):
     if order == "row_then_right":
         Z = P @ row_diag(M, eps) @ M
         C = Z.T @ Z
-        R = inv_sqrt(C, eps)
+        R = inv_sqrt(C, damp(C, eps, damping, D))
         nu = max(torch.trace(C @ R).item(), eps)
         return P @ (nu**alpha * Z @ R)
     if order == "right_then_row":
         C = M.T @ M
-        R = inv_sqrt(C, eps)
+        R = inv_sqrt(C, damp(C, eps, damping, D))
         nu = max(torch.trace(C @ R).item(), eps)
         Z = P @ (nu**alpha * M @ R)
     else:
-        Z = left(D, eps, alpha, centered)
+        Z = left(D, eps, alpha, centered, damping)
     return P @ row_diag(Z, eps) @ Z
 
 

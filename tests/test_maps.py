@@ -21,16 +21,17 @@ def as_f32(fn):
 
 
 # ---------------------------------------------------------------- exactness
+@pytest.mark.parametrize("damping", ["relative", "absolute"])
 @pytest.mark.parametrize("centered", [False, True])
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
-def test_exact_one_sided_maps_match_float64_formulas(centered, alpha):
+def test_exact_one_sided_maps_match_float64_formulas(centered, alpha, damping):
     D = randn(3, 30, 7, seed=1)
     for b in range(3):
-        got_r = maps.right_spectral(D, EPS, alpha, centered, method="exact")[b]
-        torch.testing.assert_close(got_r, ref.right(D[b], EPS, alpha, centered), rtol=1e-10, atol=1e-10)
+        got_r = maps.right_spectral(D, EPS, alpha, centered, method="exact", damping=damping)[b]
+        torch.testing.assert_close(got_r, ref.right(D[b], EPS, alpha, centered, damping), rtol=1e-10, atol=1e-10)
         E = D[b].T.contiguous()  # wide: router-like (7 experts x 30 features)
-        got_l = maps.left_spectral(E, EPS, alpha, centered, method="exact")
-        torch.testing.assert_close(got_l, ref.left(E, EPS, alpha, centered), rtol=1e-10, atol=1e-10)
+        got_l = maps.left_spectral(E, EPS, alpha, centered, method="exact", damping=damping)
+        torch.testing.assert_close(got_l, ref.left(E, EPS, alpha, centered, damping), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("centered", [False, True])
@@ -39,13 +40,14 @@ def test_row_norm_matches_formula(centered):
     torch.testing.assert_close(maps.row_norm(D, EPS, centered), ref.row(D, EPS, centered), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("damping", ["relative", "absolute"])
 @pytest.mark.parametrize("order", ["row_then_right", "right_then_row", "left_then_row"])
 @pytest.mark.parametrize("centered", [False, True])
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
-def test_exact_hybrid_matches_algorithm_2(order, centered, alpha):
+def test_exact_hybrid_matches_algorithm_2(order, centered, alpha, damping):
     D = randn(12, 9, seed=3) if order != "left_then_row" else randn(6, 20, seed=3)
-    got = maps.hybrid(D, order, EPS, alpha, centered, method="exact")
-    torch.testing.assert_close(got, ref.hybrid(D, order, EPS, alpha, centered), rtol=1e-10, atol=1e-10)
+    got = maps.hybrid(D, order, EPS, alpha, centered, method="exact", damping=damping)
+    torch.testing.assert_close(got, ref.hybrid(D, order, EPS, alpha, centered, damping), rtol=1e-10, atol=1e-10)
 
 
 def test_spectral_exact_is_polar_factor():

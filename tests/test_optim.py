@@ -30,14 +30,14 @@ def run(opt, params, steps, seed=100):
         opt.step()
 
 
-def map_ref(rule, D, order="row_then_right", alpha=0.0, centered=False):
+def map_ref(rule, D, order="row_then_right", alpha=0.0, centered=False, damping="relative"):
     if rule == "right":
-        return ref.right(D, EPS, alpha, centered)
+        return ref.right(D, EPS, alpha, centered, damping)
     if rule == "left":
-        return ref.left(D, EPS, alpha, centered)
+        return ref.left(D, EPS, alpha, centered, damping)
     if rule == "row":
         return ref.row(D, EPS, centered)
-    return ref.hybrid(D, order, EPS, alpha, centered)
+    return ref.hybrid(D, order, EPS, alpha, centered, damping)
 
 
 CASES = [
@@ -52,12 +52,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("damping", ["relative", "absolute"])
 @pytest.mark.parametrize("rule,opts,shape", CASES)
-def test_steps_match_hand_written_algorithm(rule, opts, shape):
+def test_steps_match_hand_written_algorithm(rule, opts, shape, damping):
     """Algorithms 1-2: EMA momentum, the map, decoupled weight decay, exactly."""
     (p,) = make_params(shape)
     lr, beta, wd = 0.05, 0.9, 0.1
-    opt = EquivariantOptimizer([p], lr=lr, rule=rule, beta=beta, weight_decay=wd, method="exact", **opts)
+    opt = EquivariantOptimizer([p], lr=lr, rule=rule, beta=beta, weight_decay=wd, method="exact", damping=damping,
+                               **opts)
     W = p.detach().clone()
     M = torch.zeros_like(W)
     for k in range(3):
@@ -65,7 +67,8 @@ def test_steps_match_hand_written_algorithm(rule, opts, shape):
         p.grad = G.clone()
         opt.step()
         M = beta * M + (1 - beta) * G
-        U = map_ref(rule, M, opts.get("order", "row_then_right"), opts.get("alpha", 1.0 if rule == "hybrid" else 0.0), opts.get("center", False))
+        U = map_ref(rule, M, opts.get("order", "row_then_right"), opts.get("alpha", 1.0 if rule == "hybrid" else 0.0),
+                    opts.get("center", False), damping)
         W = (1 - lr * wd) * W - lr * U
         torch.testing.assert_close(p.detach(), W, rtol=1e-10, atol=1e-12)
 

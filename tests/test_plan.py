@@ -11,13 +11,14 @@ import torch.distributed as dist
 from equiopt.distributed.placements import Sharding, Split, row_range
 from equiopt.layouts import parse_layout
 from equiopt.optim.costs import COST_MODELS, CostModel, resolve_cost_model
+from equiopt.optim.rules import MapKey
 from equiopt.optim.sharded import Plan, plan
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-HYBRID = ("hybrid", "row_then_right", False, 1e-8, 1.0, "polar_express", 5, "inverse", None, "nu")
-MUON = ("spectral", None, False, 1e-8, 0.0, "polar_express", 5, "inverse", None, "nu")
-ROW = ("row",) + HYBRID[1:]
+HYBRID = MapKey("hybrid", "row_then_right", False, 1e-8, 1.0, "polar_express", 5, "inverse", None, "nu", "relative")
+MUON = MapKey("spectral", None, False, 1e-8, 0.0, "polar_express", 5, "inverse", None, "nu", "relative")
+ROW = HYBRID._replace(rule="row")
 
 
 def _rows_split(shape, n, dim=0, mesh=None):

@@ -32,7 +32,8 @@ def _rho_factor(X, alpha, rows, centered):
     s = torch.linalg.svdvals(X)
     n = X.shape[1]
     r = min(rows - 1 if centered else rows, n) if isinstance(rows, int) else min(rows, n)
-    nu = (s**2 / (s**2 + EPS).sqrt()).sum().item()
+    damp = EPS * (s**2).sum().item() / min(X.shape)  # relative damping (the default)
+    nu = (s**2 / (s**2 + damp).sqrt()).sum().item()
     rho = nu / (r**0.5 * X.norm().item())
     return min(rho, 1.0) ** alpha * (rows * n / r) ** 0.5
 

@@ -225,8 +225,44 @@ def gram_side(m: int, n: int, gram: str = "auto") -> str:
     return "left" if gram == "left" or (gram == "auto" and m < n) else "right"
 
 
+def _normalized_gram(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C 2^-k, 2^(-k/2))`` per matrix, with the even ``k`` that puts the mean eigenvalue
+    ``tr(C) / n`` of the normalised Gram in ``[1/4, 1)`` (``k = 0`` for a zero Gram).
+
+    The maps are homogeneous, so the inverse square root runs on a Gram of unit scale
+    whatever the gradient's (no ``C^2`` overflow at large entries, no damping swamping
+    small ones) and the scale comes back exactly: powers of two multiply without rounding,
+    so ``D (C + d I)^(-1/2) = D (C 2^-k + d 2^-k I)^(-1/2) 2^(-k/2)`` bit for bit.
+    """
+    mean = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / C.shape[-1]
+    _, e = torch.frexp(mean)
+    k = e + (e & 1)
+    return C * torch.exp2(-k.to(C.dtype))[..., None, None], torch.exp2(torch.div(-k, 2, rounding_mode="floor").to(C.dtype))
+
+
+def _damping(C: torch.Tensor, eps: float, half: torch.Tensor, damping: str, r: int) -> torch.Tensor:
+    """The damping added to the normalised Gram ``C`` (see :func:`_normalized_gram`), ``(..., 1, 1)``.
+
+    ``"relative"`` (default): ``eps ||D||_F^2 / r``, ``r = min(m, n)``, i.e. ``eps`` times
+    the mean of the (at most ``r``) nonzero eigenvalues of a full-rank Gram: the damped
+    Gram of ``D`` is ``D^T D + eps (||D||_F^2 / r) I``, the same map for every scale of
+    ``D``, and the same on either side (both Grams have trace ``||D||_F^2``).
+    ``"absolute"``: the paper's ``D^T D + eps I`` (``eps`` in the units of ``D^T D``, so
+    the damping dominates once the Gram's eigenvalues fall towards ``eps``: gradients with
+    entries of 1e-6 on a vocabulary matrix).
+    """
+    if damping == "absolute":
+        return (eps * half.square())[..., None, None]
+    mean = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / r
+    return (eps * torch.where(mean > 0, mean, torch.ones_like(mean)))[..., None, None]
+
+
+DAMPINGS = ("relative", "absolute")
+
+
 def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
-               scale: str = "nu", rows: torch.Tensor | None = None, reducer: Optional[RowReducer] = None) -> Factored:
+               scale: str = "nu", rows: torch.Tensor | None = None, reducer: Optional[RowReducer] = None,
+               damping: str = "relative") -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -248,6 +284,8 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     """
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+    if damping not in DAMPINGS:
+        raise ValueError(f"unknown damping {damping!r}; valid: {', '.join(DAMPINGS)}")
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
     left = gram_side(m, n, gram) == "left"
     if reducer is not None and (left or method == "gram_newton_schulz"):
@@ -260,6 +298,7 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     else:
         part = _take(reducer, x)
         C = x.mT @ x if reducer is None else reducer.sum(part.mT @ part)
+    C, half = _normalized_gram(C)
     A = C
     if left and centered:
         # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
@@ -268,11 +307,17 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
         mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
         A = C + (mu / m) * torch.ones_like(C)
-    R = inv_sqrt(A, eps, method, steps).to(x.dtype)
+    R = inv_sqrt(A, _damping(C, eps, half, damping, min(m, n)), method, steps).to(x.dtype)
+    factor = half
     if alpha != 0 or scale != "nu":
-        nu = (C * R.mT).sum(dim=(-2, -1)).clamp_min(eps)
+        nu = (C * R.mT).sum(dim=(-2, -1))  # of the normalised Gram; tr(C R) of D's is nu / half
         fro2 = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)
-        R = R * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)[..., None, None]
+        if scale == "nu":
+            nu = nu / half
+            if damping == "absolute":
+                nu = nu.clamp_min(eps)
+        factor = half * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)
+    R = R * factor[..., None, None]
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
     return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None)
@@ -334,13 +379,14 @@ def one_sided_factored(
     scale: str = "nu",
     reducer: Optional[RowReducer] = None,
     centred_input: bool = False,
+    damping: str = "relative",
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
     ``centred_input``: as in :func:`row_norm_factored`."""
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
-    return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer)
+    return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping)
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -355,6 +401,7 @@ def right_spectral(
     steps: int = 5,
     gram: str = "auto",
     scale: str = "nu",
+    damping: str = "relative",
 ) -> torch.Tensor:
     """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
 
@@ -365,7 +412,8 @@ def right_spectral(
     ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "right_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale,
+                                          damping=damping)).to(D.dtype)
 
 
 def left_spectral(
@@ -377,6 +425,7 @@ def left_spectral(
     steps: int = 5,
     gram: str = "auto",
     scale: str = "nu",
+    damping: str = "relative",
 ) -> torch.Tensor:
     """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
 
@@ -388,7 +437,8 @@ def left_spectral(
     ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
     """
     _check(D, "left_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale,
+                                          damping=damping)).to(D.dtype)
 
 
 def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -411,6 +461,7 @@ def hybrid(
     eta: EtaRule = "inverse",
     gram: str = "auto",
     scale: str = "nu",
+    damping: str = "relative",
 ) -> torch.Tensor:
     """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
 
@@ -434,7 +485,8 @@ def hybrid(
     stays left-permutation and right-orthogonal equivariant.
     """
     _check(D, "hybrid")
-    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale)).to(D.dtype)
+    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale,
+                                       damping=damping)).to(D.dtype)
 
 
 def hybrid_factored(
@@ -450,6 +502,7 @@ def hybrid_factored(
     scale: str = "nu",
     reducer: Optional[RowReducer] = None,
     centred_input: bool = False,
+    damping: str = "relative",
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
@@ -464,8 +517,8 @@ def hybrid_factored(
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             sq = _row_norms(z)[..., 0].square()
             rows = (_row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
-        return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer)
-    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer))
+        return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping)
+    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping))
     f = _row_factors(z, eta, eps, center, reducer)
     if scale == "rms":  # rows of unit RMS
         k = z.shape[-1] ** 0.5
@@ -473,4 +526,4 @@ def hybrid_factored(
     return f
 
 
-__all__ = ["Factored", "RowReducer", "gram_side", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES"]
+__all__ = ["Factored", "RowReducer", "gram_side", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES", "DAMPINGS"]

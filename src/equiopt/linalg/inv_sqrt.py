@@ -63,18 +63,22 @@ def _eye_like(a: torch.Tensor) -> torch.Tensor:
     return torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
 
 
-def _symmetrize_damp(a: torch.Tensor, eps: float) -> torch.Tensor:
+def _symmetrize_damp(a: torch.Tensor, eps) -> torch.Tensor:
+    if torch.is_tensor(eps):
+        eps = eps.to(a.dtype)
     return 0.5 * (a + a.mT) + eps * _eye_like(a)
 
 
 def inv_sqrt(
     A: torch.Tensor,
-    eps: float = 1e-8,
+    eps=1e-8,
     method: str = "polar_express",
     steps: int = 5,
     exact_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """``(sym(A) + eps I)^(-1/2)`` for ``A`` of shape ``(..., n, n)``; returns ``A``'s dtype.
+
+    ``eps`` is a float or a tensor that broadcasts against ``A`` (one damping per matrix).
 
     ``steps`` counts full coupled iterations (see the module docstring for what the
     ``"polar_express"`` method adds around them). ``"exact"`` clamps eigenvalues at the

@@ -79,7 +79,7 @@ def map_flops(key: tuple, shape: tuple[int, ...], gram_rows: int | None = None) 
     the coupled inverse square root count three products per iteration; an estimate."""
     *lead, m, n = shape
     batch = math.prod(lead)
-    rule, steps = key[0], int(key[6])
+    rule, steps = key.rule, key.steps
     if rule == "row":
         return 4 * batch * m * n
     if rule == "spectral":
@@ -165,7 +165,7 @@ def replica_division(costs: CostModel, key: tuple, shape: tuple, replicas: int) 
     batch = math.prod(lead)
     flops = map_flops(key, tuple(shape))
     gram = 2 * batch * m * d * min(m, d)
-    inverse = batch * int(key[6]) * 6 * min(m, d) ** 3  # the d x d inverse square root, on every rank but for owners
+    inverse = batch * key.steps * 6 * min(m, d) ** 3  # the d x d inverse square root, on every rank but for owners
     update = 4 * batch * m * d * (replicas - 1) / replicas / costs.bandwidth
     sums = 2 * (replicas - 1) / replicas * 4 * batch * d * d / costs.bandwidth
     times = {

@@ -107,7 +107,9 @@ class EquivariantOptimizer(Optimizer):
     - ``center`` (horizontal/quotient maps for LM heads and routers), ``order``,
       ``alpha`` (``nu^alpha``; default 1 for hybrid, 0 otherwise), ``eps``, ``method``,
       ``steps``, ``eta`` (row-scaling rule), ``polar_dtype`` (spectral iteration
-      precision; default bfloat16).
+      precision; default bfloat16), ``damping`` of the one-sided and hybrid maps'
+      Grams: ``"relative"`` (default: ``eps`` times the Gram's mean eigenvalue, the same
+      map at every gradient scale) or ``"absolute"`` (the paper's ``C + eps I``).
     - ``lr``, ``beta`` (EMA momentum), ``nesterov`` (default True for spectral, False
       otherwise), ``weight_decay`` (decoupled), ``betas`` and ``adam_eps`` (adamw).
     - ``lr_scale``: shape factor of the spectral rule, ``"spectral"`` (default for it:
@@ -177,6 +179,7 @@ class EquivariantOptimizer(Optimizer):
         polar_dtype: torch.dtype | None = None,
         nonfinite: str = "skip",
         scale: str | None = None,
+        damping: str = "relative",
         lazy: bool = False,
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
@@ -200,7 +203,7 @@ class EquivariantOptimizer(Optimizer):
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
             eta=eta, betas=tuple(betas), adam_eps=adam_eps, lr_scale=lr_scale, polar_dtype=polar_dtype,
-            nonfinite=nonfinite, scale=scale, lazy=lazy,
+            nonfinite=nonfinite, scale=scale, damping=damping, lazy=lazy,
         )
         super().__init__(params, defaults)
 
@@ -531,11 +534,11 @@ class EquivariantOptimizer(Optimizer):
         if how.how == "owner":
             gathered.append(_WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
             return
-        if how.how == "local" and group["center"] and key[0] != "spectral":
+        if how.how == "local" and group["center"] and key.rule != "spectral":
             key = self._centre_in_place(direction, layout, okf, key)
         global_shapes = layout.work_shapes(sharding.shape)
         sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
-        divide = self._replicas is not None and sharding.kind == "local" and key[0] in DIVIDED_RULES
+        divide = self._replicas is not None and sharding.kind == "local" and key.rule in DIVIDED_RULES
         division = None
         if divide and reducible(key, *global_shapes[0][-2:]) and len(global_shapes) == 1:
             import torch.distributed as dist
@@ -710,7 +713,7 @@ class EquivariantOptimizer(Optimizer):
         call; the batch is a concatenation only when the bucket holds several tensors.
         """
         group, rows = items[0][3], items[0][4]
-        if key[0] == "row" or len(items) == 1:
+        if key.rule == "row" or len(items) == 1:
             for w, pw, coef, _, _ in items:
                 add_factored_(pw, _map(key, group["eta"], w, rows), coef)
             return

@@ -8,6 +8,7 @@ the same shape with one of the pure maps of :mod:`equiopt.maps`; the element-wis
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -62,23 +63,40 @@ def shape_factor(group: dict, rows: int, cols: int) -> float:
     return lr_scale_factor(resolved(group, "lr_scale"), rows, cols)
 
 
-def map_key(group: dict) -> tuple:
+class MapKey(NamedTuple):
     """Everything a matrix rule's map depends on (learning rate and decay excluded), so
-    work matrices of different groups with equal keys and shapes share one batched call."""
+    work matrices of different groups with equal keys and shapes share one batched call.
+    ``eta`` is the rule's name, or the ``id`` of a callable."""
+
+    rule: str
+    order: Optional[str]
+    center: Any  # bool, or PRECENTRED
+    eps: float
+    alpha: float
+    method: str
+    steps: int
+    eta: Any
+    polar_dtype: Optional[torch.dtype]
+    scale: str
+    damping: str
+
+
+def map_key(group: dict) -> MapKey:
+    """The :class:`MapKey` of a group."""
     rule = group["rule"]
     eta = group["eta"]
-    eta_key = eta if isinstance(eta, str) else id(eta)
-    return (
-        rule,
-        group["order"] if rule == "hybrid" else None,
-        bool(group["center"]),
-        float(group["eps"]),
-        float(resolved(group, "alpha")),
-        group["method"],
-        int(group["steps"]),
-        eta_key,
-        group.get("polar_dtype"),
-        resolved(group, "scale"),
+    return MapKey(
+        rule=rule,
+        order=group["order"] if rule == "hybrid" else None,
+        center=bool(group["center"]),
+        eps=float(group["eps"]),
+        alpha=float(resolved(group, "alpha")),
+        method=group["method"],
+        steps=int(group["steps"]),
+        eta=eta if isinstance(eta, str) else id(eta),
+        polar_dtype=group.get("polar_dtype"),
+        scale=resolved(group, "scale"),
+        damping=group.get("damping", "relative"),
     )
 
 
@@ -87,13 +105,13 @@ def map_key(group: dict) -> tuple:
 PRECENTRED = "precentred"
 
 
-def precentred(key: tuple) -> tuple:
+def precentred(key: MapKey) -> MapKey:
     """``key`` for work matrices that already have zero column means: the map skips its
     input centring (no full-size copy) and keeps its output projection."""
-    return key[:2] + (PRECENTRED,) + key[3:]
+    return key._replace(center=PRECENTRED)
 
 
-def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None,
+def factored_map(key: MapKey, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None,
                  col_reducer: maps.RowReducer | None = None) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
@@ -101,7 +119,7 @@ def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | No
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
     ``col_reducer``: the same for a split of the columns (row-norm only)."""
-    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale = key
+    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping = key
     done = center == PRECENTRED
     center = bool(center)
     if rule == "spectral":
@@ -110,23 +128,23 @@ def factored_map(key: tuple, eta, D: torch.Tensor, reducer: maps.RowReducer | No
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
     if rule in ("right", "left"):
         return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
-                                       scale=scale, reducer=reducer, centred_input=done)
+                                       scale=scale, reducer=reducer, centred_input=done, damping=damping)
     if col_reducer is not None and rule != "row":
         raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
     if rule == "row":
         return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centred_input=done,
                                       col_reducer=col_reducer)
     return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
-                                scale=scale, reducer=reducer, centred_input=done)
+                                scale=scale, reducer=reducer, centred_input=done, damping=damping)
 
 
-def reducible(key: tuple, rows: int, cols: int) -> bool:
+def reducible(key: MapKey, rows: int, cols: int) -> bool:
     """Whether the map of ``key`` on an ``rows x cols`` work matrix split by rows across
     ranks runs on the shards with a :class:`~equiopt.maps.RowReducer` (sums over rows
     only): row-norm always; one-sided and hybrid maps when they form the right
     (``cols x cols``) Gram with a damped inverse square root. Spectral maps, left Grams
     and the Gram Newton-Schulz polar factor need the whole matrix."""
-    rule, method = key[0], key[5]
+    rule, method = key.rule, key.method
     if rule == "row":
         return True
     if rule in ("right", "left", "hybrid"):
@@ -134,7 +152,7 @@ def reducible(key: tuple, rows: int, cols: int) -> bool:
     return False
 
 
-def apply_map(key: tuple, eta, D: torch.Tensor) -> torch.Tensor:
+def apply_map(key: MapKey, eta, D: torch.Tensor) -> torch.Tensor:
     """The map identified by ``key`` on a batch of work matrices, as one tensor of ``D``'s dtype."""
     return maps.materialize(factored_map(key, eta, D)).to(D.dtype)
 
@@ -154,6 +172,8 @@ def validate_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: unknown eta {group['eta']!r}; valid: {', '.join(maps.ETA_RULES)} or a callable")
     if resolved(group, "lr_scale") not in LR_SCALES:
         raise ValueError(f"{where}: unknown lr_scale {group['lr_scale']!r}; valid: {', '.join(LR_SCALES)}")
+    if group.get("damping", "relative") not in maps.DAMPINGS:
+        raise ValueError(f"{where}: unknown damping {group['damping']!r}; valid: {', '.join(maps.DAMPINGS)}")
     if resolved(group, "scale") not in maps.SCALES:
         raise ValueError(f"{where}: unknown scale {group['scale']!r}; valid: {', '.join(maps.SCALES)}")
     if group["nonfinite"] not in NONFINITE_POLICIES:

@@ -153,9 +153,9 @@ def plan(key: tuple, layout: Layout, sharding: Sharding, costs: CostModel | None
     m, n = shapes[0][-2:]
     if not cut["cols"] and reducible(key, m, n):
         # Gram maps: replicas of the same rows sum one slice each instead of all of them
-        replicas = tuple(a for a in sharding.replicate_axes if sharding.mesh_shape[a] > 1) if key[0] != "row" else ()
+        replicas = tuple(a for a in sharding.replicate_axes if sharding.mesh_shape[a] > 1) if key.rule != "row" else ()
         reduce = Plan("reduce", rows=cut["rows"], replicas=replicas)
-    elif key[0] == "row":
+    elif key.rule == "row":
         reduce = Plan("reduce", rows=cut["rows"], cols=cut["cols"])
     else:
         return owner

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..linalg import POLAR_METHODS
-from ..maps import ETA_RULES, HYBRID_ORDERS, ONE_SIDED_METHODS
+from ..maps import DAMPINGS, ETA_RULES, HYBRID_ORDERS, ONE_SIDED_METHODS
 from ..maps import SCALES as MAP_SCALES
 
 __all__ = [
@@ -145,6 +145,7 @@ ENGINE_KEYS: tuple[str, ...] = _engine_group_keys()
 #: Rules an engine option applies to, where not all (the engine ignores it elsewhere).
 _ENGINE_KEY_RULES: dict[str, tuple[str, ...]] = {
     "polar_dtype": ("spectral",),
+    "damping": ("right", "left", "hybrid"),
     "lazy": tuple(r for r in RULES if r != "adamw"),
 }
 
@@ -369,6 +370,7 @@ _CHECKS = {
     "eta": _choice(ETAS),
     "lr_scale": _choice(LR_SCALES),
     "scale": _choice(SCALES),
+    "damping": _choice(DAMPINGS),
     "betas": _betas,
     "adam_eps": _positive,
     "polar_dtype": _dtype,
