@@ -17,6 +17,20 @@ Conventions recognised:
   the MLP block and checking which pairing's neuron permutation leaves its output
   unchanged (the block's own symmetry); on the meta device this is impossible and an
   explicit rule is required.
+- Convolution weights (``nn.Conv1d/2d/3d``, ``nn.ConvTranspose*``: a conv stem, a ViT
+  patch embedding, a Mamba-style depthwise ``conv1d``), wherever they sit, are role
+  ``matrix`` with layout ``Flatten(kernel_size, groups)``: the ``(out, in/groups x
+  kernel)`` matrix the layer applies to each input patch, one block per group (a grouped
+  convolution is block diagonal), so recipes give them their ``matrix`` rule (Muon in
+  every built-in recipe). A depthwise convolution ``(d, 1, k)`` thus has ``d`` blocks of
+  one row: the spectral rule normalises each channel's filter update (the steepest
+  descent for the layer's operator norm, the largest over its channels). Transposed
+  convolutions store ``(in, out/groups, *kernel)``: their rows are the input channels.
+- Outside any recognised block, a tensor of more than two axes whose axes other than the
+  last are all 1 (a ViT ``cls_token`` ``(1, 1, d)``) is a ``vector``; one whose first axis
+  is 1 and last two are not (position embeddings ``(1, n, d)``) is a ``matrix`` with
+  layout ``experts:row`` (one ``(n, d)`` work matrix). Any other tensor of more than two
+  axes is an error that proposes the ``rules=`` entry (e.g. ``('matrix', 'flatten:4x4')``).
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..layouts import Col, Experts, GateUp, Heads, Row, parse_layout
+from ..layouts import Col, Experts, Flatten, GateUp, Heads, Row, parse_layout
 from .table import ROLES, RoleRow, RoleTable
 
 _ATTN_CLASS = re.compile(r"attention|attn", re.I)
@@ -218,6 +232,40 @@ def _storage(module: nn.Module, attr: str) -> str:
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and attr == "weight":
         return "in_out"
     return "unknown"
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _conv(module: nn.Module, attr: str, p: torch.Tensor) -> tuple[Flatten, str] | None:
+    """``(layout, reason)`` of a convolution weight, else None."""
+    if not isinstance(module, _CONVS) or attr != "weight" or p.ndim < 3:
+        return None
+    kernel, groups = tuple(p.shape[2:]), int(getattr(module, "groups", 1) or 1)
+    if p.shape[0] % groups:
+        return None
+    cls = type(module).__name__
+    k = "x".join(map(str, kernel))
+    if getattr(module, "transposed", False):
+        what = f"{cls} weight (in {p.shape[0]}, out/groups {p.shape[1]}, kernel {k}): rows = input channels"
+    else:
+        what = f"{cls} weight (out {p.shape[0]}, in/groups {p.shape[1]}, kernel {k}): rows = output channels"
+    if groups == 1:
+        return Flatten(kernel), f"{what}, work = rows x (channels*kernel)"
+    depthwise = " (depthwise: one filter per channel)" if p.shape[0] == groups else ""
+    return Flatten(kernel, groups), f"{what}, one block per group of {groups}{depthwise}"
+
+
+def _nd_fix(name: str, shape: tuple[int, ...]) -> str:
+    """The ``rules=`` entries that settle a tensor of more than two axes."""
+    pattern = re.escape(name)
+    fold = "x".join(map(str, shape[2:]))
+    work = f"({shape[0]}, {shape[1] * (torch.Size(shape[2:]).numel())})"
+    stack = (f", {{{pattern!r}: ('matrix', 'experts:row')}} for a stack of {shape[0]} matrices {shape[1:]}"
+             if len(shape) == 3 else "")
+    return (f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: ('matrix', 'flatten:{fold}')}}) "
+            f"for one {work} work matrix (rows = the first axis; a spectral step on it, as for a convolution)"
+            f"{stack}, or {{{pattern!r}: 'vector'}} for an element-wise rule")
 
 
 def _short(name: str) -> str:
@@ -471,6 +519,9 @@ class _Context:
         if want is None and (p.ndim < 2 or _is_bias(attr)):
             kind = "bias" if _is_bias(attr) else ("scalar" if p.ndim == 0 else "1-D")
             return "vector", None, f"{kind} parameter: element-wise rule"
+        conv = _conv(module, attr, p)
+        if conv is not None:
+            return want or "matrix", conv[0], conv[1]
         emb = self.embeddings.get(id(p))
         if emb is not None and want in (None, "embedding"):
             return "embedding", Row(), f"input embedding {type(emb).__name__}: rows = vocabulary"
@@ -481,6 +532,8 @@ class _Context:
             return "lm_head", Row(), "output embedding: rows = vocabulary, centred by the recipe"
         ctx = self._context_of(mod_name)
         if want is not None and want not in ("attention", "mlp_in", "mlp_out", "router"):
+            if p.ndim > 2:
+                return want, Flatten(shape[2:]), ""
             return want, (Col() if _storage(module, attr) == "in_out" else Row()), ""
         if ctx is not None and ctx[0] == "mlp" or want in ("mlp_in", "mlp_out", "router"):
             found = self._mlp(name, mod_name, module, attr, p, ctx, want)
@@ -490,7 +543,11 @@ class _Context:
             return self._attention(name, module, attr, p, ctx[2] if ctx is not None else module)
         if p.ndim == 2:
             return "matrix", Row(), "2-D weight outside attention/MLP blocks: whole matrix"
-        raise self._fail(name, shape, f"a {p.ndim}-D tensor outside any recognised block")
+        if all(n == 1 for n in shape[:-1]):
+            return "vector", None, f"{'x'.join(map(str, shape))} tensor with one axis longer than 1: element-wise rule"
+        if p.ndim == 3 and shape[0] == 1:
+            return "matrix", Experts(Row()), f"one {shape[1]}x{shape[2]} matrix behind a leading axis of 1"
+        raise self._fail(name, shape, f"a {p.ndim}-D tensor outside any recognised block", fix=_nd_fix(name, shape))
 
     def _oriented(self, name, module, attr, p) -> tuple[str, int, int]:
         """(storage, out, in) of a 2-D weight; storage may be 'unknown' (then shapes decide)."""
@@ -510,7 +567,8 @@ class _Context:
     def _attention(self, name, module, attr, p, block):
         d = self.dims
         if p.ndim != 2:
-            raise self._fail(name, p.shape, "a non-matrix tensor in an attention block")
+            raise self._fail(name, p.shape, "a non-matrix tensor in an attention block",
+                             fix=_nd_fix(name, tuple(p.shape)) if p.ndim > 2 else None)
         st, out, inp = self._oriented(name, module, attr, p)
         hd = d.head_dim
         where = type(block).__name__

@@ -33,8 +33,18 @@ Checks (``kind``):
     permuting them (and relabelling the input ids for the embedding) must permute
     the output distribution over the vocabulary accordingly. Run when the table has an
     embedding or an LM head.
+``conv``
+    For each convolution weight (``nn.Conv*d``, ``nn.ConvTranspose*d``; ``Flatten``
+    layouts, see :func:`~equiopt.roles.assign_roles`), whatever its layout: the work
+    rows must be the weight's channels one for one (an index tensor pushed through the
+    layout: every work row lies in one slice ``weight[c]`` and every ``c`` has exactly
+    one row), and the module itself, run alone on the input it received in the model's
+    forward pass, must agree: moving ``weight[c]`` for a few sampled ``c`` changes only
+    output channel ``c`` (a transposed convolution: nothing when its input channel ``c``
+    is zero). The change reported is the largest one outside the channel moved,
+    against ``atol + rtol * max|output|``.
 
-Attention parameters, ``matrix`` and ``vector`` roles are not checked.
+Attention parameters, other ``matrix`` parameters and ``vector`` roles are not checked.
 
 Grouping of MLP blocks: every ``mlp_in`` parameter is joined to the ``mlp_out``
 parameters with the same number of neurons (and experts) whose module paths share
@@ -91,12 +101,12 @@ import torch
 from torch import Tensor, nn
 
 from ..layouts import Experts, Layout
-from .infer import _input_embedding, assign_roles
+from .infer import _CONVS, _input_embedding, assign_roles
 from .table import RoleRow, RoleTable
 
 __all__ = ["verify_roles", "RoleReport", "RoleCheck", "CHECK_KINDS", "DEFAULT_TOLERANCES"]
 
-CHECK_KINDS = ("neuron", "expert", "shift", "vocab")
+CHECK_KINDS = ("neuron", "expert", "shift", "vocab", "conv")
 
 #: default ``(rtol, atol)`` per model dtype (see the module docstring)
 DEFAULT_TOLERANCES = {
@@ -271,6 +281,8 @@ def verify_roles(
                 runner.shift_checks()
             if "vocab" in kinds:
                 runner.vocab_check()
+            if "conv" in kinds:
+                runner.conv_checks()
     finally:
         with torch.no_grad():
             for p, old in reversed(filled):
@@ -283,7 +295,7 @@ def verify_roles(
         runner.notes.insert(0, f"{len(names)} all-zero parameter(s) filled with N(0, {_FILL_STD}^2) during the "
                                f"checks (so that the checks can see them): {shown}")
     report = RoleReport(runner.results, dtype=dtype, input_shape=tuple(input_ids.shape), scale=runner.scale,
-                        notes=runner.notes + _unchecked_notes(table))
+                        notes=runner.notes + _unchecked_notes(table, runner.conv_checked))
     if raise_on_failure and not report.ok:
         lines = [f"{c.kind} check failed on {c.where}: max change {c.max_change:.3g} > tolerance "
                  f"{c.tolerance:.3g}" + (f" ({c.detail})" if c.detail else "") for c in report.failures]
@@ -309,6 +321,7 @@ class _Runner:
             self.names_of.setdefault(id(row.param), row.name)
         for name, p in self.params.items():
             self.names_of.setdefault(id(p), name)
+        self.conv_checked: set[str] = set()
 
     # -- model evaluation ---------------------------------------------------------
     def start(self):
@@ -583,6 +596,97 @@ class _Runner:
         detail = f"permutation of {V} vocabulary rows ({', '.join(sides)})"
         self._run("vocab", plan, "; ".join([detail] + notes), ids=ids, out_perm=perm if output_side else None)
 
+    # -- convolution weights -------------------------------------------------------------
+    def conv_checks(self):
+        targets = []
+        for r in self.table:
+            mod = self.modules.get(_module_name(r.name))
+            if r.layout is not None and isinstance(mod, _CONVS) and getattr(mod, "weight", None) is r.param:
+                targets.append((r, mod))
+        if not targets:
+            return
+        captured: dict[str, tuple] = {}
+
+        def keep(key):
+            def hook(module, args, kwargs, output):
+                if key not in captured:
+                    captured[key] = (tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args), dict(kwargs))
+            return hook
+
+        handles = [mod.register_forward_hook(keep(r.name), with_kwargs=True) for r, mod in targets]
+        try:
+            self.forward_fn(self.model, self.ids)
+        finally:
+            for h in handles:
+                h.remove()
+        for r, mod in targets:
+            self.conv_checked.add(r.name)
+            self._conv_check(r, mod, captured.get(r.name))
+
+    def _conv_check(self, row: RoleRow, mod: nn.Module, inputs):
+        p, name = row.param, row.name
+        transposed = bool(getattr(mod, "transposed", False))
+        side = "input" if transposed else "output"
+        channels = p.shape[0]
+        where = f"{type(mod).__name__} weight {tuple(p.shape)}, layout {row.layout.spec}"
+        # the layout: one work row per channel (dim 0 of the weight), one channel per row
+        index = torch.arange(channels).view(-1, *([1] * (p.ndim - 1))).expand(p.shape).contiguous()
+        works = row.layout.to_work_list(index, name=name)
+        rows = torch.cat([w.reshape(-1, w.shape[-1]) for w in works])
+        first = rows[:, 0]
+        if rows.shape[0] != channels or not bool((rows == first[:, None]).all()) or \
+                not torch.equal(first.sort().values, torch.arange(channels)):
+            self._fail("conv", [name], f"{where}: the work rows are not the {channels} {side} channels one for one "
+                                       f"({rows.shape[0]} work rows; a convolution weight takes a flatten layout, "
+                                       f"rows = its first axis)")
+            return
+        if inputs is None:
+            self._fail("conv", [name], f"{where}: layout fits, but the module did not run in the model's forward, "
+                                       f"so its channels could not be checked")
+            return
+        args, kwargs = inputs
+        spatial = len(getattr(mod, "kernel_size", p.shape[2:]))
+        scale = float(p.detach().float().pow(2).mean().sqrt()) or 1.0
+        picks = sorted({0, channels - 1, *torch.randint(0, channels, (2,), generator=self.gen).tolist()})
+        base = mod(*args, **kwargs)
+        tolerance = self.atol + self.rtol * float(base.detach().abs().max())
+        saved = p.detach().clone()
+        off, silent = 0.0, []
+        try:
+            for c in picks:
+                delta = torch.randn(p.shape[1:], generator=self.gen).to(p) * scale
+                x = args[0]
+                if transposed:  # the change must vanish when input channel c is zero
+                    cdim = x.ndim - spatial - 1
+                    quiet = x.clone()
+                    quiet.select(cdim, c).zero_()
+                    before = mod(quiet, *args[1:], **kwargs)
+                p[c].add_(delta)
+                out = mod(*args, **kwargs)
+                diff = (out - base).abs()
+                cdim = diff.ndim - spatial - 1
+                per_channel = diff.movedim(cdim, 0).reshape(diff.shape[cdim], -1).amax(1)
+                if transposed:
+                    off = max(off, float((mod(quiet, *args[1:], **kwargs) - before).abs().max()))
+                    moved = float(per_channel.max())
+                else:
+                    others = torch.cat([per_channel[:c], per_channel[c + 1:]])
+                    off = max(off, float(others.max()) if others.numel() else 0.0)
+                    moved = float(per_channel[c])
+                if not moved > tolerance:
+                    silent.append(c)
+                p.copy_(saved)
+        finally:
+            p.copy_(saved)
+        detail = (f"{where}: {side} channels {picks} moved one at a time; "
+                  + ("each changed only its own output channel" if not transposed else
+                     "each changed nothing while its input channel was zero"))
+        if silent:
+            self._fail("conv", [name], f"{where}: moving {side} channel(s) {silent} changed nothing in the module's "
+                                       f"output (is their input zero in this forward?)")
+            return
+        self.results.append(RoleCheck("conv", (name,), off, tolerance, off <= tolerance, detail))
+
     def _role_of(self, q: Tensor) -> str:
         role = self.roles.get(id(q))
         return f"role {role}" if role is not None else "not in the role table"
@@ -768,10 +872,10 @@ def _compress(names: Sequence[str]) -> str:
     return ".".join(paths[0][:n]) + ".{" + ", ".join(".".join(p[n:]) for p in paths) + "}"
 
 
-def _unchecked_notes(table: RoleTable) -> list[str]:
+def _unchecked_notes(table: RoleTable, checked: set[str] = frozenset()) -> list[str]:
     counts: dict[str, int] = {}
     for r in table:
-        if r.role in ("attention", "matrix"):
+        if r.role in ("attention", "matrix") and r.name not in checked:
             counts[r.role] = counts.get(r.role, 0) + 1
     return [f"{n} {role} parameter(s) not checked (no permutation check for this role)"
             for role, n in counts.items()]
