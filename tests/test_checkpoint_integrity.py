@@ -151,7 +151,8 @@ def test_a_crash_while_pruning_leaves_no_visible_half_checkpoint(tmp_path, monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_checkpoint(tmp_path, _template())[0].name == STEP(3)
-    save_checkpoint(tmp_path, 4, _tensors(4), keep=2)  # and the next save clears the hidden half
+    (tmp_path / ".latest.abc123.tmp").write_text(STEP(9))  # a pointer update that died half-way
+    save_checkpoint(tmp_path, 4, _tensors(4), keep=2)  # and the next save clears both
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", STEP(3), STEP(4)]
 
 

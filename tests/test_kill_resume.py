@@ -2,7 +2,10 @@
 every step, then ``--resume``: nothing is lost.
 
 Resumed at 2 processes the run ends bit for bit where an uninterrupted run ends (weights,
-optimizer state, scheduler, data position, every logged loss). Resumed at 1 process from a
+optimizer state, scheduler, data position, every logged loss); every checkpoint a kill
+left visible is intact. Then rank 1's shard of the last checkpoint is truncated:
+``--resume-from`` it fails with a message naming the file and the intact checkpoint, and
+``--resume`` falls back to that one with a warning and again ends bit for bit. Resumed at 1 process from a
 checkpoint the killed 2-process run wrote, it ends within float rounding of it: gradients
 are summed in another order (one process against gloo's reduce-scatter of two), which
 with the exact (SVD) solvers of the recipe moves weights and optimizer state by at most
@@ -57,10 +60,10 @@ def _write_toml(cfg, path):
     return path
 
 
-def _launch(toml, log):
+def _launch(toml, log, *resume):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "equiopt",
-           "train", str(toml), "--resume"]
+           "train", str(toml), *(resume or ("--resume",))]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -186,6 +189,28 @@ def test_kill_9_at_random_moments_then_resume_loses_nothing(data_dir, tmp_path):
     assert a["scheduler"] == b["scheduler"] and a["loader"] == b["loader"], info
     assert _losses(run) == _losses(reference), info  # every step's loss, as floats, exactly
     assert read_run(run).records["val"][-1]["val/loss"] == read_run(reference).records["val"][-1]["val/loss"]
+    # damage at 2 processes: rank 1's shard of the last checkpoint truncated. --resume-from
+    # it fails naming the file and the intact checkpoint; --resume falls back to it, warns,
+    # and ends bit for bit where the reference does
+    last = run / "checkpoints" / f"step_{STEPS:08d}"
+    shard = last / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    with open(tmp_path / "resume-from.log", "w") as log:
+        assert _launch(toml, log, "--resume-from", str(last)).wait(600) != 0
+    text = (tmp_path / "resume-from.log").read_text()
+    assert f"{last} is damaged: __1_0.distcp is truncated" in text, text[-3000:]
+    assert f"intact checkpoints in {run / 'checkpoints'}: step_{STEPS - 1:08d}" in text
+    # no traceback through equiopt or DCP (torchrun prints its own ChildFailedError summary)
+    assert "CheckpointException" not in text and "equiopt/train" not in text and "distributed/checkpoint" not in text
+    with open(tmp_path / "fallback.log", "w") as log:
+        assert _launch(toml, log).wait(600) == 0, (tmp_path / "fallback.log").read_text()[-3000:]
+    text = (tmp_path / "fallback.log").read_text()
+    assert "CheckpointWarning" in text and f"{last} is damaged: __1_0.distcp is truncated" in text
+    meta = [r for r in read_run(run).records["meta"] if "resumed_from" in r][-1]
+    assert meta["resumed_from"].endswith(f"step_{STEPS - 1:08d}") and meta["skipped_damaged"]
+    again = read_checkpoint(run / "checkpoints")
+    assert again["step"] == STEPS and all(torch.equal(again["model"][n], t) for n, t in b["model"].items())
+    assert _losses(run) == _losses(reference)
     # 1 process, from a checkpoint the killed 2-process run wrote: float rounding
     if copied is None:
         pytest.skip(f"no kill left a checkpoint before the last step to resume at 1 process ({info})")

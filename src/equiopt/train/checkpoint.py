@@ -497,10 +497,13 @@ def _damaged_message(path: Path, problems: list[str]) -> str:
 
 # ---------------------------------------------------------------------- save
 def _clear_leftovers(directory: Path) -> None:
-    """Remove what crashed saves and deletions left: hidden ``.step_*`` directories."""
+    """Remove what crashed saves and deletions left: hidden ``.step_*`` directories and
+    temporary ``latest`` pointers."""
     for p in directory.iterdir():
         if p.name.startswith("." + _PREFIX) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(f".{POINTER}.") and p.name.endswith(".tmp") and p.is_file():
+            p.unlink(missing_ok=True)
 
 
 def _remove(path: Path) -> None:
