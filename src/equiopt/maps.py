@@ -174,7 +174,9 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, redu
         norms, n = _row_norms(x), x.shape[-1]
     else:
         norms, n = col_reducer.sum(x.square().sum(dim=-1, keepdim=True)).sqrt(), col_reducer.count
-    s = eta_scale(norms, eta, eps, n)
+    # A non-finite row norm (an overflowing or non-finite row) makes its scale NaN, not 0,
+    # so the update's finite check sees it.
+    s = torch.where(norms.isfinite(), eta_scale(norms, eta, eps, n), norms.new_full((), float("nan")))
     shift = None
     if centered:
         shift = (s.mT @ x) / x.shape[-2] if reducer is None else \
@@ -489,6 +491,17 @@ def hybrid(
                                        damping=damping)).to(D.dtype)
 
 
+def _clean_stage(f: Factored) -> Factored:
+    """``f`` with the NaN and Inf entries of its materialised first stage ``f.x`` zeroed in place.
+
+    The second stage's factors were formed from ``f.x`` as it was, so they carry any
+    non-finite value (the optimizer's finite check reads them); the cleaned ``f.x`` keeps
+    ``0 * NaN`` out of the product when such an update is skipped.
+    """
+    torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
+    return f
+
+
 def hybrid_factored(
     D: torch.Tensor,
     order: str = "row_then_right",
@@ -517,9 +530,9 @@ def hybrid_factored(
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             sq = _row_norms(z)[..., 0].square()
             rows = (_row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
-        return _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping)
+        return _clean_stage(_one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping))
     z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping))
-    f = _row_factors(z, eta, eps, center, reducer)
+    f = _clean_stage(_row_factors(z, eta, eps, center, reducer))
     if scale == "rms":  # rows of unit RMS
         k = z.shape[-1] ** 0.5
         f = f._replace(row=f.row * k, shift=None if f.shift is None else f.shift * k)

@@ -16,13 +16,22 @@ from ..maps import Factored, materialize
 
 INF_NORM = float("inf")
 
+#: Largest gradient entry a step uses (2^50, about 1.1e15). Beyond it float32 squares,
+#: row norms and Grams of the momentum (which an EMA keeps within the largest gradient
+#: entry seen) could overflow for matrices of up to 2^28 entries, and AdamW's second
+#: moment would hold an Inf for good; such a gradient is skipped and counted like a
+#: non-finite one, so nothing non-finite reaches the state.
+GRAD_LIMIT = 2.0**50
 
-def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """1-D bool tensor: is each gradient free of NaN and Inf?
+
+def finite_flags(grads: Sequence[torch.Tensor], limit: float = GRAD_LIMIT) -> torch.Tensor:
+    """1-D bool tensor: is each gradient free of NaN and Inf, with every entry at most
+    ``limit`` in magnitude?
 
     One ``aminmax`` pass each (no temporary): ``min / 2 + max / 2`` is finite exactly when
     every entry is (an Inf or NaN propagates; halving keeps finite extremes from
-    overflowing), unlike a sum or a 2-norm, which overflow for large finite gradients.
+    overflowing), unlike a sum or a 2-norm, which overflow for large finite gradients; a
+    NaN fails the bound's comparisons too.
     """
     flags = []
     for g in grads:
@@ -30,7 +39,8 @@ def finite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             flags.append(torch.ones((), dtype=torch.bool, device=g.device))
             continue
         lo, hi = torch.aminmax(g)
-        flags.append((0.5 * lo.float() + 0.5 * hi.float()).isfinite())
+        lo, hi = lo.float(), hi.float()
+        flags.append((0.5 * lo + 0.5 * hi).isfinite() & (lo >= -limit) & (hi <= limit))
     return torch.stack(flags)
 
 
@@ -70,14 +80,40 @@ def _gemm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
-def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
-    """``pw += coef * U`` for the update ``U`` that ``f`` stands for, in place.
+def _guarded(f: Factored, coef: torch.Tensor) -> tuple[Factored, torch.Tensor, torch.Tensor]:
+    """``f`` with its non-finite entries zeroed, ``coef`` times the update's finite flag, and the flag.
+
+    The flag is read from the small factors (row scales, ``R``, shifts: a non-finite
+    work matrix makes them non-finite too, see :mod:`equiopt.maps`) or, for an update
+    given whole, from the update itself, which is then cleaned in place (it is always a
+    fresh tensor). No host read: a non-finite update adds ``0`` to the weights.
+    """
+    factors = [t for t in (f.row, f.left, f.right, f.shift) if t is not None]
+    ok = finite_flags(factors or [f.x], INF_NORM).all()
+    if factors:
+        f = f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0)
+                          for k in ("row", "left", "right", "shift") if getattr(f, k) is not None})
+    else:
+        torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
+    return f, coef * ok, ok
+
+
+def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> torch.Tensor:
+    """``pw += coef * U`` for the update ``U`` that ``f`` stands for, in place; returns the
+    update's finite flag (0-d bool: a non-finite update is not added, see :func:`_guarded`).
 
     ``pw`` is a work view of the parameter (writing to it writes the parameter). The
     scalar ``coef`` (``-lr * shape factor * ok``) is folded into the small factor, so a
     one-sided or hybrid update is a single accumulating GEMM into the weights and a
     row-norm update a single ``addcmul``; no full-size update tensor is formed.
     """
+    scaled = coef
+    f, coef, ok = _guarded(f, coef)
+    _add_(pw, f, coef)
+    return ok | (scaled == 0)  # a skipped parameter (or lr 0) is counted by its gradient's flag
+
+
+def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
     if pw.dtype != f.x.dtype:
         # Low-precision weights: form the update in the compute dtype, round once.
         pw.add_((materialize(f) * coef).to(pw.dtype))
@@ -121,7 +157,10 @@ def adamw_(
     # One temporary per parameter serves as g^2 and then as the denominator sqrt(v).
     denom = []
     for v, g, w in zip(exp_avg_sqs, grads, torch._foreach_mul(okfs, 1.0 - b2)):
-        t = g * g
+        # A skipped gradient may hold entries whose square overflows; at weight 0 lerp
+        # returns v exactly only if g^2 is finite, so squares are capped at the dtype's max
+        # (a no-op for every usable gradient, whose entries are within GRAD_LIMIT).
+        t = torch.mul(g, g).clamp_(max=torch.finfo(g.dtype).max)
         v.lerp_(t, w)
         denom.append(torch.sqrt(v, out=t))
     counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from ..layouts import Layout, parse_layout
 from .. import maps
 from ..distributed.placements import Sharding, describe_sharding, mesh_group, row_range
-from .apply import adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
+from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
                     shape_factor, validate_group)
 from .owners import assign, from_owners, map_cost, share, to_owners
@@ -115,9 +115,12 @@ class EquivariantOptimizer(Optimizer):
     - ``lr_scale``: shape factor of the spectral rule, ``"spectral"`` (default for it:
       ``sqrt(max(1, rows/cols))`` of each work matrix, Muon's convention), ``"match_adamw"``
       (``0.2 sqrt(max(rows, cols))``) or ``"none"``.
-    - ``nonfinite``: ``"skip"`` (default: a parameter whose gradient has NaN/Inf is left
-      untouched, weights and state, and counted in :attr:`nonfinite_steps`) or
-      ``"raise"`` (:class:`NonFiniteGradientError` before anything is modified).
+    - ``nonfinite``: ``"skip"`` (default: a parameter whose gradient has NaN/Inf, or an
+      entry beyond ``GRAD_LIMIT`` = 2^50 where float32 squares and Grams could overflow, is
+      left untouched, weights and state, and counted in :attr:`nonfinite_steps`) or
+      ``"raise"`` (:class:`NonFiniteGradientError` naming the parameters, before anything is
+      modified). An update that still came out non-finite is not added to the weights and
+      is counted in :attr:`nonfinite_updates`.
     - ``lazy``: update only the rows of each work matrix whose gradient is nonzero in this
       step (the others' momentum still decays); see :meth:`_lazy_rows`. For embeddings.
     - ``names``: parameter names for messages (one per parameter).
@@ -199,6 +202,7 @@ class EquivariantOptimizer(Optimizer):
         self._last_flags: list = []
         self._shardings: dict[int, Sharding] = {}
         self._plans: dict[tuple, Plan] = {}
+        self._update_skips: torch.Tensor | None = None
         defaults = dict(
             lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
             nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
@@ -298,6 +302,19 @@ class EquivariantOptimizer(Optimizer):
         return int(torch.stack([c.detach().cpu() for c in counts]).sum()) if counts else 0
 
     @property
+    def nonfinite_updates(self) -> int:
+        """Work-matrix updates that came out non-finite from a usable gradient and were not
+        added to the weights (a last guard: no gradient within ``GRAD_LIMIT`` has produced
+        one in the property tests). Reading it reads the device counter back."""
+        return int(self._update_skips.detach().cpu()) if self._update_skips is not None else 0
+
+    def _count(self, ok: torch.Tensor) -> None:
+        """Add a work matrix's update flag (from :func:`~.apply.add_factored_`) to the counter."""
+        if self._update_skips is None:
+            self._update_skips = torch.zeros((), dtype=torch.float32, device=ok.device)
+        self._update_skips.add_(ok.logical_not().to(self._update_skips.device, torch.float32))
+
+    @property
     def last_nonfinite(self) -> list[str]:
         """Names of the parameters skipped by the last step (reads the flags back)."""
         names = []
@@ -310,11 +327,17 @@ class EquivariantOptimizer(Optimizer):
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["layouts"] = [layout.spec for layout in group["layouts"]]
+        if self._update_skips is not None:
+            sd["nonfinite_updates"] = self._update_skips.detach().clone()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         sd = dict(state_dict)
         sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
+        skips = sd.pop("nonfinite_updates", None)
+        if skips is not None:
+            device = next((p.device for g in self.param_groups for p in g["params"]), skips.device)
+            self._update_skips = skips.detach().to(device=device, dtype=torch.float32, copy=True)
         saved = sd["state"]
         built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         super().load_state_dict(sd)
@@ -467,7 +490,8 @@ class EquivariantOptimizer(Optimizer):
         """``nonfinite="raise"``: the one policy that reads back (one host sync per group)."""
         bad = [name for name, ok in zip(names, flags.cpu().tolist()) if not ok]
         if bad:
-            raise NonFiniteGradientError(f"non-finite gradient in {', '.join(repr(b) for b in bad)}")
+            raise NonFiniteGradientError(f"non-finite gradient (NaN, Inf, or entries beyond +-{GRAD_LIMIT:.3g}) in "
+                                         f"{', '.join(repr(b) for b in bad)}")
 
     def _ok_floats(self, flags: torch.Tensor, params: list[torch.Tensor]):
         """Per parameter, its finite flag as a 0-d tensor in its state dtype (for step
@@ -630,7 +654,7 @@ class EquivariantOptimizer(Optimizer):
                 updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
             rows = from_owners(updates, batch.blocks, batch.owners, batch.me, pg, like=members[0].direction)
             for t, u in zip(members, rows):
-                add_factored_(t.param, maps.Factored(u), t.coef)
+                self._count(add_factored_(t.param, maps.Factored(u), t.coef))
 
     def _run_divided(self, buckets: list[tuple]) -> None:
         """Matrix-product maps of replicated parameters divided among the replicas: each
@@ -664,10 +688,9 @@ class EquivariantOptimizer(Optimizer):
         for (w, pw, coef, _, _), count in zip(items, counts):
             u = torch.stack(shared[start:start + count]).view(w.shape)
             start += count
-            add_factored_(pw, maps.Factored(u), coef)
+            self._count(add_factored_(pw, maps.Factored(u), coef))
 
-    @staticmethod
-    def _run_row_gathered(key: tuple, items: list) -> None:
+    def _run_row_gathered(self, key: tuple, items: list) -> None:
         """Gram maps of replicated matrices divided by rows completely: each replica maps its
         slice of every matrix's rows (sums over rows all-reduced), and one all-gather brings
         every replica's update rows (slices padded to the largest), so all add the same update."""
@@ -697,7 +720,7 @@ class EquivariantOptimizer(Optimizer):
             start += count
             full = torch.cat([rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)],
                              dim=-2)
-            add_factored_(pw, maps.Factored(full), coef)
+            self._count(add_factored_(pw, maps.Factored(full), coef))
 
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -715,7 +738,7 @@ class EquivariantOptimizer(Optimizer):
         group, rows = items[0][3], items[0][4]
         if key.rule == "row" or len(items) == 1:
             for w, pw, coef, _, _ in items:
-                add_factored_(pw, _map(key, group["eta"], w, rows), coef)
+                self._count(add_factored_(pw, _map(key, group["eta"], w, rows), coef))
             return
         shape = tuple(items[0][0].shape[-2:])
         flat = [w.reshape(-1, *shape) for w, _, _, _, _ in items]
@@ -725,7 +748,7 @@ class EquivariantOptimizer(Optimizer):
         for i, (w, pw, coef, _, _) in enumerate(items):
             lead = w.shape[:-2]
             piece = maps.Factored(*[None if t[i] is None else t[i].reshape(*lead, *t[i].shape[-2:]) for t in parts])
-            add_factored_(pw, piece, coef)
+            self._count(add_factored_(pw, piece, coef))
 
     def _adamw(self, group: dict, lr, params: list, states: list, okfs: list) -> None:
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
