@@ -73,11 +73,13 @@ def test_damaged_latest_checkpoint_falls_back_or_fails_by_name(tmp_path, kind):
     with pytest.warns(CheckpointWarning, match=rf"{STEP(2)} is damaged: .*{says}.*Resuming from .*{STEP(1)}"):
         path, extras, mine = load_checkpoint(tmp_path, template)
     assert (path.name, extras["note"], mine) == (STEP(1), 1, {"rng": 1})
-    assert torch.equal(template["w"], torch.full((4, 3), 1.0)) and torch.equal(template["opt"]["m"], torch.arange(5.0) + 1)
+    assert torch.equal(template["w"], torch.full((4, 3), 1.0))
+    assert torch.equal(template["opt"]["m"], torch.arange(5.0) + 1)
     # the damaged checkpoint named directly: what is damaged, and which are intact
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no DCP traceback or warning on the way
-        with pytest.raises(CheckpointError, match=rf"{STEP(2)} is damaged: .*{says}.*intact checkpoints in .*: {STEP(1)}$"):
+        intact = rf"{STEP(2)} is damaged: .*{says}.*intact checkpoints in .*: {STEP(1)}$"
+        with pytest.raises(CheckpointError, match=intact):
             load_checkpoint(tmp_path / STEP(2), _template())
         with pytest.raises(CheckpointError, match=rf"{STEP(2)} is damaged: .*{says}"):
             read_checkpoint(tmp_path / STEP(2))
@@ -167,7 +169,8 @@ def test_resume_skips_a_truncated_shard_and_resume_from_names_what_is_damaged(da
     Trainer(make_cfg(data_dir, run, steps=8), progress=False).run()
     ckpts = run / "checkpoints"
     _truncate(ckpts / STEP(8) / "__0_0.distcp")
-    with pytest.warns(CheckpointWarning, match=rf"{STEP(8)} is damaged: __0_0\.distcp is truncated.*Resuming from .*{STEP(4)}"):
+    skipped = rf"{STEP(8)} is damaged: __0_0\.distcp is truncated.*Resuming from .*{STEP(4)}"
+    with pytest.warns(CheckpointWarning, match=skipped):
         resumed = Trainer(make_cfg(data_dir, run, steps=8), resume=True, progress=False)
     assert resumed.step == 4
     resumed.run()

@@ -365,7 +365,8 @@ def assign_roles(
 
     ``rules``: regex on parameter names -> role, or -> ``(role, layout)`` /
     ``{"role": ..., "layout": ...}``; the first match wins and overrides inference
-    (a role without a layout gets the inferred layout of that role). ``dims``:
+    (a role without a layout gets the inferred layout of that role; a tensor of more than
+    two axes that is not a convolution weight gets ``flatten`` of its trailing axes). ``dims``:
     overrides of the config dimensions for every block (``hidden``, ``heads``,
     ``kv_heads``, ``head_dim``, ``experts``, ``vocab``). ``gate_up="split"`` gives fused
     gate/up tensors one work matrix per half; ``"paired"`` keeps each neuron's gate and

@@ -34,8 +34,8 @@ from .. import diagnostics as diag
 from ..data.loader import TokenLoader, ValidationBatches
 from ..roles import build_optimizer
 from .checkpoint import (
-    CheckpointError, CheckpointWarning, latest_checkpoint, load_checkpoint, param_groups_from_json, param_groups_to_json, rng_state, save_checkpoint,
-    set_rng_state,
+    CheckpointError, CheckpointWarning, latest_checkpoint, load_checkpoint, param_groups_from_json,
+    param_groups_to_json, rng_state, save_checkpoint, set_rng_state,
 )
 from .config import Config, ConfigError, check_data
 from .parallel import gradient_sync, wrap_model
@@ -177,8 +177,8 @@ class Trainer:
         else:
             skipped = {"skipped_damaged": self._skipped} if self._skipped else {}
             self.log.log("meta", self.step, self.tokens, resumed_from=str(restored), world_size=self.dist.world_size,
-                         strategy=self.strategy, saved_world_size=self._saved_layout[0], saved_strategy=self._saved_layout[1],
-                         **skipped)
+                         strategy=self.strategy, saved_world_size=self._saved_layout[0],
+                         saved_strategy=self._saved_layout[1], **skipped)
 
     @property
     def strategy(self) -> str:
