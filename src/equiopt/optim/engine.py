@@ -26,7 +26,7 @@ from ..distributed.placements import Sharding, describe_sharding, mesh_group, ro
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
                     shape_factor, validate_group)
-from .owners import assign, from_owners, map_cost, share, to_owners
+from .owners import assign, map_cost, share, start_from_owners, start_to_owners
 from .costs import replica_division, resolve_cost_model
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan, reducers
 
@@ -151,6 +151,11 @@ class EquivariantOptimizer(Optimizer):
     CUDA, gloo on CPU otherwise), ``"nccl-h100"``, ``"gloo-cpu"``, ``"reduce"``/``"owner"``
     (that plan wherever possible) or a :class:`~equiopt.optim.costs.CostModel`.
 
+    ``overlap`` (default True): the owner exchanges of split parameters are started
+    asynchronously, two owner batches at a time, so the next batch's blocks travel while
+    this batch's maps run and its updates travel back while the next one's run (results
+    are bitwise those of ``overlap=False``, which waits for every collective at once).
+
     ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
     so momentum, row scaling, centring and the weight update fuse into few passes):
     ``True`` (Inductor), a backend name, ``False``, or ``None`` (default: on when every
@@ -189,10 +194,12 @@ class EquivariantOptimizer(Optimizer):
         compile: bool | str | None = None,
         divide_work: Any = None,
         cost_model: Any = None,
+        overlap: bool = True,
     ):
         self.state_dtype = state_dtype
         resolve_cost_model(cost_model)  # an unknown name fails here, by name
         self.cost_model = cost_model
+        self.overlap = bool(overlap)
         self._replicas = _replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
@@ -642,19 +649,42 @@ class EquivariantOptimizer(Optimizer):
                     units.append((t._replace(param=t.param.narrow(0, lead[0] - start, 1),
                                              direction=t.direction.narrow(0, lead[0] - start, 1)), lead))
         tasks = [t for t, _ in units]
-        for batch in owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]):
+        batches = list(owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]))
+        overlap = self.overlap
+
+        def send(batch):
             members = [tasks[i] for i in batch.members]
             pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
-            whole = to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg)
+            return start_to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg,
+                                   async_op=overlap)
+
+        # A window of two batches: the next batch's blocks travel to their owners while
+        # this one's maps run, and its updates travel back while the next one's run;
+        # every rank starts the same collectives in the same order.
+        incoming = send(batches[0]) if batches else None
+        returning = None
+        for k, batch in enumerate(batches):
+            members = [tasks[i] for i in batch.members]
+            pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
+            whole = incoming.wait()
+            incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
             updates = {}
             for i, full in whole.items():
                 t = members[i]
                 works = t.layout.to_work_list(full)
                 mapped = _map_whole([(t.key, t.group["eta"], w) for w in works])
                 updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
-            rows = from_owners(updates, batch.blocks, batch.owners, batch.me, pg, like=members[0].direction)
-            for t, u in zip(members, rows):
-                self._count(add_factored_(t.param, maps.Factored(u), t.coef))
+            if returning is not None:
+                self._add_owner_updates(*returning)
+            returning = (members, start_from_owners(updates, batch.blocks, batch.owners, batch.me, pg,
+                                                    like=members[0].direction, async_op=overlap))
+        if returning is not None:
+            self._add_owner_updates(*returning)
+
+    def _add_owner_updates(self, members: list, pending) -> None:
+        """Add this rank's blocks of an owner batch's updates (once they have arrived)."""
+        for t, u in zip(members, pending.wait()):
+            self._count(add_factored_(t.param, maps.Factored(u), t.coef))
 
     def _run_divided(self, buckets: list[tuple]) -> None:
         """Matrix-product maps of replicated parameters divided among the replicas: each

@@ -24,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["assign", "map_cost", "joint_block", "to_owners", "from_owners", "share"]
+__all__ = ["assign", "map_cost", "joint_block", "Pending", "start_to_owners", "to_owners", "start_from_owners",
+           "from_owners", "share"]
 
 
 def map_cost(shape: Sequence[int]) -> int:
@@ -63,15 +64,59 @@ def joint_block(blocks: Sequence[Block]) -> Block:
     return tuple((min(b[d][0] for b in blocks), max(b[d][1] for b in blocks)) for d in range(len(blocks[0])))
 
 
-def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:
-    """One ``all_to_all_single``: ``send[q]`` (flat) goes to rank ``q``; returns the flat
-    pieces received from each rank (sizes ``recv_sizes``)."""
+class Pending:
+    """A collective in flight: :meth:`wait` finishes it and returns what it delivers.
+
+    The step starts the exchange of one owner batch, computes meanwhile, and waits only
+    when it needs the result (``async_op=True`` underneath; ``wait`` on a synchronous
+    exchange just unpacks)."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._finish()
+
+
+def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: torch.Tensor, async_op: bool):
+    """One ``all_to_all_single``: ``send[q]`` (flat) goes to rank ``q``; returns the
+    work handle (None when synchronous) and the flat pieces received from each rank
+    (sizes ``recv_sizes``, valid once the work is done)."""
     import torch.distributed as dist
 
     inp = torch.cat(send) if send else like.new_empty(0)
     out = like.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, inp, recv_sizes, [t.numel() for t in send], group=group)
-    return list(torch.split(out, recv_sizes))
+    work = dist.all_to_all_single(out, inp, recv_sizes, [t.numel() for t in send], group=group, async_op=async_op)
+    return work, list(torch.split(out, recv_sizes))
+
+
+def start_to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
+                    group, async_op: bool = True) -> Pending:
+    """Start :func:`to_owners`; ``wait()`` on the result gives its ``{task: tensor}``."""
+    n = len(blocks[0]) if blocks else 1
+    like = shards[0]
+    send = [[] for _ in range(n)]
+    for t, shard in enumerate(shards):
+        send[owners[t]].append(shard.reshape(-1))
+    mine = [t for t in range(len(shards)) if owners[t] == me]
+    work, recv = _all_to_all([torch.cat(s) if s else like.new_empty(0) for s in send],
+                             [sum(_numel(blocks[t][s]) for t in mine) for s in range(n)], group, like, async_op)
+
+    def finish() -> dict[int, torch.Tensor]:
+        out = {}
+        for t in mine:
+            joint = joint_block(blocks[t])
+            out[t] = like.new_empty(tuple(b - a for a, b in joint))
+        for s, flat in enumerate(recv):
+            for t, part in zip(mine, torch.split(flat, [_numel(blocks[t][s]) for t in mine])):
+                block = blocks[t][s]
+                out[t][_within(block, joint_block(blocks[t]))] = part.view(tuple(b - a for a, b in block))
+        return out
+
+    return Pending(work, finish)
 
 
 def to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
@@ -83,29 +128,12 @@ def to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]],
     (:func:`joint_block`). One all-to-all moves every block to its task's owner; all
     tensors share one dtype.
     """
-    n = len(blocks[0]) if blocks else 1
-    like = shards[0]
-    send = [[] for _ in range(n)]
-    for t, shard in enumerate(shards):
-        send[owners[t]].append(shard.reshape(-1))
-    mine = [t for t in range(len(shards)) if owners[t] == me]
-    recv = _all_to_all([torch.cat(s) if s else like.new_empty(0) for s in send],
-                       [sum(_numel(blocks[t][s]) for t in mine) for s in range(n)], group, like)
-    out = {}
-    for t in mine:
-        joint = joint_block(blocks[t])
-        out[t] = like.new_empty(tuple(b - a for a, b in joint))
-    for s, flat in enumerate(recv):
-        for t, part in zip(mine, torch.split(flat, [_numel(blocks[t][s]) for t in mine])):
-            block = blocks[t][s]
-            out[t][_within(block, joint_block(blocks[t]))] = part.view(tuple(b - a for a, b in block))
-    return out
+    return start_to_owners(shards, blocks, owners, me, group, async_op=False).wait()
 
 
-def from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
-                group, like: torch.Tensor) -> list[torch.Tensor]:
-    """The inverse of :func:`to_owners`: each owner's ``updates[t]`` (of the joint block)
-    go back as blocks, one all-to-all; returns this rank's block of every task's update."""
+def start_from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int],
+                      me: int, group, like: torch.Tensor, async_op: bool = True) -> Pending:
+    """Start :func:`from_owners`; ``wait()`` on the result gives its list of blocks."""
     n = len(blocks[0]) if blocks else 1
     mine = sorted(updates)
     send = []
@@ -113,12 +141,23 @@ def from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Bloc
         parts = [updates[t][_within(blocks[t][s], joint_block(blocks[t]))].reshape(-1) for t in mine]
         send.append(torch.cat(parts) if parts else like.new_empty(0))
     by_owner = [[t for t in range(len(blocks)) if owners[t] == q] for q in range(n)]
-    recv = _all_to_all(send, [sum(_numel(blocks[t][me]) for t in ts) for ts in by_owner], group, like)
-    out: list[torch.Tensor | None] = [None] * len(blocks)
-    for ts, flat in zip(by_owner, recv):
-        for t, part in zip(ts, torch.split(flat, [_numel(blocks[t][me]) for t in ts])):
-            out[t] = part.view(tuple(b - a for a, b in blocks[t][me]))
-    return out  # type: ignore[return-value]
+    work, recv = _all_to_all(send, [sum(_numel(blocks[t][me]) for t in ts) for ts in by_owner], group, like, async_op)
+
+    def finish() -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(blocks)
+        for ts, flat in zip(by_owner, recv):
+            for t, part in zip(ts, torch.split(flat, [_numel(blocks[t][me]) for t in ts])):
+                out[t] = part.view(tuple(b - a for a, b in blocks[t][me]))
+        return out  # type: ignore[return-value]
+
+    return Pending(work, finish)
+
+
+def from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
+                group, like: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of :func:`to_owners`: each owner's ``updates[t]`` (of the joint block)
+    go back as blocks, one all-to-all; returns this rank's block of every task's update."""
+    return start_from_owners(updates, blocks, owners, me, group, like, async_op=False).wait()
 
 
 def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
