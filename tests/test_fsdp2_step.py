@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 from map_work import check_work_divided, counting_map_work
 from sharded_steps import global_grads, give_grads, in_quotient, rel
 
+from equiopt.optim.sharded import WAVES
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 FAMILIES = ("qwen3", "gemma3", "olmoe", "gpt_oss")
@@ -172,9 +174,13 @@ def _check_owner_based(world):
     opt = EquivariantOptimizer(params, **kw)
     with counting_map_work() as done, record_collectives() as log:
         opt.step()
-    assert log.ops() == ["all_reduce", "all_to_all", "all_to_all"], log.summary()
-    # what this rank sends: its rows of every matrix (to the owners), then the update rows it owns
-    assert log.records[1].bytes == sum(p.to_local().numel() * 4 for p in params)
+    waves = min(WAVES, len(shapes))
+    # one all-to-all each way per wave, the next wave's blocks sent before this wave's updates return
+    order = ["send0"] + [x for k in range(waves) for x in ([f"send{k + 1}"] if k + 1 < waves else []) + [f"return{k}"]]
+    assert log.ops() == ["all_reduce"] + ["all_to_all"] * (2 * waves), log.summary()
+    # what this rank sends to the owners: its rows of every matrix, each once
+    sent = sum(r.bytes for r, what in zip(log.records[1:], order) if what.startswith("send"))
+    assert sent == sum(p.to_local().numel() * 4 for p in params)
     loads = check_work_divided(done, [map_cost(s) for s in shapes])
     assert int((loads > 0).sum()) == min(world, len(shapes)), loads
     for p, b, g in zip(params, bases, grads):

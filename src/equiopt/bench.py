@@ -13,6 +13,10 @@
     model under DDP-style replication, 1 process against 2 (``--worlds``) with the matrix
     maps divided among the ranks (``divide_work``) and, for reference, undivided; one
     thread per process on CPU (gloo), one GPU per process on CUDA (NCCL).
+(e) ``--overlap``: per-rank step time of the ``--stack`` model (or ``--model``) sharded by
+    FSDP2 over 2 and 4 gloo processes (``--worlds``), with the owner exchanges waited for at
+    once (``overlap=False``) and overlapped with the maps, the time spent inside the
+    collectives of a waited step, and the share of it the overlap hides.
 (b) Accuracy of the right-spectral map and its nuclear-norm estimate ``nu`` against
     float64, for condition numbers 1e1, 1e3, 1e5 and entry scales 1e-4 to 1, for the
     default oracle and for Algorithm 3 as the paper's code runs it (Frobenius
@@ -222,6 +226,88 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
         print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {ratios}")
 
 
+def _overlap_worker(rank: int, world: int, rendezvous: str, recipes, repeats: int, out: str, shape: str | None,
+                    cost_model: str) -> None:
+    import torch.distributed as dist
+
+    from .roles import build_optimizer
+    from .train.parallel import fsdp2_api, transformer_blocks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        fully_shard = fsdp2_api()[0]
+        model = _stack_model(torch.device("cpu"), shape)
+        for block in transformer_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.detach().clone().mul_(1e-3) for p in params]
+        results = {"parameters": sum(p.numel() for p in params)}
+        real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor")}
+        spent = [0.0]
+
+        def timed(fn):
+            def run(*args, **kwargs):
+                start = time.perf_counter()
+                work = fn(*args, **kwargs)
+                spent[0] += time.perf_counter() - start
+                return work
+            return run
+
+        for recipe in recipes:
+            opt, _ = build_optimizer(model, recipe, eager_state=True, compile=False, cost_model=cost_model)
+            for overlap in (False, True):
+                opt.overlap = overlap
+                dist.barrier()
+                t = torch.tensor([_time_steps(opt, params, grads, torch.device("cpu"), repeats)])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                results[(recipe, overlap)] = float(t)
+            # time inside the (synchronous) collectives of one waited step: the communication to hide
+            opt.overlap = False
+            for name, fn in real.items():
+                setattr(dist, name, timed(fn))
+            try:
+                spent[0] = 0.0
+                dist.barrier()
+                opt.step()
+                comm = torch.tensor([spent[0]])
+            finally:
+                for name, fn in real.items():
+                    setattr(dist, name, fn)
+            dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+            results[(recipe, "comm")] = float(comm)
+            del opt
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def overlap(recipes, repeats: int, worlds, shape: str | None, cost_model: str) -> None:
+    """``--overlap``: per-rank step time of FSDP2-sharded stacks with the owner exchanges
+    waited for at once and overlapped with the maps, on gloo (one thread per process)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    print(f"(e) per-rank optimizer step time (ms, slowest rank), FSDP2 over all ranks, Qwen3-style model "
+          f"{shape or 'of --stack'}, gloo, one thread per process, cost model {cost_model}, torch {torch.__version__}")
+    print(f"{'procs':>5s} {'recipe':20s} {'waited':>9s} {'overlap':>9s} {'ratio':>6s} {'comm ms':>8s} {'hidden':>7s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            out = f"{tmp}/w{world}.pt"
+            mp.spawn(_overlap_worker, args=(world, f"{tmp}/rdv{world}", recipes, repeats, out, shape, cost_model),
+                     nprocs=world, join=True)
+            res = torch.load(out)
+            for recipe in recipes:
+                waited, over, comm = res[(recipe, False)], res[(recipe, True)], res[(recipe, "comm")]
+                hidden = (waited - over) / comm if comm > 0 else float("nan")
+                print(f"{world:5d} {recipe:20s} {1e3 * waited:9.2f} {1e3 * over:9.2f} {over / waited:6.2f} "
+                      f"{1e3 * comm:8.2f} {100 * hidden:6.0f}%")
+
+
 def _tall(m: int, n: int, cond: float, scale: float, gen: torch.Generator) -> torch.Tensor:
     u, _ = torch.linalg.qr(torch.randn(m, n, generator=gen, dtype=torch.float64))
     v, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
@@ -281,9 +367,16 @@ def main(argv=None) -> None:
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack")
     parser.add_argument("--divided", action="store_true", help="only the per-rank DDP table (1 vs 2 processes)")
     parser.add_argument("--worlds", default="1,2", help="process counts for --divided")
-    parser.add_argument("--model", default=None, help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided")
+    parser.add_argument("--model", default=None, help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided / --overlap")
+    parser.add_argument("--overlap", action="store_true", help="only the FSDP2 overlap table (waited vs overlapped exchanges)")
+    parser.add_argument("--cost-model", default="owner", help="--overlap: the optimizer's cost model (default owner)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.overlap:
+        worlds = [int(w) for w in (args.worlds if args.worlds != "1,2" else "2,4").split(",")]
+        overlap(args.recipes.split(",") if args.recipes != ",".join(STACK_RECIPES) else ["paper:qwen3:a-i", "paper:qwen3:b-ii"],
+                args.repeats or 5, worlds, args.model, args.cost_model)
+        return
     if args.divided:
         worlds = [int(w) for w in args.worlds.split(",")]
         divided(device, args.recipes.split(","), args.repeats or (20 if device.type == "cuda" else 5), worlds, args.model)

@@ -219,9 +219,16 @@ def group_ranks(sharding: Sharding, axes, coordinate=None) -> tuple[int, ...]:
 _GROUP_RANKS: dict = {}
 
 
+#: Owner work of one process group and dtype is sent in up to this many waves, so that
+#: one wave's exchange travels while another's maps run (see EquivariantOptimizer's
+#: ``overlap``). Each wave takes every WAVES-th task in the owners' assignment order
+#: (longest first), so the waves carry similar work.
+WAVES = 4
+
+
 class OwnerBatch(NamedTuple):
-    """Owner-mapped parameters that share one process group and dtype: one all-to-all each
-    way. ``members`` index the tasks; ``me`` is this rank's place in the group;
+    """Owner-mapped parameters that share one process group and dtype, one wave of them
+    (:data:`WAVES`): one all-to-all each way. ``members`` index the tasks; ``me`` is this rank's place in the group;
     ``blocks[k][s]`` is group member ``s``'s block of member ``k``; ``owners[k]`` its owner."""
 
     members: list[int]
@@ -272,8 +279,13 @@ def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = N
                                                                       tasks[i][1].axes)] for i in members]
             joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
             costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
-            found = (blocks, assign(costs, len(coords)))
+            order = sorted(range(len(members)), key=lambda k: (-costs[k], k))
+            waves = [sorted(order[w::WAVES]) for w in range(min(WAVES, len(members)))]
+            found = (blocks, assign(costs, len(coords)), waves)
             if cache is not None:
                 cache[(signature, tuple(members))] = found
-        out.append(OwnerBatch(members, coords.index(tuple(where(first))), *found))
+        blocks, owners, waves = found
+        me = coords.index(tuple(where(first)))
+        for wave in waves:
+            out.append(OwnerBatch([members[k] for k in wave], me, [blocks[k] for k in wave], [owners[k] for k in wave]))
     return out
