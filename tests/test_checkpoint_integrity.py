@@ -3,6 +3,7 @@ with the checkpoint and verified at load; a damaged latest checkpoint is skipped
 newest intact one with a warning, and one named directly fails with a message that says
 what is damaged and which checkpoints are intact. One process, and 2 gloo processes."""
 
+import gc
 import json
 import os
 import warnings
@@ -251,6 +252,11 @@ def _two_rank_worker(rank, world, rendezvous, root):
                 assert messages[0] == messages[1], messages
                 assert __import__("re").search(rf"{STEP(2)} is damaged: {says}.*intact checkpoints in .*: {STEP(1)}$",
                                                messages[0]), messages[0]
+        # no tensor that refers to the group may outlive it, and no rank may tear it down
+        # while another still talks on it (gloo aborts the process otherwise)
+        del mesh, got
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
