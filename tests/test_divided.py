@@ -64,9 +64,11 @@ def _check_recipes(world):
 
 def _check_division(world):
     """Muon on several same-shaped matrices: each rank maps only its share; one broadcast
-    per owner carries exactly the updates of the matrices it owns."""
+    per owner and wave carries exactly the updates of the matrices it owns."""
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
+    from equiopt.optim.owners import assign
+    from equiopt.optim.sharded import WAVES
 
     gen = torch.Generator().manual_seed(5)
     shapes = [(48, 32)] * 5 + [(32, 96)] * 2 + [(200, 16)]
@@ -75,11 +77,15 @@ def _check_division(world):
     for p in params + [vec]:
         p.grad = torch.randn(p.shape, generator=gen)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for r, p in zip(ref, params):
-        r.grad = p.grad.clone()
+    waited = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, q, p in zip(ref, waited, params):
+        r.grad, q.grad = p.grad.clone(), p.grad.clone()
     groups = [{"params": params, "rule": "spectral", "polar_dtype": torch.float32},
               {"params": [vec], "rule": "adamw"}]
     opt = EquivariantOptimizer(groups, lr=0.05, divide_work=True)
+    # every broadcast waited for at once: the overlapped step must equal it bit for bit
+    EquivariantOptimizer([{"params": waited, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05,
+                         divide_work=True, overlap=False).step()
     with counting_map_work() as done, record_collectives() as log:
         opt.step()
     EquivariantOptimizer([{"params": ref, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05).step()
@@ -87,11 +93,16 @@ def _check_division(world):
     assert 0 < sum(done) < sum(costs), (done, costs)
     check_work_divided(done, costs)
     broadcasts = [r for r in log if r.op == "broadcast"]
-    assert len(broadcasts) == world and all(r.op in ("broadcast", "all_reduce") for r in log), log.summary()
+    # one broadcast per owner and wave (waves take every WAVES-th matrix, longest first)
+    order = sorted(range(len(shapes)), key=lambda t: (-costs[t], t))
+    owners = assign(costs, world)
+    expected = sum(len({owners[t] for t in order[w::WAVES]}) for w in range(min(WAVES, len(shapes))))
+    assert len(broadcasts) == expected and all(r.op in ("broadcast", "all_reduce") for r in log), log.summary()
     assert sum(r.bytes for r in broadcasts) == sum(s[0] * s[1] * 4 for s in shapes)
-    for p, r in zip(params, ref):
+    for p, r, q in zip(params, ref, waited):
         assert _identical_on_every_rank(p)
         assert _rel(p.detach(), r.detach()) <= 1e-5
+        assert torch.equal(p.detach(), q.detach())
 
 
 def _check_gram_division(world):

@@ -26,9 +26,10 @@ from ..distributed.placements import Sharding, describe_sharding, mesh_group, ro
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
                     shape_factor, validate_group)
-from .owners import assign, map_cost, share, start_from_owners, start_to_owners
+from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
 from .costs import replica_division, resolve_cost_model
-from .sharded import LOCAL, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan, reducers
+from .sharded import (LOCAL, WAVES, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan,
+                      reducers)
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
@@ -151,10 +152,12 @@ class EquivariantOptimizer(Optimizer):
     CUDA, gloo on CPU otherwise), ``"nccl-h100"``, ``"gloo-cpu"``, ``"reduce"``/``"owner"``
     (that plan wherever possible) or a :class:`~equiopt.optim.costs.CostModel`.
 
-    ``overlap`` (default True): the owner exchanges of split parameters are started
-    asynchronously, two owner batches at a time, so the next batch's blocks travel while
-    this batch's maps run and its updates travel back while the next one's run (results
-    are bitwise those of ``overlap=False``, which waits for every collective at once).
+    ``overlap`` (default True): owner work goes in waves (:data:`~.sharded.WAVES`) whose
+    exchanges start asynchronously: for split parameters two waves at a time, the next
+    wave's blocks travelling while this wave's maps run and its updates travelling back
+    while the next one's run; under ``divide_work`` each wave's broadcasts travel while the
+    next wave's maps run. Results are bitwise those of ``overlap=False``, which waits for
+    every collective as it is issued.
 
     ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
     so momentum, row scaling, centring and the weight update fuse into few passes):
@@ -701,18 +704,27 @@ class EquivariantOptimizer(Optimizer):
                 mats = w.reshape(-1, *w.shape[-2:]).unbind(0)
                 jobs.extend((key, group["eta"], m) for m in mats)
                 counts.append(len(mats))
-        owners = assign([map_cost(m.shape) for _, _, m in jobs], n)
-        mine = [t for t in range(len(jobs)) if owners[t] == me]
-        results = dict(zip(mine, _map_whole([jobs[t] for t in mine])))
-        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-        for t, (_, _, m) in enumerate(jobs):
-            by_dtype[m.dtype].append(t)
+        costs = [map_cost(m.shape) for _, _, m in jobs]
+        owners = assign(costs, n)
+        # in waves of similar work (as the owner work of split parameters): a wave's
+        # broadcasts travel while the next wave's maps run
+        order = sorted(range(len(jobs)), key=lambda t: (-costs[t], t))
         shared: list = [None] * len(jobs)
-        for ts in by_dtype.values():
-            got = share({k: results[t] for k, t in enumerate(ts) if t in results}, [jobs[t][2].shape for t in ts],
-                        [owners[t] for t in ts], me, pg, like=jobs[ts[0]][2])
-            for k, t in enumerate(ts):
-                shared[t] = got[k]
+        pending = []
+        for w in range(min(WAVES, len(jobs))):
+            wave = sorted(order[w::WAVES])
+            mine = [t for t in wave if owners[t] == me]
+            results = dict(zip(mine, _map_whole([jobs[t] for t in mine])))
+            by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+            for t in wave:
+                by_dtype[jobs[t][2].dtype].append(t)
+            for ts in by_dtype.values():
+                pending.append((ts, start_share({k: results[t] for k, t in enumerate(ts) if t in results},
+                                                [jobs[t][2].shape for t in ts], [owners[t] for t in ts], me, pg,
+                                                like=jobs[ts[0]][2], async_op=self.overlap)))
+        for ts, wave_shared in pending:
+            for t, got in zip(ts, wave_shared.wait()):
+                shared[t] = got
         items = [item for _, bucket in buckets for item in bucket]
         start = 0
         for (w, pw, coef, _, _), count in zip(items, counts):

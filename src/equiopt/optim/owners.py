@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["assign", "map_cost", "joint_block", "Pending", "start_to_owners", "to_owners", "start_from_owners",
-           "from_owners", "share"]
+           "from_owners", "start_share", "share"]
 
 
 def map_cost(shape: Sequence[int]) -> int:
@@ -160,14 +160,13 @@ def from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Bloc
     return start_from_owners(updates, blocks, owners, me, group, like, async_op=False).wait()
 
 
-def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
-          group, like: torch.Tensor) -> list[torch.Tensor]:
-    """Every task's result on every rank: each owner broadcasts its ``results`` (one flat
-    buffer per owner, tasks in order); returns all tasks' results in task order."""
+def start_share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
+                group, like: torch.Tensor, async_op: bool = True) -> Pending:
+    """Start :func:`share`; ``wait()`` on the result gives every task's result in task order."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
-    out: list[torch.Tensor | None] = [None] * len(shapes)
+    works, received = [], []
     for q in range(n):
         ts = [t for t in range(len(shapes)) if owners[t] == q]
         if not ts:
@@ -177,7 +176,25 @@ def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], o
             flat = torch.cat([results[t].reshape(-1) for t in ts])
         else:
             flat = like.new_empty(sum(sizes))
-        dist.broadcast(flat, src=dist.get_global_rank(group, q) if group is not None else q, group=group)
-        for t, part in zip(ts, torch.split(flat, sizes)):
-            out[t] = part.view(shapes[t])
-    return out  # type: ignore[return-value]
+        src = dist.get_global_rank(group, q) if group is not None else q
+        works.append(dist.broadcast(flat, src=src, group=group, async_op=async_op))
+        received.append((ts, sizes, flat))
+
+    def finish() -> list[torch.Tensor]:
+        for work in works:
+            if work is not None:
+                work.wait()
+        out: list[torch.Tensor | None] = [None] * len(shapes)
+        for ts, sizes, flat in received:
+            for t, part in zip(ts, torch.split(flat, sizes)):
+                out[t] = part.view(shapes[t])
+        return out  # type: ignore[return-value]
+
+    return Pending(None, finish)
+
+
+def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
+          group, like: torch.Tensor) -> list[torch.Tensor]:
+    """Every task's result on every rank: each owner broadcasts its ``results`` (one flat
+    buffer per owner, tasks in order); returns all tasks' results in task order."""
+    return start_share(results, shapes, owners, me, group, like, async_op=False).wait()
