@@ -168,7 +168,41 @@ def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, com
         del opt
 
 
-def _divided_worker(rank: int, world: int, rendezvous: str, device_type: str, recipes, repeats: int, out: str,
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds``: the slowest rank sets a step's time."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _per_world(worker, worlds, *args) -> dict:
+    """``{world: results}``: ``worker(rank, world, rendezvous, out, *args)`` spawned on each
+    process count, rank 0's results read back from ``out``."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    table = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            out = f"{tmp}/w{world}.pt"
+            mp.spawn(worker, args=(world, f"{tmp}/rdv{world}", out, *args), nprocs=world, join=True)
+            table[world] = torch.load(out)
+    return table
+
+
+def _save_results(results: dict, rank: int, out: str) -> None:
+    """Rank 0 writes ``results`` for :func:`_per_world`; every rank waits for it."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+
+
+def _divided_worker(rank: int, world: int, rendezvous: str, out: str, device_type: str, recipes, repeats: int,
                     shape: str | None) -> None:
     import torch.distributed as dist
 
@@ -190,29 +224,15 @@ def _divided_worker(rank: int, world: int, rendezvous: str, device_type: str, re
             for divide in ((False, True) if world > 1 else (False,)):
                 opt, _ = build_optimizer(model, recipe, eager_state=True, divide_work=divide, compile=False)
                 dist.barrier()
-                t = torch.tensor([_time_steps(opt, params, grads, device, repeats)], device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
-                results[(recipe, divide)] = float(t)
+                results[(recipe, divide)] = _slowest(_time_steps(opt, params, grads, device, repeats), device)
                 del opt
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
+        _save_results(results, rank, out)
     finally:
         dist.destroy_process_group()
 
 
 def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | None = None) -> None:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    table = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in worlds:
-            out = f"{tmp}/w{world}.pt"
-            mp.spawn(_divided_worker, args=(world, f"{tmp}/rdv{world}", device.type, recipes, repeats, out, shape),
-                     nprocs=world, join=True)
-            table[world] = torch.load(out)
+    table = _per_world(_divided_worker, worlds, device.type, recipes, repeats, shape)
     n = table[worlds[0]]["parameters"]
     print(f"(d) per-rank optimizer step time (ms, slowest rank) of the whole stack under replication, "
           f"Qwen3-style model {shape or 'of --stack'} ({n / 1e6:.1f} M trained parameters), "
@@ -226,7 +246,7 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
         print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {ratios}")
 
 
-def _overlap_worker(rank: int, world: int, rendezvous: str, recipes, repeats: int, out: str, shape: str | None,
+def _overlap_worker(rank: int, world: int, rendezvous: str, out: str, recipes, repeats: int, shape: str | None,
                     cost_model: str) -> None:
     import torch.distributed as dist
 
@@ -237,7 +257,8 @@ def _overlap_worker(rank: int, world: int, rendezvous: str, recipes, repeats: in
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fully_shard = fsdp2_api()[0]
-        model = _stack_model(torch.device("cpu"), shape)
+        cpu = torch.device("cpu")
+        model = _stack_model(cpu, shape)
         for block in transformer_blocks(model):
             fully_shard(block)
         fully_shard(model)
@@ -260,9 +281,7 @@ def _overlap_worker(rank: int, world: int, rendezvous: str, recipes, repeats: in
             for overlap in (False, True):
                 opt.overlap = overlap
                 dist.barrier()
-                t = torch.tensor([_time_steps(opt, params, grads, torch.device("cpu"), repeats)])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                results[(recipe, overlap)] = float(t)
+                results[(recipe, overlap)] = _slowest(_time_steps(opt, params, grads, cpu, repeats), cpu)
             # time inside the (synchronous) collectives of one waited step: the communication to hide
             opt.overlap = False
             for name, fn in real.items():
@@ -271,16 +290,12 @@ def _overlap_worker(rank: int, world: int, rendezvous: str, recipes, repeats: in
                 spent[0] = 0.0
                 dist.barrier()
                 opt.step()
-                comm = torch.tensor([spent[0]])
             finally:
                 for name, fn in real.items():
                     setattr(dist, name, fn)
-            dist.all_reduce(comm, op=dist.ReduceOp.MAX)
-            results[(recipe, "comm")] = float(comm)
+            results[(recipe, "comm")] = _slowest(spent[0], cpu)
             del opt
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
+        _save_results(results, rank, out)
     finally:
         dist.destroy_process_group()
 
@@ -288,24 +303,15 @@ def _overlap_worker(rank: int, world: int, rendezvous: str, recipes, repeats: in
 def overlap(recipes, repeats: int, worlds, shape: str | None, cost_model: str) -> None:
     """``--overlap``: per-rank step time of FSDP2-sharded stacks with the owner exchanges
     waited for at once and overlapped with the maps, on gloo (one thread per process)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     print(f"(e) per-rank optimizer step time (ms, slowest rank), FSDP2 over all ranks, Qwen3-style model "
           f"{shape or 'of --stack'}, gloo, one thread per process, cost model {cost_model}, torch {torch.__version__}")
     print(f"{'procs':>5s} {'recipe':20s} {'waited':>9s} {'overlap':>9s} {'ratio':>6s} {'comm ms':>8s} {'hidden':>7s}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in worlds:
-            out = f"{tmp}/w{world}.pt"
-            mp.spawn(_overlap_worker, args=(world, f"{tmp}/rdv{world}", recipes, repeats, out, shape, cost_model),
-                     nprocs=world, join=True)
-            res = torch.load(out)
-            for recipe in recipes:
-                waited, over, comm = res[(recipe, False)], res[(recipe, True)], res[(recipe, "comm")]
-                hidden = (waited - over) / comm if comm > 0 else float("nan")
-                print(f"{world:5d} {recipe:20s} {1e3 * waited:9.2f} {1e3 * over:9.2f} {over / waited:6.2f} "
-                      f"{1e3 * comm:8.2f} {100 * hidden:6.0f}%")
+    for world, res in _per_world(_overlap_worker, worlds, recipes, repeats, shape, cost_model).items():
+        for recipe in recipes:
+            waited, over, comm = res[(recipe, False)], res[(recipe, True)], res[(recipe, "comm")]
+            hidden = (waited - over) / comm if comm > 0 else float("nan")
+            print(f"{world:5d} {recipe:20s} {1e3 * waited:9.2f} {1e3 * over:9.2f} {over / waited:6.2f} "
+                  f"{1e3 * comm:8.2f} {100 * hidden:6.0f}%")
 
 
 def _tall(m: int, n: int, cond: float, scale: float, gen: torch.Generator) -> torch.Tensor:

@@ -242,8 +242,8 @@ def _normalized_gram(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return C * torch.exp2(-k.to(C.dtype))[..., None, None], torch.exp2(torch.div(-k, 2, rounding_mode="floor").to(C.dtype))
 
 
-def _damping(C: torch.Tensor, eps: float, half: torch.Tensor, damping: str, r: int) -> torch.Tensor:
-    """The damping added to the normalised Gram ``C`` (see :func:`_normalized_gram`), ``(..., 1, 1)``.
+def _damping(trace: torch.Tensor, eps: float, half: torch.Tensor, damping: str, r: int) -> torch.Tensor:
+    """The damping added to a normalised Gram of trace ``trace`` (see :func:`_normalized_gram`), ``(..., 1, 1)``.
 
     ``"relative"`` (default): ``eps ||D||_F^2 / r``, ``r = min(m, n)``, i.e. ``eps`` times
     the mean of the (at most ``r``) nonzero eigenvalues of a full-rank Gram: the damped
@@ -255,7 +255,7 @@ def _damping(C: torch.Tensor, eps: float, half: torch.Tensor, damping: str, r: i
     """
     if damping == "absolute":
         return (eps * half.square())[..., None, None]
-    mean = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / r
+    mean = trace / r
     return (eps * torch.where(mean > 0, mean, torch.ones_like(mean)))[..., None, None]
 
 
@@ -301,19 +301,19 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
         part = _take(reducer, x)
         C = x.mT @ x if reducer is None else reducer.sum(part.mT @ part)
     C, half = _normalized_gram(C)
+    trace = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)  # ||D||_F^2, normalised
     A = C
     if left and centered:
         # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
         # eigenvalue, A = C + (tr C / m) 11^T / m, leaves (A + eps I)^(-1/2) unchanged on
         # 1-perp (the paper's inverse square root "on the centred expert subspace") and
         # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
-        mu = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
-        A = C + (mu / m) * torch.ones_like(C)
-    R = inv_sqrt(A, _damping(C, eps, half, damping, min(m, n)), method, steps).to(x.dtype)
+        A = C + (trace[..., None, None] / m / m) * torch.ones_like(C)
+    R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps).to(x.dtype)
     factor = half
     if alpha != 0 or scale != "nu":
         nu = (C * R.mT).sum(dim=(-2, -1))  # of the normalised Gram; tr(C R) of D's is nu / half
-        fro2 = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)
+        fro2 = trace
         if scale == "nu":
             nu = nu / half
             if damping == "absolute":

@@ -80,37 +80,35 @@ def _gemm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
-def _guarded(f: Factored, coef: torch.Tensor) -> tuple[Factored, torch.Tensor, torch.Tensor]:
-    """``f`` with its non-finite entries zeroed, ``coef`` times the update's finite flag, and the flag.
+def _guarded(f: Factored) -> tuple[Factored, torch.Tensor]:
+    """``f`` with its non-finite entries zeroed, and the update's finite flag (0-d bool).
 
     The flag is read from the small factors (row scales, ``R``, shifts: a non-finite
     work matrix makes them non-finite too, see :mod:`equiopt.maps`) or, for an update
     given whole, from the update itself, which is then cleaned in place (it is always a
     fresh tensor). No host read: a non-finite update adds ``0`` to the weights.
     """
-    factors = [t for t in (f.row, f.left, f.right, f.shift) if t is not None]
-    ok = finite_flags(factors or [f.x], INF_NORM).all()
-    if factors:
-        f = f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0)
-                          for k in ("row", "left", "right", "shift") if getattr(f, k) is not None})
-    else:
-        torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
-    return f, coef * ok, ok
+    names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
+    ok = finite_flags([getattr(f, k) for k in names] or [f.x], INF_NORM).all()
+    if names:
+        return f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0) for k in names}), ok
+    torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
+    return f, ok
 
 
 def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> torch.Tensor:
     """``pw += coef * U`` for the update ``U`` that ``f`` stands for, in place; returns the
-    update's finite flag (0-d bool: a non-finite update is not added, see :func:`_guarded`).
+    update's finite flag (0-d bool: a non-finite update is not added, see :func:`_guarded`;
+    a skipped parameter, ``coef = 0``, counts as finite: its gradient's flag counts it).
 
     ``pw`` is a work view of the parameter (writing to it writes the parameter). The
     scalar ``coef`` (``-lr * shape factor * ok``) is folded into the small factor, so a
     one-sided or hybrid update is a single accumulating GEMM into the weights and a
     row-norm update a single ``addcmul``; no full-size update tensor is formed.
     """
-    scaled = coef
-    f, coef, ok = _guarded(f, coef)
-    _add_(pw, f, coef)
-    return ok | (scaled == 0)  # a skipped parameter (or lr 0) is counted by its gradient's flag
+    f, ok = _guarded(f)
+    _add_(pw, f, coef * ok)
+    return ok | (coef == 0)
 
 
 def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
