@@ -105,7 +105,7 @@ def _run_dirs(study: str) -> list[Path]:
     logs = OUT / study / "logs"
     sweep = OUT / study / "sweep.json"
     if sweep.exists():
-        from equiopt.train.paired import mult_tag
+        from equiopt.study.paired import mult_tag
 
         chosen = json.loads(sweep.read_text())["chosen"]
         family, names = STUDIES[study]
@@ -118,7 +118,7 @@ def _run_dirs(study: str) -> list[Path]:
 
 
 def _finished(run_dir: Path) -> bool:
-    from equiopt.train.plots import read_run
+    from equiopt.study.plots import read_run
 
     return (run_dir / "log.jsonl").exists() and read_run(run_dir).status == "done"
 
@@ -128,7 +128,7 @@ def _fmt(v, digits=4):
 
 
 def _tables(study: str, dirs: list[Path]) -> list[str]:
-    from equiopt.train.compare_table import compare_rows
+    from equiopt.study.compare_table import compare_rows
 
     lines = []
     for metric in METRICS[study]:
@@ -142,7 +142,7 @@ def _tables(study: str, dirs: list[Path]) -> list[str]:
 def _section(study: str, title: str, rows, metric: str) -> list[str]:
     """One metric: mean ± std per arm, then the paired differences from each baseline of
     the study that was run."""
-    from equiopt.train.paired import paired_rows, paired_table
+    from equiopt.study.paired import paired_rows, paired_table
 
     family, names = STUDIES[study]
     lines = [f"### {title}", "", "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
@@ -162,7 +162,7 @@ def _over_run(row, metric: str):
     """``row`` with each run's value replaced by its mean over the run's validations."""
     from dataclasses import replace
 
-    from equiopt.train.plots import read_run
+    from equiopt.study.plots import read_run
 
     values = []
     for path in row.paths:
@@ -174,7 +174,7 @@ def _over_run(row, metric: str):
 
 
 def _curves(study: str, dirs: list[Path]) -> Path:
-    from equiopt.train.plots import _mpl, read_run
+    from equiopt.study.plots import _mpl, read_run
     import numpy as np
 
     Figure = _mpl()[0]
@@ -228,7 +228,7 @@ def _sweep_arms(study: str):
     """The study's lr sweep read back from its run directories (``<arm>/lrx<m>-s<seed>``):
     each arm's own grid, tuned on seed 0."""
     from equiopt.train.config import load_config
-    from equiopt.train.paired import SweepArm, _base_lrs
+    from equiopt.study.paired import SweepArm, _base_lrs
 
     family, names = STUDIES[study]
     roles = SWEEPS[study][0]
@@ -250,7 +250,7 @@ def from_logs_report() -> None:
     finished; for a tuned study first its sweep report (sweep.md, sweep.json, figures)."""
     import os
 
-    from equiopt.train.paired import sweep_report
+    from equiopt.study.paired import sweep_report
 
     os.chdir(ROOT)  # run directories are named relative to the repository root
     for study, (roles, command) in SWEEPS.items():

@@ -9,7 +9,7 @@ import pytest
 from equiopt.models import build
 from equiopt.roles import build_optimizer
 from equiopt.train import from_dict, load_config, train
-from equiopt.train.experiments import AUX_LOSS, PROTOCOLS, SCALES, SOFTCAP, Z_LOSS, experiments, run_config
+from equiopt.study.experiments import AUX_LOSS, PROTOCOLS, SCALES, SOFTCAP, Z_LOSS, experiments, run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -121,7 +121,7 @@ def test_shipped_configs_train_at_tiny_size(corpus, tmp_path, path):
 
 
 def test_readme_prepares_the_data_every_config_reads():
-    from equiopt.train.experiments import TOKENIZERS, data_dir
+    from equiopt.study.experiments import TOKENIZERS, data_dir
 
     readme = (CONFIGS / "README.md").read_text()
     for family, tokenizer in TOKENIZERS.items():
@@ -133,7 +133,7 @@ def test_readme_prepares_the_data_every_config_reads():
 
 
 def test_downsized_scales_use_the_transferable_embedding_update_and_paper_scale_stays_the_papers():
-    from equiopt.train.experiments import DOWNSIZED
+    from equiopt.study.experiments import DOWNSIZED
 
     changed = 0
     for e in experiments():

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from equiopt.train import Trainer, check_checkpoint, from_dict, latest_checkpoint, read_checkpoint
-from equiopt.train.plots import read_run
+from equiopt.study.plots import read_run
 from test_train import data_dir, make_cfg  # noqa: F401  (data_dir is a fixture)
 
 pytestmark = [

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from equiopt.train.paired import paired_rows, paired_table, sweep, sweep_report, t_quantile
+from equiopt.study.paired import paired_rows, paired_table, sweep, sweep_report, t_quantile
 
 
 def write_run(path: Path, name: str, seed: int, val: float, recipe: str = "paper:qwen3:a-i", status: str = "done",

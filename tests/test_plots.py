@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from equiopt.train.compare_table import compare_rows, compare_table, main_table, strip_seed_suffix
-from equiopt.train.plots import RunLogWarning, main_plot, plot_runs, read_run, read_runs
+from equiopt.study.compare_table import compare_rows, compare_table, main_table, strip_seed_suffix
+from equiopt.study.plots import RunLogWarning, main_plot, plot_runs, read_run, read_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROUTER = ("lb", "z", "entropy", "cv", "dead", "max_load", "logit_rms")

@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         if args.quick:
-            from .demo import main as quick_demo
+            from .demos.quick import main as quick_demo
 
             quick_demo(steps=args.steps or 300, seed=args.seed)
         else:
-            from .train.demo import main as train_demo
+            from .demos.pretrain import main as train_demo
 
             train_demo(out=args.out, steps=args.steps, seed=args.seed)
     elif args.command == "data":
@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "compare":
         return _compare(args, argv)
     elif args.command == "plot":
-        from .train.plots import main_plot
+        from .study.plots import main_plot
 
         return main_plot(rest) or 0
     elif args.command == "table":
-        from .train.compare_table import main_table
+        from .study.compare_table import main_table
 
         return main_table(rest) or 0
     elif args.command == "roles":
@@ -201,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _compare(args, argv) -> int:
     """``equiopt compare``: train (or reuse) the runs, print the table, paired differences and figures."""
-    from .train.compare_table import compare_rows, compare_table
-    from .train.paired import paired_rows, paired_table, sweep, sweep_report
-    from .train.plots import plot_runs
+    from .study.compare_table import compare_rows, compare_table
+    from .study.paired import paired_rows, paired_table, sweep, sweep_report
+    from .study.plots import plot_runs
 
     sets = _parse_sets(args.set)
     command = "equiopt " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -19,7 +19,10 @@ entries of an optimizer's param groups into one ``LambdaLR``.
 
 from .paper import PAPER_MODELS
 from .recipe import Recipe
-from .registry import DEFAULT_RECIPE, adamw_recipe, default_recipe, get_recipe, list_recipes, muon_recipe, register_recipe
+from .registry import (
+    DEFAULT_RECIPE, adamw_recipe, default_recipe, get_recipe, list_recipes, load_recipe_toml, loads_recipe_toml,
+    muon_recipe, register_recipe,
+)
 from .schedules import Constant, StableDecay, WarmupCosine, build_scheduler, make_lr_lambda
 from .schema import (
     ETAS,
@@ -36,7 +39,7 @@ from .schema import (
     SCHEDULE_KINDS,
     default_schedule,
 )
-from .tomlio import load_recipe_toml, loads_recipe_toml, save_recipe_toml
+from .tomlio import save_recipe_toml
 
 __all__ = [
     "Recipe",

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import difflib
 import os
+
 from .recipe import Recipe
+from .tomlio import parse_recipe_toml, read_recipe_text
 
 __all__ = ["get_recipe", "list_recipes", "register_recipe", "default_recipe", "muon_recipe", "adamw_recipe",
-           "DEFAULT_RECIPE"]
+           "DEFAULT_RECIPE", "load_recipe_toml", "loads_recipe_toml"]
 
 
 def muon_recipe() -> Recipe:
@@ -139,8 +141,6 @@ def get_recipe(name: "str | os.PathLike[str] | Recipe") -> Recipe:
     if isinstance(name, Recipe):
         return name
     if isinstance(name, os.PathLike) or (isinstance(name, str) and name.endswith(".toml")):
-        from .tomlio import load_recipe_toml
-
         return load_recipe_toml(name)
     if not isinstance(name, str):
         raise ValueError(f"recipe name must be a string, got {name!r}")
@@ -154,6 +154,28 @@ def get_recipe(name: "str | os.PathLike[str] | Recipe") -> Recipe:
     close = difflib.get_close_matches(canonical, list(reg), n=5, cutoff=0.6)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise ValueError(f"unknown recipe {name!r}; {hint}valid recipes: {', '.join(reg)}")
+
+
+def loads_recipe_toml(text: str, *, source: str = "<string>", default_name: str | None = None) -> Recipe:
+    """Parse a recipe from TOML text, resolving its ``base``; errors name ``source``."""
+    parsed = parse_recipe_toml(text, source=source, default_name=default_name)
+    if parsed.recipe is not None:
+        return parsed.recipe
+    try:
+        base = get_recipe(parsed.base)
+        return base.with_overrides(
+            parsed.roles,
+            name=parsed.name,
+            description=parsed.description if parsed.description is not None else f"{base.name} with overrides",
+        )
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+def load_recipe_toml(path: "str | os.PathLike[str]") -> Recipe:
+    """Read a recipe file (format: :mod:`equiopt.recipes.tomlio`). Errors name the file, and the role and field at fault."""
+    text, source, stem = read_recipe_text(path)
+    return loads_recipe_toml(text, source=source, default_name=stem)
 
 
 def register_recipe(recipe: Recipe, *, overwrite: bool = False) -> Recipe:

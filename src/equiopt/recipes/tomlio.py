@@ -1,4 +1,4 @@
-"""Reading and writing recipes as TOML.
+"""Reading and writing recipes as TOML (parsing only: ``base`` is resolved by the registry).
 
 A recipe file::
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .recipe import Recipe
 from .schema import FIELDS, RULE_FIELDS, ROLES
 
-__all__ = ["load_recipe_toml", "loads_recipe_toml", "save_recipe_toml"]
+__all__ = ["RecipeFile", "parse_recipe_toml", "read_recipe_text", "save_recipe_toml"]
 
 _TOP_LEVEL = ("name", "description", "base", "roles")
 
@@ -49,8 +49,20 @@ def _tomllib():
     return tomli
 
 
-def loads_recipe_toml(text: str, *, source: str = "<string>", default_name: str | None = None) -> Recipe:
-    """Parse a recipe from TOML text; errors name ``source``."""
+class RecipeFile(NamedTuple):
+    """A parsed recipe file. With ``base``, ``roles`` are overrides of that recipe
+    (resolved by :func:`equiopt.recipes.registry.loads_recipe_toml`); without it,
+    ``recipe`` is the complete recipe the file defines."""
+
+    name: str
+    description: str | None
+    base: str | None
+    roles: Mapping[str, Any]
+    recipe: Recipe | None
+
+
+def parse_recipe_toml(text: str, *, source: str = "<string>", default_name: str | None = None) -> RecipeFile:
+    """Parse recipe TOML without resolving ``base``; errors name ``source``."""
     toml = _tomllib()
     try:
         data = toml.loads(text)
@@ -62,25 +74,24 @@ def loads_recipe_toml(text: str, *, source: str = "<string>", default_name: str 
         raise ValueError(f"{source}: {err}") from None
 
 
-def load_recipe_toml(path: "str | os.PathLike[str]") -> Recipe:
-    """Read a recipe file. Errors name the file, and the role and field at fault."""
+def read_recipe_text(path: "str | os.PathLike[str]") -> tuple[str, str, str]:
+    """``(text, source, default name)`` of a recipe file; unreadable files name the path."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as err:
         raise ValueError(f"{path}: cannot read recipe file: {err.strerror or err}") from None
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return loads_recipe_toml(text, source=path, default_name=stem)
+    return text, path, os.path.splitext(os.path.basename(path))[0]
 
 
 def save_recipe_toml(recipe: Recipe, path: "str | os.PathLike[str]") -> None:
-    """Write ``recipe`` to ``path`` in the format :func:`load_recipe_toml` reads."""
+    """Write ``recipe`` to ``path`` in the format :func:`equiopt.recipes.load_recipe_toml` reads."""
     with open(os.fspath(path), "w", encoding="utf-8") as fh:
         fh.write(recipe.to_toml())
 
 
-def _from_data(data: Mapping[str, Any], default_name: str | None) -> Recipe:
+def _from_data(data: Mapping[str, Any], default_name: str | None) -> RecipeFile:
     unknown = [k for k in data if k not in _TOP_LEVEL]
     if unknown:
         raise ValueError(
@@ -98,14 +109,7 @@ def _from_data(data: Mapping[str, Any], default_name: str | None) -> Recipe:
     description = data.get("description")
 
     if "base" in data:
-        from .registry import get_recipe
-
-        base = get_recipe(data["base"])
-        return base.with_overrides(
-            roles,
-            name=name,
-            description=description if description is not None else f"{base.name} with overrides",
-        )
+        return RecipeFile(name, description, data["base"], roles, None)
 
     # No base: a complete recipe; "*" supplies shared fields.
     for role in roles:
@@ -127,4 +131,4 @@ def _from_data(data: Mapping[str, Any], default_name: str | None) -> Recipe:
         rule = own.get("rule", star.get("rule"))
         accepted = RULE_FIELDS.get(rule, FIELDS)
         full[role] = {**{k: v for k, v in star.items() if k in accepted}, **own}
-    return Recipe(name=name, description=description or "", roles=full)
+    return RecipeFile(name, description, None, roles, Recipe(name=name, description=description or "", roles=full))

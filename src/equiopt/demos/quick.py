@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import maps
-from .diagnostics import check_equivariance
-from .optim import EquivariantOptimizer
+from .. import maps
+from ..diagnostics import check_equivariance
+from ..optim import EquivariantOptimizer
 
 
 class TinyLM(nn.Module):

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from .experiments import CPU_VOCAB as VOCAB
+from ..study.experiments import CPU_VOCAB as VOCAB
 
 CONFIGS = {"adamw-emb-head": "paper:qwen3:a-iii", "rownorm-emb-head": "paper:qwen3:a-i"}
 DOCUMENTS = 1500  # of 256 poetry lines each: about 5 M tokens with the 4k BPE
@@ -52,9 +52,9 @@ def prepare_data(out: Path) -> tuple[Path, Path | None]:
 
 
 def run_config(name: str, recipe: str, data: Path, ood: Path | None, out: Path, steps: int, seed: int) -> Path:
-    from .config import from_dict
-    from .experiments import experiments, run_config as scale_config
-    from .loop import train
+    from ..train.config import from_dict
+    from ..study.experiments import experiments, run_config as scale_config
+    from ..train.loop import train
 
     # the cpu scale of configs/ (configs/cpu/qwen3/<config>.toml) on the demo's own data
     experiment = next(e for e in experiments("qwen3") if e.recipe == recipe and not e.optim_overrides)
@@ -75,8 +75,8 @@ def run_config(name: str, recipe: str, data: Path, ood: Path | None, out: Path, 
 
 
 def main(out: str = "runs/demo", steps: int | None = None, seed: int = 0) -> list[Path]:
-    from .compare_table import compare_table
-    from .plots import plot_runs
+    from ..study.compare_table import compare_table
+    from ..study.plots import plot_runs
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -174,7 +174,7 @@ def _pair(row: CompareRow, base: CompareRow, metric: str) -> PairedRow:
 def paired_rows(run_dirs: Iterable[Any] | Sequence[CompareRow], baseline: str, metric: str = "val/loss",
                 ignore: Iterable[str] = ()) -> list[PairedRow]:
     """Every configuration but the baseline, paired with it by seed (see :class:`PairedRow`).
-    ``run_dirs``: what :func:`~equiopt.train.compare_table.compare_rows` takes, or its rows."""
+    ``run_dirs``: what :func:`~equiopt.study.compare_table.compare_rows` takes, or its rows."""
     items = list(run_dirs)
     rows = items if items and all(isinstance(r, CompareRow) for r in items) else \
         compare_rows(items, metric=metric, ignore=ignore)
@@ -264,8 +264,8 @@ def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[
     With ``tune_seeds = k`` the grid runs on ``seeds[:k]`` only; the multiplier with the
     best mean ``metric`` there is then run on the remaining seeds.
     """
-    from .config import load_config
-    from .loop import NonFiniteLossError, train
+    from ..train.config import load_config
+    from ..train.loop import NonFiniteLossError, train
 
     train_fn = train_fn or train
     seeds = list(seeds)
