@@ -1,19 +1,72 @@
-"""Fixtures shared by the test modules, and the opt-in ``slow`` marker."""
+"""Fixtures shared by the test modules, the process launchers, and the markers.
+
+Markers (declared in pyproject.toml):
+
+- ``distributed``: starts processes (gloo ranks or torchrun); given to every test that uses
+  the ``gloo`` or ``torchrun`` fixture below, and to the soak test.
+- ``slow``: runs by default and in CI but takes long (a few seconds to minutes each on
+  2 cores); ``-m "not slow"`` leaves them out.
+- ``soak``: opt-in, skipped unless ``EQUIOPT_SLOW_TESTS=1`` or ``-m`` asks for ``soak``.
+- ``network``: opt-in, downloads; ``EQUIOPT_NETWORK_TESTS=1``.
+- ``torchtitan``: skipped where torchtitan is not installed.
+
+See tests/README.md for the commands.
+"""
 
 import os
 
 import pytest
 import torch
+from _launch import run_gloo, run_torchrun
+
+LAUNCHERS = {"gloo", "torchrun"}  # the fixtures that start processes: their tests are ``distributed``
 
 
+def _asks_for_soak(markexpr):
+    """Whether ``-m`` names ``soak`` positively: the expression holds for a test marked only
+    ``soak`` and not for an unmarked one (so ``-m "not slow"`` does not opt in)."""
+    if not markexpr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression
+
+        expr = Expression.compile(markexpr)
+        return expr.evaluate(lambda name, **kw: name == "soak") and not expr.evaluate(lambda name, **kw: False)
+    except Exception:  # a private pytest API: fall back to the word itself
+        return "soak" in markexpr.split()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """``slow`` tests run only with ``EQUIOPT_SLOW_TESTS=1`` or when ``-m`` names them."""
-    if os.environ.get("EQUIOPT_SLOW_TESTS") == "1" or "slow" in (config.getoption("markexpr", "") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: minutes of multi-process runs; set EQUIOPT_SLOW_TESTS=1 or pass -m slow")
+    distributed = pytest.mark.distributed
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        if LAUNCHERS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(distributed)
+    if os.environ.get("EQUIOPT_SLOW_TESTS") == "1" or _asks_for_soak(config.getoption("markexpr", "")):
+        return
+    skip = pytest.mark.skip(reason="soak: opt-in, minutes to half an hour; set EQUIOPT_SLOW_TESTS=1 or pass -m soak")
+    for item in items:
+        if item.get_closest_marker("soak") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def gloo(tmp_path):
+    """``gloo(fn, world, *args)``: ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks
+    (``_launch.run_gloo``: file rendezvous under ``tmp_path``, every rank's traceback on
+    failure); returns the list of the ranks' return values."""
+
+    def launch(fn, world, *args, **kw):
+        return run_gloo(fn, world, *args, directory=tmp_path, **kw)
+
+    return launch
+
+
+@pytest.fixture
+def torchrun():
+    """``torchrun(*argv, nproc=2, timeout=600, env=None)``: ``torchrun --standalone`` run to
+    the end (``_launch.run_torchrun``); its ``CompletedProcess``, or a failure with its output."""
+    return run_torchrun
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The config sanity check (scripts/check_configs.py): its verdict on synthetic logs, and
-the opt-in slow check that trains every CPU config briefly (EQUIOPT_SLOW_TESTS=1)."""
+the opt-in soak check that trains every CPU config briefly (EQUIOPT_SLOW_TESTS=1 or -m soak)."""
 
 import importlib.util
 import json
@@ -35,8 +35,7 @@ def test_check_flags_exploding_weights_losses_and_divergence(tmp_path):
     assert not check_configs.check_run(tmp_path / "nan", 4096, 5.0, 0.0)[0]
 
 
-@pytest.mark.skipif(os.environ.get("EQUIOPT_SLOW_TESTS") != "1",
-                    reason="trains every CPU config for 50 steps (about 30 minutes on 2 cores); set EQUIOPT_SLOW_TESTS=1")
+@pytest.mark.soak  # trains every CPU config for 50 steps (about 30 minutes on 2 cores); EQUIOPT_SLOW_TESTS=1
 @pytest.mark.skipif(not (ROOT / "data" / "poetry-bpe4096").exists(), reason="CPU data not prepared (configs/README.md)")
 def test_every_cpu_config_trains_sanely(tmp_path):
     os.chdir(ROOT)

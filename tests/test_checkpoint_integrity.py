@@ -3,7 +3,6 @@ with the checkpoint and verified at load; a damaged latest checkpoint is skipped
 newest intact one with a warning, and one named directly fails with a message that says
 what is damaged and which checkpoints are intact. One process, and 2 gloo processes."""
 
-import gc
 import json
 import os
 import warnings
@@ -11,7 +10,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from equiopt.train import (
     CheckpointError, CheckpointWarning, Trainer, check_checkpoint, latest_checkpoint, load_checkpoint,
@@ -203,62 +201,51 @@ def test_resume_skips_a_truncated_shard_and_resume_from_names_what_is_damaged(da
 
 
 # ------------------------------------------------------------------ 2 gloo processes
-def _two_rank_worker(rank, world, rendezvous, root):
+def _two_rank_worker(rank, world, root):
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,))
 
-        def tensors(step):  # every rank writes its own half of each tensor
-            return {"w": distribute_tensor(torch.arange(24.0).reshape(8, 3) + step, mesh, [Shard(0)]),
-                    "opt": {"m": distribute_tensor(torch.arange(6.0) * step, mesh, [Shard(0)])}}
+    def tensors(step):  # every rank writes its own half of each tensor
+        return {"w": distribute_tensor(torch.arange(24.0).reshape(8, 3) + step, mesh, [Shard(0)]),
+                "opt": {"m": distribute_tensor(torch.arange(6.0) * step, mesh, [Shard(0)])}}
 
-        def template():
-            return {"w": distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)]),
-                    "opt": {"m": distribute_tensor(torch.zeros(6), mesh, [Shard(0)])}}
+    def template():
+        return {"w": distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)]),
+                "opt": {"m": distribute_tensor(torch.zeros(6), mesh, [Shard(0)])}}
 
-        for kind, (name, damage, says) in TWO_RANK_DAMAGE.items():
-            directory = root / kind.replace(" ", "_")
-            for step in (1, 2):
-                save_checkpoint(directory, step, tensors(step), {"note": step}, {"rank": rank}, keep=0)
-            manifest = json.loads((directory / STEP(2) / "manifest.json").read_text())
-            assert set(manifest["files"]) == {".metadata", "checkpoint.json", "__0_0.distcp", "__1_0.distcp",
-                                              "rank_00000.json", "rank_00001.json"}
-            dist.barrier()
-            if rank == 0:
-                damage(directory / STEP(2) / name)
-            dist.barrier()
-            got = template()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                path, extras, mine = load_checkpoint(directory, got)
-            assert (path.name, extras["note"], mine) == (STEP(1), 1, {"rank": rank}), kind
-            assert torch.equal(got["w"].full_tensor(), torch.arange(24.0).reshape(8, 3) + 1), kind
-            assert torch.equal(got["opt"]["m"].full_tensor(), torch.arange(6.0)), kind
-            shown = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
-            if rank == 0:  # warned once, by rank 0
-                assert len(shown) == 1 and __import__("re").search(rf"{STEP(2)} is damaged: {says}", shown[0]), shown
-            else:
-                assert shown == []
-            try:
-                load_checkpoint(directory / STEP(2), template())
-                raise AssertionError(f"{kind}: a damaged checkpoint loaded")
-            except CheckpointError as err:  # the same message on every rank
-                messages = [None] * world
-                dist.all_gather_object(messages, str(err))
-                assert messages[0] == messages[1], messages
-                assert __import__("re").search(rf"{STEP(2)} is damaged: {says}.*intact checkpoints in .*: {STEP(1)}$",
-                                               messages[0]), messages[0]
-        # no tensor that refers to the group may outlive it, and no rank may tear it down
-        # while another still talks on it (gloo aborts the process otherwise)
-        del mesh, got
-        gc.collect()
+    for kind, (name, damage, says) in TWO_RANK_DAMAGE.items():
+        directory = root / kind.replace(" ", "_")
+        for step in (1, 2):
+            save_checkpoint(directory, step, tensors(step), {"note": step}, {"rank": rank}, keep=0)
+        manifest = json.loads((directory / STEP(2) / "manifest.json").read_text())
+        assert set(manifest["files"]) == {".metadata", "checkpoint.json", "__0_0.distcp", "__1_0.distcp",
+                                          "rank_00000.json", "rank_00001.json"}
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        if rank == 0:
+            damage(directory / STEP(2) / name)
+        dist.barrier()
+        got = template()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path, extras, mine = load_checkpoint(directory, got)
+        assert (path.name, extras["note"], mine) == (STEP(1), 1, {"rank": rank}), kind
+        assert torch.equal(got["w"].full_tensor(), torch.arange(24.0).reshape(8, 3) + 1), kind
+        assert torch.equal(got["opt"]["m"].full_tensor(), torch.arange(6.0)), kind
+        shown = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+        if rank == 0:  # warned once, by rank 0
+            assert len(shown) == 1 and __import__("re").search(rf"{STEP(2)} is damaged: {says}", shown[0]), shown
+        else:
+            assert shown == []
+        try:
+            load_checkpoint(directory / STEP(2), template())
+            raise AssertionError(f"{kind}: a damaged checkpoint loaded")
+        except CheckpointError as err:  # the same message on every rank
+            messages = [None] * world
+            dist.all_gather_object(messages, str(err))
+            assert messages[0] == messages[1], messages
+            assert __import__("re").search(rf"{STEP(2)} is damaged: {says}.*intact checkpoints in .*: {STEP(1)}$",
+                                           messages[0]), messages[0]
 
 
 TWO_RANK_DAMAGE = {
@@ -271,5 +258,5 @@ TWO_RANK_DAMAGE = {
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_two_gloo_ranks_verify_every_rank_file_and_agree(tmp_path):
-    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "rendezvous"), tmp_path), nprocs=2, join=True)
+def test_two_gloo_ranks_verify_every_rank_file_and_agree(gloo, tmp_path):
+    gloo(_two_rank_worker, 2, tmp_path)

@@ -395,52 +395,28 @@ def test_weight_tracker_from_assignments_and_cumulative_interval():
 
 
 # ------------------------------------------------------------------ distributed reduction
-def _dist_worker(rank, world, rendezvous, logits, router, queue):
-    import gc
+def _dist_worker(rank, world, logits, router):
+    lm = logit_metrics(logits[rank::world], all_reduce=True)
+    rm = router_metrics([r[rank::world] for r in router], top_k=2, all_reduce=True)
+    # a row-sharded DTensor parameter (FSDP2 style): norms are reduced over the mesh
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        lm = logit_metrics(logits[rank::world], all_reduce=True)
-        rm = router_metrics([r[rank::world] for r in router], top_k=2, all_reduce=True)
-        # a row-sharded DTensor parameter (FSDP2 style): norms are reduced over the mesh
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        full = torch.arange(24.0).reshape(6, 4)
-        p = nn.Parameter(distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)]))
-        tracker = WeightTracker({"matrix": [("p", p)]})
-        tracker.snapshot()
-        with torch.no_grad():
-            p.mul_(2.0)
-        ws = tracker.update_stats()["matrix"]
-        queue.put((rank, lm, {k: rm[k] for k in ROUTER_METRIC_KEYS}, ws))
-        # no tensor that refers to the group may outlive it (teardown can abort gloo)
-        del p, tracker
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    full = torch.arange(24.0).reshape(6, 4)
+    p = nn.Parameter(distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)]))
+    tracker = WeightTracker({"matrix": [("p", p)]})
+    tracker.snapshot()
+    with torch.no_grad():
+        p.mul_(2.0)
+    ws = tracker.update_stats()["matrix"]
+    return rank, lm, {k: rm[k] for k in ROUTER_METRIC_KEYS}, ws
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
-def test_all_reduce_gives_metrics_of_the_union(tmp_path):
-    import torch.multiprocessing as mp
-
+def test_all_reduce_gives_metrics_of_the_union(gloo):
     logits = 3 * randn(10, 17, seed=50)
     router = [randn(12, 5, seed=51), randn(12, 5, seed=52) * 4]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    rendezvous = str(tmp_path / "rendezvous")
-    procs = [ctx.Process(target=_dist_worker, args=(r, 2, rendezvous, logits, router, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = gloo(_dist_worker, 2, logits, router)
     want_l = logit_metrics(logits)
     want_r = router_metrics(router, top_k=2)
     full_rms = math.sqrt(sum(i * i for i in range(24)) / 24)

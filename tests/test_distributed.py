@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from equiopt.distributed import (
     UnsupportedShardingError, check_shardings, describe_sharding, record_collectives,
@@ -125,15 +124,9 @@ def _check_recorder(rank: int, world: int) -> None:
     assert objects.ops() and set(objects.ops()) == {"all_gather"}
 
 
-def _worker(rank: int, world: int, rendezvous: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        _check_placements(rank, world)
-        _check_recorder(rank, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> None:
+    _check_placements(rank, world)
+    _check_recorder(rank, world)
 
 
 def test_placements_and_recorder_on_one_rank(tmp_path):
@@ -147,5 +140,5 @@ def test_placements_and_recorder_on_one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def test_placements_and_recorder_on_two_ranks(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+def test_placements_and_recorder_on_two_ranks(gloo):
+    gloo(_worker, 2)

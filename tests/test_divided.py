@@ -13,7 +13,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from map_work import check_work_divided, counting_map_work
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -154,26 +153,16 @@ def _check_gram_division(world):
         assert _rel(w.detach(), ref.detach()) <= 1e-5, kw
 
 
-def _worker(rank, world, rendezvous):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        _check_recipes(world)
-        _check_division(world)
-        _check_gram_division(world)
-        # drop every optimizer and tensor that refers to the group while it is alive
-        # (as Trainer.run does): teardown after destroy_process_group can abort gloo
-        import gc
-
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world):
+    _check_recipes(world)
+    _check_division(world)
+    _check_gram_division(world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_divided_step_is_identical_on_every_rank_and_equals_the_undivided_step(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+def test_divided_step_is_identical_on_every_rank_and_equals_the_undivided_step(world, gloo):
+    gloo(_worker, world)
 
 
 def test_divide_work_needs_a_process_group():

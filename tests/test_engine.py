@@ -152,6 +152,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("copies", [1, 3])
 def test_user_compiled_step_traces_a_bounded_number_of_graphs(copies):
     from torch._dynamo.testing import CompileCounter
@@ -170,6 +171,7 @@ def test_user_compiled_step_traces_a_bounded_number_of_graphs(copies):
     assert opt.nonfinite_steps == ref_opt.nonfinite_steps == 1
 
 
+@pytest.mark.slow
 def test_engine_compile_option_equals_eager():
     params, opt, sched = _build(2, compile="aot_eager")
     _train(params, opt, sched, opt.step)
@@ -194,6 +196,7 @@ assert worst <= 1e-5, worst
 """
 
 
+@pytest.mark.slow
 def test_inductor_compiled_step_from_a_cold_cache_equals_eager(tmp_path):
     """``torch.compile(optimizer.step)`` with Inductor on a CPU, nothing cached."""
     import os

@@ -1,8 +1,6 @@
 """One line per trainer, each used as a real client on a tiny model: HF Trainer, Lightning, torchrun."""
 
 import json
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -159,12 +157,9 @@ def test_lightning_example(examples_path, tmp_path, one_thread, capsys):
 # ----------------------------------------------------------------------------- torchrun
 
 
-def test_torchrun_ddp_example_two_processes(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(EXAMPLES / "torchrun_ddp.py"), "--steps", "6", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.mark.slow
+def test_torchrun_ddp_example_two_processes(tmp_path, torchrun):
+    done = torchrun(EXAMPLES / "torchrun_ddp.py", "--steps", "6", "--out", tmp_path, env={"PYTHONWARNINGS": "ignore"})
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert len({r["weights"] for r in results}) == 1  # DDP kept the ranks identical

@@ -12,8 +12,8 @@ with the exact (SVD) solvers of the recipe moves weights and optimizer state by 
 ``rtol=2e-4, atol=2e-5`` and losses by ``1e-5`` relative after 16 steps (the tolerances
 of the FSDP2 world-size tests in ``test_sharded_train.py``).
 
-Opt-in (``slow``): ``EQUIOPT_SLOW_TESTS=1 pytest tests/test_kill_resume.py`` or
-``pytest -m slow``. Linux only (reads ``/proc`` to find torchrun's worker processes).
+Opt-in (``soak``): ``EQUIOPT_SLOW_TESTS=1 pytest tests/test_kill_resume.py`` or
+``pytest -m soak``. Linux only (reads ``/proc`` to find torchrun's worker processes).
 """
 
 import json
@@ -22,7 +22,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,10 +31,12 @@ import torch.distributed as dist
 
 from equiopt.train import Trainer, check_checkpoint, from_dict, latest_checkpoint, read_checkpoint
 from equiopt.study.plots import read_run
+from _launch import torchrun_command
 from test_train import data_dir, make_cfg  # noqa: F401  (data_dir is a fixture)
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.soak,
+    pytest.mark.distributed,
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find torchrun's workers"),
 ]
@@ -61,9 +62,7 @@ def _write_toml(cfg, path):
 
 
 def _launch(toml, log, *resume):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "equiopt",
-           "train", str(toml), *(resume or ("--resume",))]
+    cmd, env = torchrun_command("-m", "equiopt", "train", toml, *(resume or ("--resume",)))
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -13,16 +13,15 @@ experts, or ``Shard(1)`` inside them).
 """
 
 import copy
-import gc
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from sharded_steps import global_grads, give_grads, in_quotient, rel
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.slow]
 
 FLOAT32 = {"*": {"polar_dtype": "float32"}}
 STEPS = 2
@@ -235,31 +234,23 @@ def _check_reshard(rank, directory):
         assert err <= 1e-5, f"after resharding 2 x 2 -> 4: {name} differs by {err:.2e}"
 
 
-def _worker(rank, world, rendezvous, cases):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        if cases == "reshard":
-            _check_reshard(rank, rendezvous + ".ckpt")
-            cases = []
-        for case, family, recipes in cases:
-            for recipe, costs in recipes:
-                sharded = _check_case(case, family, recipe, costs, rank)
-                if case == "fsdp+tp" and recipe == recipes[0][0]:
-                    _check_placements_seen(sharded)
-                del sharded
-        # no tensor that refers to the group may outlive it (teardown can abort gloo)
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, cases, directory=None):
+    if cases == "reshard":
+        _check_reshard(rank, directory)
+        cases = []
+    for case, family, recipes in cases:
+        for recipe, costs in recipes:
+            sharded = _check_case(case, family, recipe, costs, rank)
+            if case == "fsdp+tp" and recipe == recipes[0][0]:
+                _check_placements_seen(sharded)
+            del sharded
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_mesh_step_equals_one_process(case, tmp_path):
+def test_mesh_step_equals_one_process(case, gloo):
     cases = [c for c in CASES if c[0] == case]
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "rendezvous"), cases), nprocs=WORLD, join=True)
+    gloo(_worker, WORLD, cases)
 
 
-def test_checkpoint_saved_on_2x2_loads_on_4x1(tmp_path):
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "rendezvous"), "reshard"), nprocs=WORLD, join=True)
+def test_checkpoint_saved_on_2x2_loads_on_4x1(gloo, tmp_path):
+    gloo(_worker, WORLD, "reshard", str(tmp_path / "checkpoint"))

@@ -2,15 +2,11 @@
 
 import gc
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from equiopt.train import ConfigError, Trainer, from_dict, read_checkpoint
 from test_train import data_dir, make_cfg, records  # noqa: F401  (data_dir is a fixture)
@@ -31,19 +27,12 @@ def _cfg(data_dir, out, strategy="ddp"):
     return cfg
 
 
-def _worker(rank, world, rendezvous, jobs):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    # a file rendezvous: no TCP port that another job on the machine could take first
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        for cfg, resume in jobs:
-            trainer = Trainer(from_dict(cfg), resume=resume, progress=False)
-            trainer.run()
-            del trainer
-            gc.collect()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, jobs):
+    for cfg, resume in jobs:
+        trainer = Trainer(from_dict(cfg), resume=resume, progress=False)
+        trainer.run()
+        del trainer
+        gc.collect()
 
 
 def _copy_checkpoint(src_run, step, dst_run):
@@ -73,13 +62,6 @@ def _assert_same_run(run, reference, rtol=2e-4, atol=2e-5):
     assert records(run, "val")[-1]["val/loss"] == pytest.approx(records(reference, "val")[-1]["val/loss"], rel=1e-5)
 
 
-def _torchrun(args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "equiopt", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 def _write_toml(cfg, path):
     from equiopt._tomlw import toml_tables
 
@@ -87,13 +69,14 @@ def _write_toml(cfg, path):
     return path
 
 
-def test_fsdp2_trains_like_one_process_and_checkpoints_resume_at_another_world_size(data_dir, tmp_path):
+@pytest.mark.slow
+def test_fsdp2_trains_like_one_process_and_checkpoints_resume_at_another_world_size(data_dir, tmp_path, gloo, torchrun):
     torch.set_num_threads(1)
     single = tmp_path / "single"
     Trainer(from_dict(_cfg(data_dir, single)), progress=False).run()
     # 2 ranks, sharded, from scratch
     fsdp = tmp_path / "fsdp2"
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), [(_cfg(data_dir, fsdp, "fsdp2"), False)]), nprocs=2, join=True)
+    gloo(_worker, 2, [(_cfg(data_dir, fsdp, "fsdp2"), False)])
     meta = records(fsdp, "meta")[0]
     assert (meta["world_size"], meta["strategy"]) == (2, "fsdp2")
     _assert_same_run(fsdp, single)
@@ -109,7 +92,8 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_resume_at_another_world_s
     # 1 -> 2, as a user runs it: `equiopt train --resume` under torchrun
     one_to_two = tmp_path / "one-to-two"
     _copy_checkpoint(single, 4, one_to_two)
-    _torchrun(["train", str(_write_toml(_cfg(data_dir, one_to_two, "fsdp2"), tmp_path / "run.toml")), "--resume"])
+    toml = _write_toml(_cfg(data_dir, one_to_two, "fsdp2"), tmp_path / "run.toml")
+    torchrun("-m", "equiopt", "train", toml, "--resume", timeout=300)
     meta = records(one_to_two, "meta")[0]
     assert meta["resumed_from"].endswith("step_00000004")
     assert (meta["saved_world_size"], meta["saved_strategy"], meta["world_size"], meta["strategy"]) == (1, "single", 2, "fsdp2")

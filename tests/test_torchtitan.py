@@ -17,7 +17,6 @@ state equals one process to 1e-5.
 """
 
 import copy
-import gc
 import importlib.util
 import re
 from pathlib import Path
@@ -30,7 +29,6 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'equiopt[titan]')")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from sharded_steps import global_grads, give_grads, in_quotient, rel  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig  # noqa: E402
 
@@ -416,19 +414,13 @@ def _check_mesh(kind, recipe, rank, world, directory):
     _compare(f"{kind} step 2 after restoring", restored, opt2, ref, opt_ref)
 
 
-def _worker(rank, world, rendezvous, cases):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        for kind, recipe in cases:
-            _check_mesh(kind, recipe, rank, world, rendezvous + ".d")
-        gc.collect()  # no tensor that refers to the group may outlive it
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, cases, directory):
+    for kind, recipe in cases:
+        _check_mesh(kind, recipe, rank, world, directory)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("kind,recipe", [("llama3", "paper:qwen3:b-ii"), ("moe", "paper:olmoe:ii")])
-def test_parallelised_by_torchtitan_equals_one_process(kind, recipe, tmp_path):
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "rendezvous"), [(kind, recipe)]), nprocs=WORLD, join=True)
+def test_parallelised_by_torchtitan_equals_one_process(kind, recipe, gloo, tmp_path):
+    gloo(_worker, WORLD, [(kind, recipe)], str(tmp_path / "checkpoint"))

@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from equiopt.data.prepare import prepare
 from equiopt.data.tokenizers import train_bpe
@@ -183,11 +182,7 @@ def test_config_errors_name_the_field(data_dir, tmp_path):
         load_config(toml)
 
 
-def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    # a file rendezvous: no TCP port that another job on the machine could take first
-    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+def _ddp_worker(rank, world, cfg_dict):
     trainer = Trainer(from_dict(cfg_dict), progress=False)
     assert trainer.optimizer.divides_work  # the replicas divide the matrix maps among themselves
     trainer.run()
@@ -195,12 +190,11 @@ def _ddp_worker(rank, world, rendezvous, cfg_dict, out_file):
         copies = [torch.empty_like(t) for _ in range(world)]
         torch.distributed.all_gather(copies, t.contiguous())
         assert all(torch.equal(c, t) for c in copies), name
-    if rank == 0:
-        torch.save(trainer.model.state_dict(), out_file)
-    torch.distributed.destroy_process_group()
+    return trainer.model.state_dict() if rank == 0 else None
 
 
-def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
+@pytest.mark.slow
+def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path, gloo):
     cfg = make_cfg(data_dir, tmp_path / "single", steps=4).to_dict()
     # float64 SVD polar factors: Muon's default bfloat16 iteration turns the all-reduce's
     # last-bit differences into ~1e-2 relative ones, which is not what this test is about
@@ -212,9 +206,7 @@ def test_two_process_gloo_ddp_equals_single_process(data_dir, tmp_path):
     single.run()
     ddp_cfg = json.loads(json.dumps(cfg))
     ddp_cfg["run"]["out_dir"] = str(tmp_path / "ddp")
-    out_file = tmp_path / "ddp_state.pt"
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "rendezvous"), ddp_cfg, str(out_file)), nprocs=2, join=True)
-    ddp_state = torch.load(out_file)
+    ddp_state = gloo(_ddp_worker, 2, ddp_cfg)[0]
     for name, a in single.model.state_dict().items():
         torch.testing.assert_close(ddp_state[name], a, rtol=2e-4, atol=2e-5, msg=name)
     assert records(tmp_path / "ddp", "meta")[0]["world_size"] == 2
