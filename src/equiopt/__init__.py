@@ -10,7 +10,25 @@ from . import diagnostics, layouts, linalg, maps, models, optim, recipes, roles
 from .optim import EquivariantOptimizer, HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
 from .roles import assign_roles, build_optimizer, print_roles, verify_roles
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version; for a checkout on ``sys.path`` that is not
+    installed, the version in its ``pyproject.toml`` (``"0+unknown"`` without one)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("equiopt")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        text = pyproject.read_text() if pyproject.is_file() else ""
+        found = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M) if 'name = "equiopt"' in text else None
+        return found.group(1) if found else "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "linalg", "maps", "layouts", "optim", "diagnostics", "recipes", "models",
