@@ -220,11 +220,13 @@ def verify_roles(
         input_ids: token ids to run the model on; default random ids of shape
             ``(2, 16)`` below the vocabulary size, from a generator seeded with
             ``seed``, on the model's device.
-        rules, role_options: passed to :func:`assign_roles` when ``table`` is None.
+        rules: passed to :func:`assign_roles` when ``table`` is None.
         seed: seeds the input and every random permutation and shift.
-        rtol, atol: tolerance on the largest change of a log-probability, ``atol +
-            rtol * scale + 8 eps |log p|max`` (``scale``: the largest absolute centred
-            logit); defaults depend on the dtype (:data:`DEFAULT_TOLERANCES`).
+        rtol: relative part of the tolerance on the largest change of a
+            log-probability, ``atol + rtol * scale + 8 eps |log p|max`` (``scale``: the
+            largest absolute centred logit); defaults depend on the dtype
+            (:data:`DEFAULT_TOLERANCES`).
+        atol: absolute part of that tolerance; defaults depend on the dtype.
         forward_fn: ``forward_fn(model, input_ids) -> logits`` (or an output with
             ``.logits``, a ``{"logits": ...}`` mapping or a tuple led by the logits);
             by default ``model(input_ids=ids)`` when the forward takes ``input_ids``
@@ -235,6 +237,7 @@ def verify_roles(
             projections, heads) with small random values while checking, so that the
             checks can see it; restored afterwards.
         raise_on_failure: raise a ValueError listing the failed checks.
+        **role_options: passed to :func:`assign_roles` when ``table`` is None.
 
     Weights are changed in place under ``torch.no_grad()`` with the model in eval
     mode; every parameter is restored bit for bit and every module's training flag
