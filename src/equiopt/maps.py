@@ -65,7 +65,16 @@ class RowReducer(Protocol):
 
     count: int
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor: ...
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Complete a partial sum over the rows.
+
+        Args:
+            t: this rank's partial sums (a fresh tensor, which may be reduced in place).
+
+        Returns:
+            The sums over all the rows of the split matrix.
+        """
+        ...
 
 
 def _take(reducer: Optional[RowReducer], t: torch.Tensor, dim: int = -2) -> torch.Tensor:
@@ -102,7 +111,14 @@ class Factored(NamedTuple):
 
 
 def materialize(f: Factored) -> torch.Tensor:
-    """The update ``U`` a :class:`Factored` stands for, as one tensor."""
+    """The update ``U`` a :class:`Factored` stands for, as one tensor.
+
+    Args:
+        f: the update in factored form.
+
+    Returns:
+        ``U = row * (left @ x @ right) - shift``, of ``x``'s shape.
+    """
     if f.row is not None:
         if f.shift is not None:
             return torch.addcmul(-f.shift, f.x, f.row)
@@ -117,7 +133,14 @@ def materialize(f: Factored) -> torch.Tensor:
 
 
 def center(D: torch.Tensor) -> torch.Tensor:
-    """``Pi D``: remove each column's mean over the rows (the shared-row direction ``1 a^T``)."""
+    """``Pi D``: remove each column's mean over the rows (the shared-row direction ``1 a^T``).
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+
+    Returns:
+        ``D`` minus its column means, a new tensor of the same shape.
+    """
     _check(D, "center")
     return D - D.mean(dim=-2, keepdim=True)
 
@@ -130,6 +153,15 @@ def eta_scale(norms: torch.Tensor, eta: EtaRule = "inverse", eps: float = 1e-8, 
     ``"rms"``: ``sqrt(n) / (t + eps)``, rows of unit RMS instead of unit norm.
     A callable is applied to the norms as is. All are LPRO-compatible: any function of
     the row norm commutes with row permutations and right rotations.
+
+    Args:
+        norms: row norms ``||D_i:||``, any shape.
+        eta: ``"inverse"``, ``"normalize"``, ``"rms"`` or a callable of the norms.
+        eps: the smoothing added to the norms by ``"inverse"`` and ``"rms"``.
+        n: the row length (columns of ``D``), used by ``"rms"``.
+
+    Returns:
+        The factors, of ``norms``' shape.
     """
     if callable(eta):
         return eta(norms)
@@ -197,6 +229,15 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
     With ``center=True``: ``Pi Diag(eta(||D_c,i:||)) D_c`` with ``D_c = Pi D`` (the
     final projection is essential: row-dependent scaling breaks zero column means).
     Zero rows (tokens never seen, experts never routed) give zero rows.
+
+    Args:
+        D: work matrices ``(..., m, n)``; rows are the symmetry axis.
+        eps: the smoothing of the row norms (see :func:`eta_scale`).
+        center: the horizontal (quotient) form for LM heads and routers.
+        eta: the row-scaling rule, see :func:`eta_scale`.
+
+    Returns:
+        The update, of ``D``'s shape and dtype.
     """
     _check(D, "row_norm")
     return materialize(row_norm_factored(D, eps, center, eta)).to(D.dtype)
@@ -212,7 +253,20 @@ def row_norm_factored(
     ``col_reducer``: the same for a ``D`` split by columns (sums over the columns of each
     row, completing the row norms). ``centred_input`` (with ``center``): ``D`` already has
     zero column means, so it is not centred again (no full-size copy); the output
-    projection is kept."""
+    projection is kept.
+
+    Args:
+        D: work matrices ``(..., m, n)`` (this rank's rows or columns when split).
+        eps: the smoothing of the row norms.
+        center: the horizontal (quotient) form.
+        eta: the row-scaling rule, see :func:`eta_scale`.
+        reducer: completes sums over rows split across ranks; None for a whole ``D``.
+        centred_input: ``D`` already has zero column means.
+        col_reducer: completes the row norms of a ``D`` split by columns.
+
+    Returns:
+        The update as a :class:`Factored`.
+    """
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
     return _row_factors(x, eta, eps, center, reducer, col_reducer)
 
@@ -221,7 +275,19 @@ GRAM_SIDES = ("auto", "right", "left")
 
 
 def gram_side(m: int, n: int, gram: str = "auto") -> str:
-    """``"left"`` or ``"right"``: the Gram matrix a one-sided map of an ``m x n`` matrix forms."""
+    """``"left"`` or ``"right"``: the Gram matrix a one-sided map of an ``m x n`` matrix forms.
+
+    Args:
+        m: rows of the work matrix.
+        n: columns of the work matrix.
+        gram: ``"auto"`` (the smaller Gram, ``"left"`` when ``m < n``), ``"left"`` or ``"right"``.
+
+    Returns:
+        ``"left"`` (``D D^T``, ``m x m``) or ``"right"`` (``D^T D``, ``n x n``).
+
+    Raises:
+        ValueError: for another ``gram``.
+    """
     if gram not in GRAM_SIDES:
         raise ValueError(f"unknown gram side {gram!r}; valid: {', '.join(GRAM_SIDES)}")
     return "left" if gram == "left" or (gram == "auto" and m < n) else "right"
@@ -386,7 +452,24 @@ def one_sided_factored(
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
-    ``centred_input``: as in :func:`row_norm_factored`."""
+    ``centred_input``: as in :func:`row_norm_factored`.
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+        eps: the damping (see :func:`right_spectral`).
+        alpha: the exponent of the scale factor.
+        center: the horizontal (quotient) form.
+        method: the inverse-square-root method (:data:`equiopt.linalg.INV_SQRT_METHODS`).
+        steps: iterations of the inverse square root.
+        gram: the Gram side formed (see :func:`gram_side`).
+        scale: ``"nu"`` (the paper's ``nu^alpha``) or ``"rms"``.
+        reducer: completes sums over rows split across ranks; None for a whole ``D``.
+        centred_input: ``D`` already has zero column means.
+        damping: ``"relative"`` or ``"absolute"``.
+
+    Returns:
+        The update as a :class:`Factored`.
+    """
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
     return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping)
 
@@ -412,6 +495,21 @@ def right_spectral(
     ``Pi D_c (D_c^T D_c + eps I)^(-1/2)``. ``gram`` picks the Gram matrix that is
     inverted (default: the smaller; the result is the same, see :func:`_one_sided`).
     ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+        eps: the damping: ``eps`` times the mean eigenvalue of the Gram
+            (``damping="relative"``), or added as is (``"absolute"``, the paper's form).
+        alpha: the exponent of ``nu`` (0: the damped polar factor alone).
+        center: centre the input and project the result (LM heads).
+        method: the inverse-square-root method (:data:`equiopt.linalg.INV_SQRT_METHODS`).
+        steps: iterations of the inverse square root.
+        gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
+        scale: ``"nu"`` (``nu^alpha``) or ``"rms"`` (an update of RMS about 1).
+        damping: ``"relative"`` (default) or ``"absolute"``.
+
+    Returns:
+        The update, of ``D``'s shape and dtype.
     """
     _check(D, "right_spectral")
     return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale,
@@ -437,6 +535,20 @@ def left_spectral(
     ``eps^(-1/2)`` there, since ``1`` spans the Gram's null space). It is the same
     function of ``D`` as :func:`right_spectral`; ``gram`` picks the side computed.
     ``scale="rms"`` replaces ``nu^alpha`` by the scale-transferable factor of :func:`_scale`.
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+        eps: the damping, as in :func:`right_spectral`.
+        alpha: the exponent of ``nu``.
+        center: centre the input and project the result (routers).
+        method: the inverse-square-root method (:data:`equiopt.linalg.INV_SQRT_METHODS`).
+        steps: iterations of the inverse square root.
+        gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
+        scale: ``"nu"`` or ``"rms"``.
+        damping: ``"relative"`` (default) or ``"absolute"``.
+
+    Returns:
+        The update, of ``D``'s shape and dtype.
     """
     _check(D, "left_spectral")
     return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale,
@@ -447,6 +559,15 @@ def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dty
     """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
 
     ``dtype`` is the iteration's precision (see :func:`equiopt.linalg.polar`).
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+        method: the polar method (:data:`equiopt.linalg.POLAR_METHODS`).
+        steps: iterations.
+        dtype: the iteration's precision; None for the method's default.
+
+    Returns:
+        The polar factor, of ``D``'s shape and dtype.
     """
     _check(D, "spectral")
     return polar(D, method=method, steps=steps, dtype=dtype)
@@ -485,6 +606,22 @@ def hybrid(
     the nonzero rows of a step along a well-conditioned direction have RMS about 1, for
     every width and vocabulary. ``k`` is a symmetric function of the row norms, so the map
     stays left-permutation and right-orthogonal equivariant.
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+        order: ``"row_then_right"``, ``"right_then_row"`` or ``"left_then_row"``.
+        eps: the damping of the one-sided stage and the smoothing of the row norms.
+        alpha: the exponent of ``nu`` (the paper's HybridPolarGradM: 1).
+        center: centre the input and project each stage (LM heads, routers).
+        method: the inverse-square-root method (:data:`equiopt.linalg.INV_SQRT_METHODS`).
+        steps: iterations of the inverse square root.
+        eta: the row-scaling rule of the row-norm stage, see :func:`eta_scale`.
+        gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
+        scale: ``"nu"`` or ``"rms"``.
+        damping: ``"relative"`` (default) or ``"absolute"``.
+
+    Returns:
+        The update, of ``D``'s shape and dtype.
     """
     _check(D, "hybrid")
     return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale,
@@ -520,7 +657,26 @@ def hybrid_factored(
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
-    ``centred_input``: as in :func:`row_norm_factored`."""
+    ``centred_input``: as in :func:`row_norm_factored`.
+
+    Args:
+        D: work matrices ``(..., m, n)``.
+        order: ``"row_then_right"``, ``"right_then_row"`` or ``"left_then_row"``.
+        eps: the damping and the row-norm smoothing.
+        alpha: the exponent of ``nu``.
+        center: the horizontal (quotient) form.
+        method: the inverse-square-root method.
+        steps: iterations of the inverse square root.
+        eta: the row-scaling rule, see :func:`eta_scale`.
+        gram: the Gram side formed (see :func:`gram_side`).
+        scale: ``"nu"`` or ``"rms"``.
+        reducer: completes sums over rows split across ranks; None for a whole ``D``.
+        centred_input: ``D`` already has zero column means.
+        damping: ``"relative"`` or ``"absolute"``.
+
+    Returns:
+        The update as a :class:`Factored`.
+    """
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)

@@ -62,6 +62,17 @@ def minimax_quintic(lo: float, hi: float, iters: int = 100) -> tuple[float, floa
     Remez exchange on the four alternation points ``lo < x1 < x2 < hi``: solve
     ``p(x_i) + (-1)^i E = 1`` for ``(a, b, c, E)``, move ``x1, x2`` to the interior
     extrema of ``p`` and repeat until the points stop moving.
+
+    Args:
+        lo: the lower end of the interval, ``0 < lo < hi``.
+        hi: the upper end.
+        iters: the most exchange iterations.
+
+    Returns:
+        ``(a, b, c, E)``: ``p(x) = a x + b x^3 + c x^5`` and its largest error ``E``.
+
+    Raises:
+        ValueError: unless ``0 < lo < hi``.
     """
     if not (0.0 < lo < hi):
         raise ValueError(f"need 0 < lo < hi, got lo={lo}, hi={hi}")
@@ -103,6 +114,16 @@ def greedy_schedule(lo: float, steps: int, hi: float = 1.0, safety: float = 1.0)
     ``safety > 1`` designs every step but the last for an interval whose upper end is
     widened by that factor, so rounding that pushes a value slightly past the bound is
     mapped back inside rather than amplified (Amsel et al. use the same device).
+
+    Args:
+        lo: the smallest singular value the schedule is designed for (after normalisation).
+        steps: the number of quintic steps.
+        hi: the largest singular value.
+        safety: the widening factor of the upper end for every step but the last.
+
+    Returns:
+        One ``(a, b, c)`` per step, ``p(x) = a x + b x^3 + c x^5``; each step is the
+        minimax quintic for the interval the previous steps leave.
     """
     coeffs = []
     l, u = lo, hi

@@ -84,6 +84,20 @@ def inv_sqrt(
     ``"polar_express"`` method adds around them). ``"exact"`` clamps eigenvalues at the
     smallest positive normal number of ``exact_dtype`` so an ``eps = 0`` singular input
     gives a large finite result rather than ``inf``.
+
+    Args:
+        A: symmetric positive semi-definite matrices ``(..., n, n)`` (symmetrised first).
+        eps: the damping added to the diagonal, a float or a broadcasting tensor.
+        method: one of :data:`INV_SQRT_METHODS`: ``"polar_express"`` (default),
+            ``"newton_schulz"`` or ``"exact"`` (an eigendecomposition).
+        steps: coupled iterations (ignored by ``"exact"``).
+        exact_dtype: the precision of the ``"exact"`` eigendecomposition.
+
+    Returns:
+        The inverse square roots, of ``A``'s shape and dtype.
+
+    Raises:
+        ValueError: for an unknown method, ``steps < 1`` or non-square matrices.
     """
     _check_method(method)
     if A.ndim < 2 or A.shape[-1] != A.shape[-2]:

@@ -70,6 +70,23 @@ def polar(
 
     ``dtype`` is the iteration's precision (default bfloat16 for ``"polar_express"``,
     ``"newton_schulz"`` and ``"newton_schulz_torch"``, float32 for ``"gram_newton_schulz"``).
+
+    Args:
+        X: matrices ``(..., m, n)``, batched over the leading dimensions.
+        method: one of :data:`POLAR_METHODS`: ``"polar_express"`` (default),
+            ``"newton_schulz"`` (Muon's quintic), ``"newton_schulz_torch"`` (normalised
+            as ``torch.optim.Muon``), ``"gram_newton_schulz"`` or ``"exact"`` (SVD in
+            float64).
+        steps: iterations (ignored by ``"exact"``).
+        dtype: the iteration's precision; None for the method's default.
+        restart_every: for ``"gram_newton_schulz"``, how many steps between recomputing
+            the iterate and its Gram.
+
+    Returns:
+        ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape and dtype.
+
+    Raises:
+        ValueError: for an unknown method, ``steps < 1`` or fewer than two dimensions.
     """
     if method not in POLAR_METHODS:
         raise ValueError(f"unknown polar method {method!r}; valid: {', '.join(POLAR_METHODS)}")

@@ -50,6 +50,17 @@ class Recipe:
     ``meta`` holds free-form provenance (for the paper's recipes: the table
     label, the number of training steps and the reported final validation
     loss); it takes no part in equality.
+
+    Args:
+        name: the recipe's name (how :func:`~equiopt.recipes.get_recipe` finds it once registered).
+        description: one line saying what the recipe is.
+        roles: settings per role, for every role of :data:`~equiopt.recipes.ROLES`; each a
+            dict with ``rule`` and that rule's fields (defaults filled in).
+        meta: free-form provenance.
+
+    Raises:
+        ValueError: for a missing role, an unknown role, rule or field, or a value out
+            of range; the message names the recipe, the role and the field.
     """
 
     name: str
@@ -86,12 +97,23 @@ class Recipe:
     # -- access ----------------------------------------------------------
 
     def settings(self, role: str) -> dict[str, Any]:
-        """A fresh, mutable copy of the settings of ``role``."""
+        """A fresh, mutable copy of the settings of ``role``.
+
+        Args:
+            role: one of :data:`~equiopt.recipes.ROLES`.
+
+        Returns:
+            Every field of the role's rule, defaults included.
+        """
         _check_roles([role], f"recipe {self.name!r}", allow_star=False)
         return _thaw(self.roles[role])
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"name", "description", "roles": {role: settings}}`` as plain data."""
+        """``{"name", "description", "roles": {role: settings}}`` as plain data.
+
+        Returns:
+            A new dict; ``Recipe(**recipe.to_dict())`` is an equal recipe.
+        """
         return {
             "name": self.name,
             "description": self.description,
@@ -105,6 +127,13 @@ class Recipe:
 
         Each group is ``{"params": [...], **settings(role)}`` (and ``"role"``
         when ``include_role``), in the order of :data:`ROLES`.
+
+        Args:
+            params_by_role: parameters per role; roles without parameters get no group.
+            include_role: add the ``"role"`` key to each group.
+
+        Returns:
+            The param groups, for :class:`~equiopt.optim.EquivariantOptimizer`.
         """
         _check_roles(params_by_role, f"recipe {self.name!r}", allow_star=False)
         groups = []
@@ -138,6 +167,18 @@ class Recipe:
         field given for a named role must apply to that role's rule. Changing
         ``rule`` drops the fields the new rule does not accept and fills in
         its defaults.
+
+        Args:
+            overrides: fields to replace per role (``"*"``: every role that accepts them).
+            name: the new recipe's name (default: this one's).
+            description: the new recipe's description (default: this one's).
+
+        Returns:
+            The new recipe; this one is unchanged.
+
+        Raises:
+            ValueError: for an unknown role or field, a field the role's rule does not
+                accept, or a value out of range.
         """
         overrides = {} if overrides is None else overrides
         context = f"recipe {self.name!r} overrides"
@@ -183,7 +224,11 @@ class Recipe:
     # -- presentation ----------------------------------------------------
 
     def summary(self) -> str:
-        """A compact text table: role, rule, lr, beta(s), weight decay, alpha, order, center, schedule."""
+        """A compact text table: role, rule, lr, beta(s), weight decay, alpha, order, center, schedule.
+
+        Returns:
+            The table, one line per role under the recipe's name and description.
+        """
         header = ("role", "rule", "lr", "beta", "wd", "alpha", "order", "center", "schedule")
         rows = [header]
         for role in ROLES:
@@ -217,7 +262,11 @@ class Recipe:
         return "\n".join(lines)
 
     def to_toml(self) -> str:
-        """The recipe as TOML that :func:`load_recipe_toml` reads back to an equal recipe."""
+        """The recipe as TOML that :func:`load_recipe_toml` reads back to an equal recipe.
+
+        Returns:
+            The TOML text (:func:`~equiopt.recipes.save_recipe_toml` writes it to a file).
+        """
         lines = [f"name = {toml_value(self.name)}", f"description = {toml_value(self.description)}"]
         for role in ROLES:
             lines.append("")

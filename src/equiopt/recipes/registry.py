@@ -22,6 +22,9 @@ def muon_recipe() -> Recipe:
     ``embedding``, ``lm_head``, ``router`` and ``vector``. Schedules as in
     the paper: warmup-cosine (100 warmup steps) on ``vector``, stable-decay
     (60 %) elsewhere. Starting points, not tuned values.
+
+    Returns:
+        A new :class:`Recipe` named ``muon``.
     """
     muon = {
         "rule": "spectral", "lr": 0.02, "beta": 0.95, "nesterov": True,
@@ -62,6 +65,9 @@ def default_recipe() -> Recipe:
     Schedules as in the paper: warmup-cosine (100 warmup steps) on ``vector``,
     stable-decay (60 %) elsewhere. The paper's tuned configurations stay available by
     name (:func:`list_recipes`); this one is a robust starting point, not a tuned value.
+
+    Returns:
+        A new :class:`Recipe` named ``equiopt:default``.
     """
     muon = {
         "rule": "spectral", "lr": 0.02, "beta": 0.95, "nesterov": True,
@@ -86,6 +92,9 @@ def adamw_recipe() -> Recipe:
     lr 3e-4, betas (0.9, 0.95), eps 1e-8; weight decay 0.1 on every matrix role
     and 0 on ``vector``; warmup-cosine (100 warmup steps) on every role.
     Starting points, not tuned values.
+
+    Returns:
+        A new :class:`Recipe` named ``adamw``.
     """
     sched = {"kind": "warmup_cosine", "warmup_steps": 100}
     roles = {
@@ -118,7 +127,11 @@ def _registry() -> dict[str, Recipe]:
 
 
 def list_recipes() -> list[str]:
-    """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, then the paper's, then the user's."""
+    """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, then the paper's, then the user's.
+
+    Returns:
+        The names, in registration order; each is accepted by :func:`get_recipe`.
+    """
     return list(_registry())
 
 
@@ -137,6 +150,17 @@ def get_recipe(name: "str | os.PathLike[str] | Recipe") -> Recipe:
     ``.toml`` recipe file (see :func:`load_recipe_toml`). Model names are
     matched case-insensitively, with ``gpt-oss`` accepted for ``gpt_oss``.
     Unknown names raise :class:`ValueError` with close matches.
+
+    Args:
+        name: a registered name (e.g. ``"paper:qwen3:b-ii"``), a path to a ``.toml``
+            recipe, or a :class:`Recipe`.
+
+    Returns:
+        The recipe.
+
+    Raises:
+        ValueError: for an unknown name (the message lists close matches and every valid
+            name) or a recipe file with errors.
     """
     if isinstance(name, Recipe):
         return name
@@ -157,7 +181,19 @@ def get_recipe(name: "str | os.PathLike[str] | Recipe") -> Recipe:
 
 
 def loads_recipe_toml(text: str, *, source: str = "<string>", default_name: str | None = None) -> Recipe:
-    """Parse a recipe from TOML text, resolving its ``base``; errors name ``source``."""
+    """Parse a recipe from TOML text, resolving its ``base``; errors name ``source``.
+
+    Args:
+        text: the TOML text (format: :mod:`equiopt.recipes.tomlio`).
+        source: the name errors give for the text (a file name).
+        default_name: the recipe's name when the text sets none.
+
+    Returns:
+        The recipe: a whole one, or its ``base`` recipe with the text's overrides.
+
+    Raises:
+        ValueError: naming ``source``, the role and the field at fault.
+    """
     parsed = parse_recipe_toml(text, source=source, default_name=default_name)
     if parsed.recipe is not None:
         return parsed.recipe
@@ -173,13 +209,35 @@ def loads_recipe_toml(text: str, *, source: str = "<string>", default_name: str 
 
 
 def load_recipe_toml(path: "str | os.PathLike[str]") -> Recipe:
-    """Read a recipe file (format: :mod:`equiopt.recipes.tomlio`). Errors name the file, and the role and field at fault."""
+    """Read a recipe file (format: :mod:`equiopt.recipes.tomlio`). Errors name the file, and the role and field at fault.
+
+    Args:
+        path: the ``.toml`` file; its stem is the recipe's name when the file sets none.
+
+    Returns:
+        The recipe.
+
+    Raises:
+        ValueError: naming the file, the role and the field at fault.
+    """
     text, source, stem = read_recipe_text(path)
     return loads_recipe_toml(text, source=source, default_name=stem)
 
 
 def register_recipe(recipe: Recipe, *, overwrite: bool = False) -> Recipe:
-    """Make ``recipe`` available to :func:`get_recipe` under ``recipe.name``."""
+    """Make ``recipe`` available to :func:`get_recipe` under ``recipe.name``.
+
+    Args:
+        recipe: the recipe to register.
+        overwrite: replace a registered recipe of the same name.
+
+    Returns:
+        ``recipe`` itself.
+
+    Raises:
+        ValueError: when ``recipe`` is not a :class:`Recipe`, or its name is taken and
+            ``overwrite`` is False.
+    """
     if not isinstance(recipe, Recipe):
         raise ValueError(f"expected a Recipe, got {recipe!r}")
     reg = _registry()

@@ -59,6 +59,35 @@ def build_optimizer(
     own options (see :class:`~equiopt.optim.EquivariantOptimizer`); ``divide_work=None``
     divides the matrix maps among the replicas when ``model`` is wrapped in DDP (its
     process group), and not otherwise.
+
+    Args:
+        model: the model, bare or wrapped.
+        recipe: a registered recipe name, a path to a TOML recipe, or a :class:`~equiopt.recipes.Recipe`.
+        total_steps: the length of the run, which the recipe's schedules decay over; None
+            holds the base rates.
+        overrides: recipe fields per role, e.g. ``{"router": {"lr": 1e-3}}`` (``"*"``: every role).
+        rules: role overrides by parameter name, see :func:`assign_roles`.
+        eager_state: create the optimizer state at construction instead of the first step.
+        compile: compile the step (True, or a ``torch.compile`` backend name); None
+            compiles when every parameter is on a CUDA device.
+        state_dtype: the dtype of momentum and Adam moments; None: float32 (float64 for
+            float64 parameters).
+        divide_work: divide the matrix maps among replicas: True, a process group, or
+            False; None decides from a DDP wrapper.
+        cost_model: how a sharded parameter's plan is chosen: None/``"auto"``,
+            ``"nccl-h100"``, ``"gloo-cpu"``, ``"reduce"``, ``"owner"`` or a
+            :class:`~equiopt.optim.costs.CostModel`.
+        **role_options: further options of :func:`assign_roles` (``dims``, ``gate_up``,
+            ``per_head``).
+
+    Returns:
+        ``(optimizer, scheduler)``: an :class:`~equiopt.optim.EquivariantOptimizer` with one
+        param group per role present, and a ``LambdaLR`` with each group's schedule; step
+        the scheduler once per optimizer step.
+
+    Raises:
+        ValueError: for an unknown recipe, role or field, or a parameter whose role
+            cannot be inferred (the message proposes the ``rules=`` entry).
     """
     rec = get_recipe(recipe)
     if overrides:
@@ -81,7 +110,18 @@ def _ddp_group(model: nn.Module):
 
 
 def print_roles(model: nn.Module, recipe: str | Recipe | None = None, file=None, **role_options: Any) -> RoleTable:
-    """Print the role table of ``model`` (with each role's rule and lr when ``recipe`` is given)."""
+    """Print the role table of ``model`` (with each role's rule and lr when ``recipe`` is given).
+
+    Args:
+        model: the model, bare or wrapped.
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe` whose rule and
+            lr are printed per parameter; None prints roles only.
+        file (TextIO | None): where to print (default ``sys.stdout``).
+        **role_options: options of :func:`assign_roles` (``rules``, ``dims``, ...).
+
+    Returns:
+        The :class:`RoleTable` printed.
+    """
     table = assign_roles(model, **role_options)
     rec = get_recipe(recipe) if recipe is not None else None
     print(table.format(rec), file=file)

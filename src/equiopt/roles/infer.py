@@ -76,6 +76,17 @@ class RoleInferenceError(ValueError):
 
 @dataclass
 class ModelDims:
+    """The dimensions role inference reads: from a config, a block's attributes or ``dims=``.
+
+    Args:
+        hidden: the hidden (model) size.
+        heads: attention heads.
+        kv_heads: key/value heads (grouped-query attention); defaults to ``heads``.
+        head_dim: the size of one head; defaults to ``hidden // heads``.
+        experts: experts of an MoE layer.
+        vocab: the vocabulary size.
+    """
+
     hidden: int | None = None
     heads: int | None = None
     kv_heads: int | None = None
@@ -170,6 +181,17 @@ def model_dims(model: nn.Module, overrides: Mapping[str, Any] | None = None) -> 
     The config is the outermost one in the module tree, so a model reached through a
     wrapper (DDP's ``.module``, a LightningModule attribute, ``torch.compile``) has the
     dimensions of the bare model. :func:`assign_roles` refines them per block.
+
+    Args:
+        model: the model, bare or wrapped.
+        overrides: dimensions to set whatever the config says (keys: the fields of
+            :class:`ModelDims`).
+
+    Returns:
+        The dimensions found; None where none was.
+
+    Raises:
+        ValueError: for an unknown key in ``overrides``.
     """
     dims = ModelDims()
     config = _first_config(model)
@@ -373,6 +395,25 @@ def assign_roles(
     up rows together. ``per_head=False`` gives attention projections whole-matrix
     layouts; with ``per_head=True`` (default) an attention projection whose head size
     cannot be found is an error, not a silent whole-matrix fallback.
+
+    Args:
+        model: the model, bare or wrapped.
+        rules: role (and layout) overrides by regex on parameter names.
+        dims: dimensions for every block, overriding the config (``hidden``, ``heads``,
+            ``kv_heads``, ``head_dim``, ``experts``, ``vocab``).
+        gate_up: ``"split"`` or ``"paired"``, for fused gate/up tensors.
+        per_head: per-head layouts for attention projections.
+
+    Returns:
+        The :class:`RoleTable`: one row per trainable parameter, in the order of
+        ``model.named_parameters()``.
+
+    Raises:
+        RoleInferenceError: where a parameter's role or layout cannot be known (the
+            message names the parameter and proposes the ``rules=``, ``dims=`` or
+            ``per_head=`` setting that fixes it).
+        ValueError: for an unknown role in ``rules``, an unknown key in ``dims`` or a
+            bad ``gate_up``.
     """
     if gate_up not in ("split", "paired"):
         raise ValueError(f"gate_up must be 'split' or 'paired', got {gate_up!r}")

@@ -14,7 +14,17 @@ ROLES = ("embedding", "lm_head", "attention", "mlp_in", "mlp_out", "router", "ma
 
 @dataclass(frozen=True)
 class RoleRow:
-    """One trainable parameter: its ``role``, its ``layout`` (None for vectors) and why."""
+    """One trainable parameter: its ``role``, its ``layout`` (None for vectors) and why.
+
+    Args:
+        name: the name ``model.named_parameters()`` gives it.
+        shape: its (global) shape.
+        role: one of :data:`ROLES`.
+        layout: how its tensor becomes work matrices (see :mod:`equiopt.layouts`); None
+            for element-wise roles.
+        reason: why it got this role, in words.
+        param: the parameter itself.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -31,7 +41,13 @@ class RoleRow:
 
 
 class RoleTable(list):
-    """A list of :class:`RoleRow` with model-level notes (tied embeddings, ...)."""
+    """A list of :class:`RoleRow` with model-level notes (tied embeddings, ...).
+
+    Args:
+        rows (Iterable[RoleRow]): the rows.
+        tied_embeddings: the model ties its input embedding and LM head.
+        notes: model-level remarks, printed under the table.
+    """
 
     def __init__(self, rows=(), tied_embeddings: bool = False, notes: list[str] | None = None):
         super().__init__(rows)
@@ -39,19 +55,44 @@ class RoleTable(list):
         self.notes = list(notes or [])
 
     def by_role(self) -> dict[str, list[RoleRow]]:
+        """The rows grouped by role.
+
+        Returns:
+            ``{role: rows}`` for every role of :data:`ROLES` (empty lists included).
+        """
         out: dict[str, list[RoleRow]] = {role: [] for role in ROLES}
         for row in self:
             out[row.role].append(row)
         return out
 
     def row(self, name: str) -> RoleRow:
+        """The row of one parameter.
+
+        Args:
+            name: the parameter's name, as ``model.named_parameters()`` gives it.
+
+        Returns:
+            Its row.
+
+        Raises:
+            KeyError: when no trainable parameter has that name.
+        """
         for r in self:
             if r.name == name:
                 return r
         raise KeyError(f"no trainable parameter named {name!r}")
 
     def format(self, recipe: Any = None, reasons: bool = True) -> str:
-        """Text table: name, shape, role, work shapes (and rule, lr from ``recipe``)."""
+        """Text table: name, shape, role, work shapes (and rule, lr from ``recipe``).
+
+        Args:
+            recipe: a :class:`~equiopt.recipes.Recipe` whose rule and lr are shown per
+                parameter; None leaves them out.
+            reasons: show why each parameter got its role.
+
+        Returns:
+            The table, with a count of parameters per role and the notes.
+        """
         header = ["name", "shape", "role", "work"]
         if recipe is not None:
             header += ["rule", "lr"]

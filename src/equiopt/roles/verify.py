@@ -124,6 +124,14 @@ class RoleCheck:
     ``max_change`` is the largest absolute change of a log-probability (for ``vocab``
     after undoing the output permutation); ``detail`` says what was moved and notes
     anything left unchanged.
+
+    Args:
+        kind: the check (one of :data:`CHECK_KINDS`).
+        names: the parameters moved together.
+        max_change: the largest absolute change of a log-probability.
+        tolerance: the largest change that passes.
+        passed: ``max_change <= tolerance``.
+        detail: what was moved, and anything left unchanged.
     """
 
     kind: str
@@ -145,6 +153,13 @@ class RoleReport(list):
     Also ``dtype`` (the model's), ``input_shape``, ``scale`` (largest absolute centred
     logit of the model, the spread tolerances are relative to) and ``notes`` (filled
     zero parameters, roles without a check).
+
+    Args:
+        checks: the checks run.
+        dtype: the model's dtype.
+        input_shape: the shape of the token ids the model ran on.
+        scale: the largest absolute centred logit of the model.
+        notes: remarks printed under the table.
     """
 
     def __init__(self, checks: Sequence[RoleCheck] = (), dtype: torch.dtype | None = None,
@@ -165,9 +180,22 @@ class RoleReport(list):
         return [c for c in self if not c.passed]
 
     def kinds(self) -> set[str]:
+        """The kinds of check the report holds.
+
+        Returns:
+            A set of :data:`CHECK_KINDS` entries.
+        """
         return {c.kind for c in self}
 
     def format(self, details: bool = True) -> str:
+        """The report as a text table: kind, result, largest change, tolerance, parameters.
+
+        Args:
+            details: add each failed (or compound) check's detail line.
+
+        Returns:
+            The table, with a summary line first and the notes last.
+        """
         dtype = str(self.dtype).replace("torch.", "") if self.dtype is not None else "?"
         shape = "x".join(map(str, self.input_shape)) if self.input_shape else "?"
         n_fail = len(self.failures)
