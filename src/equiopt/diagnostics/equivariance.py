@@ -17,14 +17,34 @@ GROUPS = ("biorthogonal", "lpro", "lpro_t", "router", "router_t", "permutation",
 
 
 def random_orthogonal(batch: tuple[int, ...], n: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
-    """Haar-distributed orthogonal matrices ``(*batch, n, n)`` (QR of a Gaussian with sign fix)."""
+    """Haar-distributed orthogonal matrices ``(*batch, n, n)`` (QR of a Gaussian with sign fix).
+
+    Args:
+        batch: the leading (batch) shape.
+        n: the matrix size.
+        generator: the random generator to draw from.
+        dtype (torch.dtype): the result's dtype.
+
+    Returns:
+        The matrices, ``(*batch, n, n)``.
+    """
     g = torch.randn(*batch, n, n, generator=generator, dtype=dtype)
     q, r = torch.linalg.qr(g)
     return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
 
 
 def random_permutation(batch: tuple[int, ...], n: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
-    """Uniform random permutation matrices ``(*batch, n, n)``."""
+    """Uniform random permutation matrices ``(*batch, n, n)``.
+
+    Args:
+        batch: the leading (batch) shape.
+        n: the matrix size.
+        generator: the random generator to draw from.
+        dtype (torch.dtype): the result's dtype.
+
+    Returns:
+        The matrices, ``(*batch, n, n)``.
+    """
     idx = torch.rand(*batch, n, generator=generator).argsort(dim=-1)
     return torch.nn.functional.one_hot(idx, n).to(dtype)
 
@@ -59,6 +79,23 @@ def check_equivariance(
     - ``"permutation"`` / ``"permutation_t"``: ``D -> P D`` / ``D -> D P^T`` alone.
 
     ``sample(shape, generator)`` draws inputs (default Gaussian times ``scale``).
+
+    Args:
+        fn: the update map, ``(..., m, n) -> (..., m, n)``.
+        group: one of :data:`GROUPS`.
+        shape: the input shape ``(..., m, n)``.
+        trials: how many random inputs (each with its own group elements).
+        dtype: the dtype of inputs and group elements.
+        seed: seeds the generator.
+        scale: the scale of the default Gaussian inputs.
+        sample: draws the inputs instead of the default.
+
+    Returns:
+        The worst relative violation over the trials: at rounding level for a map
+        compatible with ``group``, O(1) for an incompatible one.
+
+    Raises:
+        ValueError: for an unknown group or a shape of fewer than two dimensions.
     """
     if group not in GROUPS:
         raise ValueError(f"unknown group {group!r}; valid: {', '.join(GROUPS)}")

@@ -50,6 +50,13 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     Gemma 2 uses ``cap = 30`` for the final vocabulary logits (and ``50`` for attention
     logits). The result lies in ``(-cap, cap)``, is odd, monotone, and close to the
     identity for ``|logits| << cap``. Computed in the dtype of ``logits``.
+
+    Args:
+        logits: any shape.
+        cap: the cap ``c``; None for no capping.
+
+    Returns:
+        The capped logits (``logits`` itself when ``cap`` is None).
     """
     if cap is None:
         return logits
@@ -75,6 +82,15 @@ def sample_positions(
     them with ``.to(device)`` if needed). If ``mask`` (``batch_shape``, nonzero = valid) is
     given, only valid positions are drawn. If fewer than ``n`` positions are available,
     all of them are returned.
+
+    Args:
+        batch_shape: the grid of positions, e.g. ``(B, T)``.
+        n: how many positions to draw.
+        generator: a CPU generator; None uses torch's global one.
+        mask: ``batch_shape`` entries, nonzero where a position may be drawn.
+
+    Returns:
+        One index tensor per dimension of ``batch_shape`` (on the CPU).
     """
     shape = tuple(int(s) for s in batch_shape)
     if n < 0:
@@ -130,6 +146,16 @@ def logit_metrics(
     sums are all-reduced and maxima max-reduced over ``group``, so every rank gets the
     metrics of the union of all ranks' positions (the paper's convention for the max).
     With no positions the metrics are NaN.
+
+    Args:
+        logits: ``(..., V)``, one position per leading index.
+        mask: ``logits.shape[:-1]`` entries, nonzero for positions to keep.
+        chunk_elements: the most elements upcast at a time.
+        all_reduce: reduce over the ranks of ``group``.
+        group (ProcessGroup | None): the process group (default: the world).
+
+    Returns:
+        ``{key: value}`` for the keys of :data:`LOGIT_METRIC_KEYS`, Python floats.
     """
     if logits.dim() < 1:
         raise ValueError("logits must have shape (..., V)")

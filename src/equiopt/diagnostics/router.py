@@ -139,6 +139,14 @@ def expert_load(
     (differentiable). ``router_logits`` is ``(tokens, E)`` or ``(B, T, E)``;
     ``attention_mask`` (``B*T`` entries, nonzero = real token) drops padding. Top-``k``
     is taken on the softmax probabilities, as in OLMoE and Hugging Face's loss.
+
+    Args:
+        router_logits: ``(tokens, E)`` or ``(B, T, E)``.
+        top_k: experts per token.
+        attention_mask: ``B*T`` entries, nonzero for real tokens.
+
+    Returns:
+        ``(f, P)``, each ``(E,)`` float32.
     """
     x, w = _flatten(router_logits, attention_mask)
     k = _check_top_k(top_k, x.shape[-1])
@@ -176,6 +184,16 @@ def load_balancing_loss(
     balanced value stays 1 at any depth; ``"sum"`` adds them; ``"pooled"`` sums ``f`` and
     ``P`` statistics over layers first and forms a single product, the Hugging Face
     convention (which additionally scales by ``top_k``; see the module docstring).
+
+    Args:
+        router_logits (torch.Tensor | Sequence[torch.Tensor]): one layer's logits, or one
+            tensor per MoE layer.
+        top_k: experts per token.
+        attention_mask: ``B*T`` entries, nonzero for real tokens.
+        layer_reduction: ``"mean"``, ``"sum"`` or ``"pooled"``.
+
+    Returns:
+        The loss, a scalar tensor (differentiable through ``P``).
     """
     layers = _as_layers(router_logits)
     if layer_reduction == "pooled":
@@ -213,6 +231,15 @@ def z_loss(
     tokens. Zero logits give ``(log E)^2``. Computed in float32. The caller multiplies by
     the coefficient (0.001 in the paper). ``layer_reduction`` is ``"mean"`` (default) or
     ``"sum"`` over layers; inputs as in :func:`load_balancing_loss`.
+
+    Args:
+        router_logits (torch.Tensor | Sequence[torch.Tensor]): one layer's logits, or one
+            tensor per MoE layer.
+        attention_mask: ``B*T`` entries, nonzero for real tokens.
+        layer_reduction: ``"mean"`` or ``"sum"``.
+
+    Returns:
+        The loss, a differentiable scalar tensor.
     """
     values = []
     for t in _as_layers(router_logits):
@@ -254,6 +281,18 @@ def router_metrics(
     With ``all_reduce=True`` under an initialised ``torch.distributed`` process group,
     the per-layer counts and sums are all-reduced over ``group`` first, so the metrics
     describe the union of all ranks' tokens (dead experts are then dead on every rank).
+
+    Args:
+        router_logits (torch.Tensor | Sequence[torch.Tensor]): one layer's logits, or one
+            tensor per MoE layer.
+        top_k: experts per token.
+        attention_mask: ``B*T`` entries, nonzero for real tokens.
+        all_reduce: reduce over the ranks of ``group``.
+        group (ProcessGroup | None): the process group (default: the world).
+
+    Returns:
+        The means over layers (keys :data:`ROUTER_METRIC_KEYS`), ``"num_layers"`` and
+        ``"per_layer"``.
     """
     layers = _as_layers(router_logits)
     packed, sizes = [], []
@@ -336,6 +375,19 @@ def collect_router_logits(
     is left as it is. ``use_cache=False`` and, where the forward accepts it,
     ``logits_to_keep=1`` (so no full ``B x T x V`` vocabulary logits are formed) are
     passed unless given in ``forward_kwargs``.
+
+    Args:
+        model: a Hugging Face MoE causal LM.
+        input_ids: token ids ``(B, T)``.
+        attention_mask: passed to the model.
+        no_grad: run under ``torch.no_grad()``.
+        **forward_kwargs (Any): further arguments of the model's forward.
+
+    Returns:
+        One logits tensor per MoE layer.
+
+    Raises:
+        ValueError: when the model returns no router logits.
     """
     forward_kwargs.setdefault("use_cache", False)
     try:
@@ -376,6 +428,12 @@ class RouterLogitsRecorder:
         with RouterLogitsRecorder(routers) as rec:
             model(x)
         stats = router_metrics(rec.router_logits, top_k=2)
+
+    Args:
+        modules (nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]): the router
+            modules.
+        index: the element of a tuple or list output that holds the logits.
+        detach: detach the recorded outputs.
     """
 
     def __init__(self, modules, *, index: int = 0, detach: bool = True):
@@ -404,11 +462,17 @@ class RouterLogitsRecorder:
         return hook
 
     def attach(self) -> "RouterLogitsRecorder":
+        """Register the forward hooks (entering the context does this).
+
+        Returns:
+            The recorder itself.
+        """
         if not self._handles:
             self._handles = [m.register_forward_hook(self._hook(j)) for j, m in enumerate(self.modules)]
         return self
 
     def remove(self) -> None:
+        """Remove the forward hooks (leaving the context does this); the records stay."""
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -70,6 +70,10 @@ class WeightTracker:
         if step % log_every == 0:
             stats = tracker.update_stats()   # {role: {"weight_rms": ..., ...}}
             log(WeightTracker.flatten(stats))
+
+    Args:
+        named_params_by_role: ``(name, parameter)`` pairs per role.
+        offload: keep the snapshot in CPU memory.
     """
 
     def __init__(self, named_params_by_role: Mapping[str, Iterable[tuple[str, torch.Tensor]]], *, offload: bool = False):
@@ -86,7 +90,16 @@ class WeightTracker:
 
     @classmethod
     def from_assignments(cls, model: torch.nn.Module, rows: Iterable, **kwargs) -> "WeightTracker":
-        """Build from role rows (objects with ``.name`` and ``.role``, e.g. ``equiopt.assign_roles(model)``)."""
+        """Build from role rows (objects with ``.name`` and ``.role``, e.g. ``equiopt.assign_roles(model)``).
+
+        Args:
+            model: the model the rows name parameters of.
+            rows (Iterable): the rows, e.g. a :class:`~equiopt.roles.RoleTable`.
+            **kwargs (Any): passed to the constructor (``offload``).
+
+        Returns:
+            The tracker.
+        """
         params = dict(model.named_parameters(remove_duplicate=False))
         by_role: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for row in rows:
@@ -119,7 +132,11 @@ class WeightTracker:
 
     @torch.no_grad()
     def weight_stats(self) -> dict[str, dict[str, float]]:
-        """``{role: {"weight_rms", "numel"}}`` of the current weights; needs no snapshot."""
+        """``{role: {"weight_rms", "numel"}}`` of the current weights; needs no snapshot.
+
+        Returns:
+            The statistics per role.
+        """
         return self._stats(with_update=False)
 
     @torch.no_grad()
@@ -128,6 +145,15 @@ class WeightTracker:
 
         Floats (``numel`` an int); NaN for a role without parameters or with zero weights
         in the ratio. Drops the snapshot afterwards unless ``release=False``.
+
+        Args:
+            release: drop the snapshot afterwards.
+
+        Returns:
+            The statistics per role.
+
+        Raises:
+            RuntimeError: without a snapshot.
         """
         if self._snap is None:
             raise RuntimeError("update_stats() needs a snapshot(); call it at the start of the interval")
@@ -167,7 +193,15 @@ class WeightTracker:
 
     @staticmethod
     def flatten(stats: Mapping[str, Mapping[str, float]], prefix: str = "weights") -> dict[str, float]:
-        """``{role: {key: v}}`` to ``{f"{prefix}/{role}/{key}": v}`` for loggers (``numel`` dropped)."""
+        """``{role: {key: v}}`` to ``{f"{prefix}/{role}/{key}": v}`` for loggers (``numel`` dropped).
+
+        Args:
+            stats: statistics per role, as :meth:`update_stats` or :meth:`weight_stats` give them.
+            prefix: the first part of every key.
+
+        Returns:
+            A flat mapping of keys to floats.
+        """
         return {
             f"{prefix}/{role}/{key}" if prefix else f"{role}/{key}": value
             for role, d in stats.items()
