@@ -422,7 +422,14 @@ def check_checkpoint(path: str | Path) -> list[str]:
     """What is damaged in the checkpoint directory ``path``: one line per problem (a file
     missing, truncated, grown or changed since it was saved; an unreadable manifest,
     ``checkpoint.json`` or ``.metadata``). Empty when the checkpoint is intact. Reads every
-    byte of the checkpoint in this process."""
+    byte of the checkpoint in this process.
+
+    Args:
+        path: a checkpoint directory (``.../checkpoints/step_00001000``).
+
+    Returns:
+        One line per problem; empty when the checkpoint is intact.
+    """
     return _problems(Path(path))
 
 
@@ -473,7 +480,14 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest intact checkpoint of ``directory`` (following ``latest``; verified), or None."""
+    """The newest intact checkpoint of ``directory`` (following ``latest``; verified), or None.
+
+    Args:
+        directory: a run's checkpoint directory (``<out_dir>/checkpoints``).
+
+    Returns:
+        The checkpoint's path, or None when there is no intact one.
+    """
     for path in _step_dirs(Path(directory)):
         if not _problems(path):
             return path
@@ -531,6 +545,17 @@ def save_checkpoint(
     ``tensors``: a nested dict of tensors or DTensors (each rank passes its own shards);
     ``extras``: JSON-serialisable data, taken from rank 0; ``rank_extras``: JSON data of
     this rank (e.g. its RNG state). Keeps the newest ``keep`` checkpoints (0: all).
+
+    Args:
+        directory: the run's checkpoint directory.
+        step: the step the checkpoint holds; names it ``step_<step>`` (eight digits).
+        tensors: this rank's tensors, a nested dict.
+        extras: JSON data of the run, from rank 0.
+        rank_extras: JSON data of this rank.
+        keep: how many checkpoints to keep (0: all).
+
+    Returns:
+        The checkpoint's directory.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -605,9 +630,17 @@ def load_checkpoint(
     directly raises :class:`CheckpointError` saying what is damaged and which
     checkpoints beside it are intact.
 
-    Returns ``(path, extras, rank_extras)`` (``rank_extras`` None when the checkpoint
-    has no file for this rank, e.g. it was written by fewer ranks), or None if there is
-    no checkpoint.
+    Args:
+        directory: a run's checkpoint directory, or one checkpoint's directory.
+        tensors: the template, filled in place.
+
+    Returns:
+        ``(path, extras, rank_extras)`` (``rank_extras`` None when the checkpoint
+        has no file for this rank, e.g. it was written by fewer ranks), or None if there is
+        no checkpoint.
+
+    Raises:
+        CheckpointError: when no checkpoint is intact, or the one named is damaged.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -668,6 +701,16 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     ``path``: a checkpoint directory (verified: a damaged one raises
     :class:`CheckpointError`) or a run's checkpoint directory (its newest intact
     checkpoint). For inspection and evaluation; training resumes with :func:`load_checkpoint`.
+
+    Args:
+        path: a checkpoint directory, or a run's checkpoint directory.
+
+    Returns:
+        The checkpoint's ``checkpoint.json`` data with the full tensors put in its tree,
+        and ``"path"``: the checkpoint read.
+
+    Raises:
+        CheckpointError: for a damaged checkpoint, or when none is found.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

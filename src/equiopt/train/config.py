@@ -93,6 +93,16 @@ class TrainConfig:
 
 @dataclass
 class Config:
+    """A validated run config: the five tables of the module docstring.
+
+    Args:
+        run: ``[run]``: name, output directory, seed, device, compile, autocast, strategy.
+        model: ``[model]``: the architecture.
+        data: ``[data]``: shards, sequence length, batch size, gradient accumulation.
+        optim: ``[optim]``: the recipe, its overrides, gradient clipping.
+        train: ``[train]``: steps and the logging, validation and checkpoint cadences.
+    """
+
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -100,6 +110,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict:
+        """The config as nested plain data.
+
+        Returns:
+            ``{table: {field: value}}``; :func:`from_dict` reads it back.
+        """
         return dataclasses.asdict(self)
 
     @property
@@ -139,7 +154,19 @@ def _coerce(where: str, value: Any, default: Any) -> Any:
 
 
 def from_dict(data: Mapping[str, Any], source: str = "config") -> Config:
-    """Validate a nested mapping (as TOML gives) into a :class:`Config`."""
+    """Validate a nested mapping (as TOML gives) into a :class:`Config`.
+
+    Args:
+        data: ``{table: {field: value}}``.
+        source: the name errors give for the data (a file name).
+
+    Returns:
+        The config, with defaults for every field not given.
+
+    Raises:
+        ConfigError: for an unknown table or field, or a value of the wrong type or out
+            of range; the message names the field.
+    """
     unknown = [k for k in data if k not in SECTIONS]
     if unknown:
         raise _fail(source, f"unknown table(s) {', '.join(map(repr, unknown))}; valid: {', '.join(SECTIONS)}")
@@ -234,7 +261,19 @@ def check_data(cfg: Config) -> None:
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
-    """Read and validate a TOML run config; ``overrides`` maps ``"section.field"`` to values."""
+    """Read and validate a TOML run config; ``overrides`` maps ``"section.field"`` to values.
+
+    Args:
+        path: the ``.toml`` file.
+        overrides: values to set over the file's, by dotted name (deeper keys reach into
+            tables: ``"optim.overrides.attention.polar_dtype"``).
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: for a missing or invalid file, or a bad field.
+    """
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())

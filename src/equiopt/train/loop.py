@@ -120,6 +120,17 @@ class Trainer:
     :class:`~equiopt.train.CheckpointWarning`). ``resume_from``: a checkpoint directory
     (``.../checkpoints/step_00001000``, of this run or another) to continue from exactly;
     a damaged one raises :class:`~equiopt.train.CheckpointError`.
+
+    Args:
+        cfg: the validated run config.
+        resume: continue from the run's newest intact checkpoint, if any.
+        progress: print progress lines.
+        resume_from: a checkpoint directory to continue from exactly.
+
+    Raises:
+        ConfigError: when the config's data is missing or does not fit the model.
+        CheckpointError: for a damaged ``resume_from``, or when no checkpoint of a
+            run that has some is intact.
     """
 
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True,
@@ -221,7 +232,11 @@ class Trainer:
         return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}, optim_sd["param_groups"]
 
     def save(self) -> Path:
-        """Write a checkpoint of this step (every rank takes part) and return its directory."""
+        """Write a checkpoint of this step (every rank takes part) and return its directory.
+
+        Returns:
+            The checkpoint directory, ``<out_dir>/checkpoints/step_<step>``.
+        """
         tensors, groups = self._tensor_state()
         extras = {
             "step": self.step, "tokens": self.tokens, "strategy": self.strategy,
@@ -297,6 +312,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ train
     def train_step(self, log_now: bool, diag_now: bool) -> dict[str, float]:
+        """One optimizer step over ``grad_accum`` micro-batches.
+
+        Args:
+            log_now: add timings, learning rates, the skipped-step count and the per-role
+                weight and update RMS to the metrics.
+            diag_now: add the final-logit and router diagnostics of the last micro-batch.
+
+        Returns:
+            The step's metrics (``loss``, ``ce``, and what the flags add).
+
+        Raises:
+            NonFiniteLossError: when the loss is NaN or Inf.
+        """
         cfg = self.cfg
         self.model.train()
         want_router = bool(self.top_k) and (cfg.train.aux_loss > 0 or cfg.train.z_loss > 0 or diag_now)
@@ -360,6 +388,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Validation (and out-of-domain) loss, with the diagnostics of the first validation batch.
+
+        Returns:
+            ``{"val/loss": ..., "ood/loss": ..., ...}`` for the sets the config names.
+        """
         self.model.eval()
         out: dict[str, float] = {}
         for prefix, batches in (("val", self.val), ("ood", self.ood)):
@@ -379,6 +412,15 @@ class Trainer:
         return out
 
     def run(self) -> dict[str, Any]:
+        """Train to the config's step count, logging, validating and checkpointing on its cadences.
+
+        Returns:
+            ``{"status", "step", "tokens", "out_dir"}`` and the last validation metrics.
+
+        Raises:
+            NonFiniteLossError: when the loss became NaN or Inf (the message names the last
+                good checkpoint).
+        """
         cfg = self.cfg.train
         status, message, last_val = "done", "", {}
         try:
@@ -421,5 +463,16 @@ def train(cfg: Config, resume: bool = False, progress: bool = True,
           resume_from: str | os.PathLike | None = None) -> dict[str, Any]:
     """Train one run from a validated :class:`Config`; returns its final validation metrics.
 
-    ``resume`` and ``resume_from`` as for :class:`Trainer`."""
+    ``resume`` and ``resume_from`` as for :class:`Trainer`.
+
+    Args:
+        cfg: the validated run config (see :func:`load_config`).
+        resume: continue from the run's newest intact checkpoint, if any.
+        progress: print progress lines.
+        resume_from: a checkpoint directory to continue from exactly.
+
+    Returns:
+        What :meth:`Trainer.run` returns: the status, step, tokens, output directory and
+        the last validation metrics.
+    """
     return Trainer(cfg, resume=resume, progress=progress, resume_from=resume_from).run()
