@@ -41,7 +41,20 @@ __all__ = ["optimizer_cls_and_kwargs", "trainer_kwargs", "RecipeSchedule", "Reci
 
 class TrainerOptimizer(EquivariantOptimizer):
     """:class:`EquivariantOptimizer` with a recipe's param groups for ``model``
-    (:func:`equiopt.build_optimizer` without the scheduler, which the Trainer owns)."""
+    (:func:`equiopt.build_optimizer` without the scheduler, which the Trainer owns).
+
+    Args:
+        model: the model the Trainer trains.
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe`.
+        overrides: recipe fields per role (``"*"`` for all).
+        rules: role overrides by parameter name (see :func:`equiopt.assign_roles`).
+        eager_state: create the optimizer state at construction.
+        **role_options: further options of :func:`equiopt.assign_roles`.
+
+    Raises:
+        TypeError: when handed param groups instead of the model (a Trainer older than
+            transformers 5).
+    """
 
     def __init__(self, model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None,
                  rules: Any = None, eager_state: bool = False, **role_options: Any):
@@ -61,6 +74,14 @@ class TrainerOptimizer(EquivariantOptimizer):
         self._warned = False
 
     def step(self, closure=None):
+        """One optimizer step; warns once when :class:`RecipeSchedule` is not installed.
+
+        Args:
+            closure (Callable | None): re-evaluates the model and returns the loss.
+
+        Returns:
+            loss (Any): what the closure returned, or None.
+        """
         if not self.recipe_schedule_installed and not self._warned:
             self._warned = True
             warnings.warn(
@@ -72,7 +93,15 @@ class TrainerOptimizer(EquivariantOptimizer):
 
 class RecipeOptimizerFactory:
     """What ``optimizer_cls_and_kwargs`` names: the Trainer calls ``RecipeOptimizerFactory()(model, **kwargs)``
-    with the model it trains (transformers >= 5 calls any non-Optimizer class this way)."""
+    with the model it trains (transformers >= 5 calls any non-Optimizer class this way).
+
+    Args:
+        *args (Any): none; an older Trainer passing param groups gets a TypeError.
+        **kwargs (Any): none, as for ``args``.
+
+    Raises:
+        TypeError: when called with arguments (a Trainer older than transformers 5).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any):
         if args or kwargs:  # an older Trainer calling it as an optimizer class with its own param groups
@@ -88,7 +117,17 @@ def optimizer_cls_and_kwargs(recipe: str | Recipe = DEFAULT_RECIPE, overrides: A
                              **role_options: Any) -> tuple[type, dict[str, Any]]:
     """``(factory, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``: the optimizer gets the
     recipe's groups for the Trainer's model. Pair it with :class:`RecipeSchedule` (or use
-    :func:`trainer_kwargs`) to keep the recipe's schedules."""
+    :func:`trainer_kwargs`) to keep the recipe's schedules.
+
+    Args:
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe`.
+        overrides: recipe fields per role (``"*"`` for all).
+        rules: role overrides by parameter name (see :func:`equiopt.assign_roles`).
+        **role_options: further options of :func:`equiopt.assign_roles`.
+
+    Returns:
+        ``(RecipeOptimizerFactory, kwargs)``; the recipe is checked here.
+    """
     rec = get_recipe(recipe)  # a bad name or override fails here, not inside trainer.train()
     if overrides:
         rec.with_overrides(overrides)
@@ -99,7 +138,17 @@ def trainer_kwargs(recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None,
                    **role_options: Any) -> dict[str, Any]:
     """``Trainer(..., **trainer_kwargs(...))``: ``optimizer_cls_and_kwargs`` and the ``callbacks``
     that keep the recipe's schedules. (With callbacks of your own, pass
-    ``callbacks=[*yours, RecipeSchedule()]`` and ``optimizer_cls_and_kwargs`` yourself.)"""
+    ``callbacks=[*yours, RecipeSchedule()]`` and ``optimizer_cls_and_kwargs`` yourself.)
+
+    Args:
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe`.
+        overrides: recipe fields per role (``"*"`` for all).
+        rules: role overrides by parameter name (see :func:`equiopt.assign_roles`).
+        **role_options: further options of :func:`equiopt.assign_roles`.
+
+    Returns:
+        ``{"optimizer_cls_and_kwargs": ..., "callbacks": [RecipeSchedule()]}``.
+    """
     return {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs(recipe, overrides, rules, **role_options),
             "callbacks": [RecipeSchedule()]}
 
@@ -125,6 +174,16 @@ class RecipeSchedule(TrainerCallback):
     """
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        """Give the Trainer's ``LambdaLR`` the recipe's multipliers, one per param group.
+
+        Args:
+            args (TrainingArguments): the Trainer's arguments.
+            state (TrainerState): the Trainer's state (``max_steps``).
+            control (TrainerControl): the Trainer's control flags.
+            optimizer (torch.optim.Optimizer | None): the Trainer's optimizer (possibly wrapped).
+            lr_scheduler (torch.optim.lr_scheduler.LRScheduler | None): the Trainer's scheduler.
+            **kwargs (Any): the callback's other arguments.
+        """
         opt = _inner(optimizer)
         if opt is None:
             return

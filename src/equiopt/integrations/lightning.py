@@ -48,6 +48,18 @@ def configure_optimizers(module: nn.Module, recipe: str | Recipe = DEFAULT_RECIP
     (``max_steps``, or epochs x batches / accumulation); without either the schedules
     hold their base rates after warm-up. ``overrides``, ``rules`` and ``role_options``
     are those of :func:`equiopt.build_optimizer`.
+
+    Args:
+        module: the LightningModule (or the model it holds).
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe`.
+        total_steps: the run's length; None asks the attached trainer.
+        overrides: recipe fields per role (``"*"`` for all).
+        rules: role overrides by parameter name.
+        **role_options: further options of :func:`equiopt.assign_roles`.
+
+    Returns:
+        What ``LightningModule.configure_optimizers`` returns: the optimizer and its
+        step-interval scheduler.
     """
     if total_steps is None:
         total_steps = _estimated_steps(module)

@@ -86,6 +86,12 @@ def model_rules(model: nn.Module) -> dict[str, tuple[str, str]]:
 
     gpt-oss keeps each expert's gate and up rows fused and interleaved in
     ``mlp1_weight_EGD`` (its SwiGLU reads ``h[..., ::2]`` and ``h[..., 1::2]``).
+
+    Args:
+        model: a torchtitan model.
+
+    Returns:
+        ``{regex: (role, layout)}`` for :func:`equiopt.assign_roles`'s ``rules``.
     """
     rules = {}
     for name, module in model.named_modules():
@@ -104,7 +110,16 @@ def _merged_rules(model: nn.Module, rules: Any) -> list[tuple[str, Any]]:
 
 def role_table(model: nn.Module, rules: Any = None, **role_options: Any) -> RoleTable:
     """:func:`equiopt.assign_roles` for a torchtitan model (bare, or parallelised and wrapped),
-    with :func:`model_rules` after ``rules``."""
+    with :func:`model_rules` after ``rules``.
+
+    Args:
+        model: a torchtitan model.
+        rules: the user's rules, matched before :func:`model_rules`.
+        **role_options: further options of :func:`equiopt.assign_roles`.
+
+    Returns:
+        The :class:`~equiopt.roles.RoleTable`.
+    """
     return assign_roles(model, rules=_merged_rules(model, rules), **role_options)
 
 
@@ -163,6 +178,31 @@ def build_optimizer_from_groups(
     of its checkpoints). ``rules`` and ``role_options`` (``dims``, ``gate_up``,
     ``per_head``) are those of :func:`equiopt.assign_roles`; the rest are the optimizer's
     options. ``state_dtype`` may be a name (``"bfloat16"``).
+
+    Args:
+        param_groups: torchtitan's groups for this optimizer.
+        model: the model holding the parameters.
+        model_parts: torchtitan's model parts (pipeline stages); the one holding the
+            parameters is used.
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe`.
+        lr_multiplier: scales every role's learning rate.
+        overrides: recipe fields per role (``"*"`` for all).
+        rules: role overrides by parameter name.
+        eager_state: create the optimizer state at construction (torchtitan's checkpoints
+            need every key from step 0).
+        compile: compile the step (see :class:`~equiopt.optim.EquivariantOptimizer`).
+        state_dtype: the dtype of momentum and moments, or its name.
+        divide_work: divide the matrix maps among replicas.
+        cost_model: how a sharded parameter's plan is chosen.
+        **role_options: ``dims``, ``gate_up``, ``per_head``.
+
+    Returns:
+        The optimizer, whose groups carry torchtitan's ``param_names``.
+
+    Raises:
+        ValueError: when neither ``model`` nor ``model_parts`` is given, for a bad
+            ``lr_multiplier`` or ``state_dtype``, or for a bad recipe, override or rule.
+        TypeError: for an unknown option in the input groups.
     """
     unknown = [k for k in role_options if k not in _ROLE_OPTIONS]
     if unknown:
@@ -230,6 +270,14 @@ class EquioptOptimizersContainer(OptimizersContainer):
 
     Build it from its ``Config`` (``equiopt_config(...)`` makes one), as the Trainer does:
     ``config.optimizer.build(model_parts=model_parts)``.
+
+    Args:
+        config (Config): the container's config, with the ``recipe`` and ``lr_multiplier`` fields.
+        model_parts: torchtitan's model parts.
+
+    Raises:
+        ValueError: when ``optimizer_factory_kwargs_by_name`` sets ``recipe`` or
+            ``lr_multiplier`` for equiopt (they are the config's own fields).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -276,12 +324,23 @@ class EquioptOptimizersContainer(OptimizersContainer):
                         f"weight_decay={group['weight_decay']:g}")
 
     def state_dict(self) -> dict[str, Any]:
+        """torchtitan's flat, name-keyed state dict, without the per-parameter group lists.
+
+        Returns:
+            The state dict for torchtitan's checkpoints.
+        """
         flat = super().state_dict()
         for key in [k for k in flat if k.startswith("param_groups.") and k.rsplit(".", 1)[-1] in _PER_PARAMETER_KEYS]:
             del flat[key]
         return flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`, taking the per-parameter group lists
+        (names and layouts) from the live groups.
+
+        Args:
+            state_dict: the flat state dict.
+        """
         flat = dict(state_dict)
         for optimizer in self.optimizers:
             if not isinstance(optimizer, EquivariantOptimizer):
@@ -319,6 +378,23 @@ def equiopt_config(
 
     The recipe, overrides and rules are checked here, so a mistake fails when the config
     is made, not when the Trainer builds the optimizer.
+
+    Args:
+        recipe: a recipe name, TOML path or :class:`~equiopt.recipes.Recipe`.
+        lr_multiplier: scales every role's learning rate.
+        overrides: recipe fields per role (``"*"`` for all).
+        rules: role overrides by parameter-name regex.
+        pattern: the parameters equiopt optimizes.
+        param_groups: your own list of ``ParamGroupConfig``, replacing the single group.
+        implementation: torchtitan's implementation setting for its own optimizers.
+        **options: role-inference and optimizer options (see above).
+
+    Returns:
+        The config, for ``config.optimizer``.
+
+    Raises:
+        ValueError: for an unknown recipe, override or rule, or a bad ``lr_multiplier``.
+        TypeError: for an unknown option.
     """
     unknown = [k for k in options if k not in _ROLE_OPTIONS + _ENGINE_OPTIONS]
     if unknown:
@@ -406,7 +482,18 @@ def _flavors(module) -> dict[str, Any]:
 def build_model(spec: str, device: str | torch.device = "meta") -> nn.Module:
     """A torchtitan model from ``"MODEL[:FLAVOR]"`` (e.g. ``"llama3:8B"``, ``"qwen3:debugmodel_moe"``,
     ``"deepseek_v3:16B"``; flavor ``debugmodel`` by default), built on ``device`` (the meta
-    device allocates nothing)."""
+    device allocates nothing).
+
+    Args:
+        spec: ``"MODEL[:FLAVOR]"``.
+        device: where to build it.
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: for an unknown model or flavor.
+    """
     from torchtitan.models import _supported_models
 
     name, _, flavor = spec.partition(":")
