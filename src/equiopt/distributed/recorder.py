@@ -5,44 +5,45 @@
     print(log.summary())            # {op: (count, bytes)}
     assert log.total_bytes() < vocab.numel() * 4 / 2
 
-Three entry points are wrapped while the block runs, so eager c10d calls, functional
-collectives and DTensor redistributions are all seen:
-
-- the c10d functions (``torch.distributed.all_reduce``, ``all_gather_into_tensor``,
-  ``broadcast``, ...), in ``torch.distributed`` and every ``torch.distributed.*`` module
-  (or ``extra_modules``) that imported them by name;
-- the functional-collective ops ``torch.ops._c10d_functional.*`` (and their autograd
-  variants), which ``torch.distributed._functional_collectives`` and DTensor issue
-  (``full_tensor()``, ``redistribute``, reductions to ``Partial``);
-- DTensor's own ``torch.ops._dtensor.shard_dim_alltoall``.
-
-A collective made inside another recorded one (``all_gather_object`` calls
-``all_gather``) is counted once, at the outermost call; object collectives
-(``*_object*``) are not wrapped, so their tensor collectives are what is recorded.
+The block runs under a ``TorchDispatchMode`` that sees the dispatcher ops every
+collective goes through, whichever way it was issued: the c10d ops ``torch.ops.c10d.*``
+behind the ``torch.distributed`` functions and ``ProcessGroup`` methods (``allreduce_``,
+``_allgather_base_``, ``_reduce_scatter_base_``, ``alltoall_base_``, ``send``, ``recv_``,
+..., with ``async_op=True`` or not, from Python or from C++ as a DDP reducer's bucket
+all-reduces), the functional collectives ``torch.ops._c10d_functional.*`` that
+``torch.distributed._functional_collectives``, DTensor (``full_tensor()``,
+``redistribute``, reductions to ``Partial``) and FSDP2 issue, and DTensor's
+``torch.ops._dtensor.shard_dim_alltoall``. Nothing is patched. An op on a DTensor is let
+through to DTensor first (the mode answers ``NotImplemented``), so the collectives it
+lowers to are seen. A collective made inside another (a functional all-reduce runs a c10d
+all-reduce) is counted once, the outer one; object collectives (``all_gather_object``)
+are seen as the tensor collectives they make; the body of a higher-order operator
+(``torch.cond``) run eagerly is not looked into. Dispatch modes are per thread: the block
+sees what its thread issues (and the autograd engine's backward, which carries the mode),
+not another thread of the process. ``torch.compile`` compiles as it would outside the
+block and the compiled code's collectives are recorded as they run (torch >= 2.9, where a
+mode can ask for this; before, Dynamo does not compile under a dispatch mode: the code
+runs eagerly, and ``fullgraph=True`` fails).
 
 ``bytes`` is the message size as nccl-tests reports it: the tensor of an all-reduce,
 broadcast, reduce, send or receive; the gathered output of an all-gather or gather; the
-full input of a reduce-scatter, scatter or all-to-all. ``group_size`` lets a reader
-derive what each rank sends (a ring all-reduce sends ``2 (n - 1) / n`` of it, an
-all-gather or reduce-scatter ``(n - 1) / n``). DTensor pads uneven shards before it
-gathers them; the padded size is what is counted. FSDP2's parameter all-gathers and
-gradient reduce-scatters go through the c10d functions and are seen; collectives issued
-from C++ (a DDP reducer's bucket all-reduces) and functions imported by name into a
-module outside ``torch.distributed`` before the block (unless passed as
-``extra_modules``) are not.
+full input of a reduce-scatter, scatter or all-to-all (a barrier counts 0). ``group_size``
+lets a reader derive what each rank sends (a ring all-reduce sends ``2 (n - 1) / n`` of
+it, an all-gather or reduce-scatter ``(n - 1) / n``). DTensor pads uneven shards before it
+gathers them; the padded size is what is counted.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveRecord", "CollectiveLog", "record_collectives"]
 
@@ -56,7 +57,7 @@ class CollectiveRecord:
     dtype: torch.dtype | None
     shape: tuple[int, ...] = ()
     group_size: int | None = None
-    api: str = ""  # the function or op called, e.g. "all_gather_into_tensor" or "_c10d_functional.all_reduce"
+    api: str = ""  # the dispatcher op, e.g. "c10d._allgather_base_" or "_c10d_functional.all_reduce"
 
 
 @dataclass
@@ -90,199 +91,122 @@ class CollectiveLog:
         self.records.clear()
 
 
-# --------------------------------------------------------------------- byte counts
+# dispatcher op -> (op recorded, position of the tensor(s) sized or None, times what):
+# "group" multiplies by the group's size (gather and scatter move one tensor per rank),
+# "group_size" by that argument (a functional all-gather is sized by its input).
+_C10D = {
+    "allreduce_": ("all_reduce", 0, None), "allreduce_coalesced_": ("all_reduce", 0, None),
+    "broadcast_": ("broadcast", 0, None), "reduce_": ("reduce", 0, None),
+    "allgather_": ("all_gather", 0, None), "_allgather_base_": ("all_gather", 0, None),
+    "allgather_coalesced_": ("all_gather", 0, None), "allgather_into_tensor_coalesced_": ("all_gather", 0, None),
+    "reduce_scatter_": ("reduce_scatter", 1, None), "_reduce_scatter_base_": ("reduce_scatter", 1, None),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, None),
+    "alltoall_": ("all_to_all", 1, None), "alltoall_base_": ("all_to_all", 1, None),
+    "gather_": ("gather", 1, "group"), "scatter_": ("scatter", 0, "group"),
+    "send": ("send", 0, None), "recv_": ("recv", 0, None), "recv_any_source_": ("recv", 0, None),
+    "barrier": ("barrier", None, None), "monitored_barrier_": ("barrier", None, None),
+}
+_FUNCTIONAL = {
+    **{name: ("all_reduce", 0, None) for name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_")},
+    **{name: ("all_gather", 0, "group_size") for name in ("all_gather_into_tensor", "all_gather_into_tensor_out",
+                                                          "all_gather_into_tensor_coalesced")},
+    **{name: ("reduce_scatter", 0, None) for name in ("reduce_scatter_tensor", "reduce_scatter_tensor_out",
+                                                      "reduce_scatter_tensor_coalesced")},
+    "all_to_all_single": ("all_to_all", 0, None), "broadcast": ("broadcast", 0, None), "broadcast_": ("broadcast", 0, None),
+    "isend": ("send", 0, None), "irecv": ("recv", 0, None),
+}
+_OPS = {f"c10d::{name}": spec for name, spec in _C10D.items()}
+_OPS.update({f"{ns}::{name}": spec for ns in ("_c10d_functional", "_c10d_functional_autograd")
+             for name, spec in _FUNCTIONAL.items()})
+_OPS["_dtensor::shard_dim_alltoall"] = ("all_to_all", 0, None)
+_BATCH_P2P = "_c10d_functional::batch_p2p_ops"  # one record per send or receive it batches
+
+
 def _nbytes(t: Any) -> int:
     if torch.is_tensor(t):
         return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
+    return sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else 0
 
 
 def _first_tensor(x: Any) -> torch.Tensor | None:
     if torch.is_tensor(x):
         return x
-    if isinstance(x, (list, tuple)):
-        for item in x:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
+    for item in x if isinstance(x, (list, tuple)) else ():
+        if (found := _first_tensor(item)) is not None:
+            return found
     return None
 
 
 def _group_size(group: Any) -> int | None:
+    """Size of a c10d op's ``ProcessGroup`` (a ``ScriptObject`` to the mode) or a functional op's group name."""
     import torch.distributed as dist
 
     try:
         if isinstance(group, str):
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            return _resolve_process_group(group).size()
-        if group is not None and callable(getattr(group, "size", None)):
-            return int(group.size())
-        return dist.get_world_size(group)
+            group = _resolve_process_group(group)
+        elif isinstance(group, torch.ScriptObject):
+            group = dist.ProcessGroup.unbox(group)
+        return int(group.size())
     except Exception:  # a group we cannot resolve: the size stays unknown
         return None
 
 
-def _canonical(api: str) -> str:
-    """``all_gather_into_tensor`` -> ``all_gather``, ``all_reduce_coalesced_`` -> ``all_reduce``, ``isend`` -> ``send``."""
-    name = api.rstrip("_")
-    for suffix in ("_coalesced", "_out", "_into_tensor", "_tensor", "_single"):
-        name = name.replace(suffix, "")
-    return {"isend": "send", "irecv": "recv"}.get(name, name)
+def _record(op: str, tensors: Any, group_size: int | None, times: int, api: str) -> CollectiveRecord:
+    first = _first_tensor(tensors)
+    return CollectiveRecord(op, _nbytes(tensors) * times, first.dtype if first is not None else None,
+                            tuple(first.shape) if first is not None else (), group_size, api)
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else default
+def _records(name: str, args: tuple, kwargs: dict, schema: Any) -> list[CollectiveRecord]:
+    bound = dict(zip([a.name for a in schema.arguments], args), **kwargs)
+    values = [bound.get(a.name) for a in schema.arguments]
+    size = _group_size(bound.get("process_group", bound.get("group_name")))
+    api = name.replace("::", ".")
+    if name == _BATCH_P2P:
+        return [_record("send" if kind == "isend" else "recv", t, size, 1, api)
+                for kind, t in zip(bound["op_list"], bound["tensors"])]
+    op, index, times = _OPS[name]
+    if times == "group_size":
+        size = int(bound["group_size"])
+    return [_record(op, values[index] if index is not None else None, size,
+                    1 if times is None else (size or 1), api)]
 
 
-# c10d functions: name -> (index/name of the tensor(s) sized, multiplier kind, index/name of the group)
-# "world" multiplies by the group size (gather of one tensor per rank into a list).
-_C10D: dict[str, tuple[tuple[int, str], str, tuple[int, str]]] = {
-    "all_reduce": ((0, "tensor"), "one", (2, "group")),
-    "all_reduce_coalesced": ((0, "tensors"), "one", (2, "group")),
-    "broadcast": ((0, "tensor"), "one", (2, "group")),
-    "reduce": ((0, "tensor"), "one", (3, "group")),
-    "all_gather": ((0, "tensor_list"), "one", (2, "group")),
-    "all_gather_into_tensor": ((0, "output_tensor"), "one", (2, "group")),
-    "all_gather_single": ((0, "output_tensor"), "one", (2, "group")),  # torch >= 2.13's name
-    "all_gather_coalesced": ((0, "output_tensor_lists"), "one", (2, "group")),
-    "reduce_scatter": ((1, "input_list"), "one", (3, "group")),
-    "reduce_scatter_tensor": ((1, "input"), "one", (3, "group")),
-    "reduce_scatter_single": ((1, "input"), "one", (3, "group")),
-    "all_to_all": ((1, "input_tensor_list"), "one", (2, "group")),
-    "all_to_all_single": ((1, "input"), "one", (4, "group")),
-    "gather": ((0, "tensor"), "world", (3, "group")),
-    "scatter": ((0, "tensor"), "world", (3, "group")),
-    "send": ((0, "tensor"), "one", (2, "group")),
-    "recv": ((0, "tensor"), "one", (2, "group")),
-    "isend": ((0, "tensor"), "one", (2, "group")),
-    "irecv": ((0, "tensor"), "one", (2, "group")),
-    "barrier": ((-1, ""), "none", (0, "group")),
-}
+class _Recorder(TorchDispatchMode):
+    supports_higher_order_operators = True  # torch.cond and the like pass through (their bodies run unseen)
 
-# functional ops (torch.ops._c10d_functional / _c10d_functional_autograd):
-# name -> (tensor arg index, multiplier: "one" or index of a group_size argument, group argument index)
-_FUNCTIONAL: dict[str, tuple[int, Any, int]] = {
-    "all_reduce": (0, "one", 2),
-    "all_reduce_": (0, "one", 2),
-    "all_reduce_coalesced": (0, "one", 2),
-    "all_reduce_coalesced_": (0, "one", 2),
-    "all_gather_into_tensor": (0, 1, 2),
-    "all_gather_into_tensor_out": (0, 1, 2),
-    "all_gather_into_tensor_coalesced": (0, 1, 2),
-    "reduce_scatter_tensor": (0, "one", 3),
-    "reduce_scatter_tensor_out": (0, "one", 3),
-    "reduce_scatter_tensor_coalesced": (0, "one", 3),
-    "all_to_all_single": (0, "one", 3),
-    "broadcast": (0, "one", 2),
-    "broadcast_": (0, "one", 2),
-}
+    def __init__(self, log: CollectiveLog, dtensor: type | None):
+        super().__init__()
+        self.log, self.dtensor = log, dtensor
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # torch.compile compiles as if unrecorded; the compiled code's collectives are seen as it runs
 
-# ------------------------------------------------------------------------ patching
-_local = threading.local()
-_active: list[CollectiveLog] = []
-_lock = threading.Lock()
-
-
-def _depth() -> int:
-    return getattr(_local, "depth", 0)
-
-
-def _emit(record: CollectiveRecord) -> None:
-    for log in list(_active):
-        log.records.append(record)
-
-
-def _call_recorded(make_record: Callable[[], CollectiveRecord], fn: Callable, args: tuple, kwargs: dict):
-    if not _active or _depth():
-        return fn(*args, **kwargs)
-    try:
-        record = make_record()
-    except Exception as err:  # never let counting break the collective itself; say what was missed
-        warnings.warn(f"record_collectives: could not size a collective ({err!r}); it is recorded with 0 bytes")
-        record = getattr(make_record, "fallback", None)
-    _local.depth = _depth() + 1
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _local.depth -= 1
-        if record is not None:
-            _emit(record)
-
-
-def _c10d_wrapper(name: str, fn: Callable) -> Callable:
-    (t_index, t_name), mult, (g_index, g_name) = _C10D[name]
-
-    def record(args, kwargs) -> CollectiveRecord:
-        tensors = _arg(args, kwargs, t_index, t_name) if t_index >= 0 else None
-        size = _group_size(_arg(args, kwargs, g_index, g_name))
-        nbytes = _nbytes(tensors)
-        if mult == "world":
-            nbytes *= size or 1
-        first = _first_tensor(tensors)
-        return CollectiveRecord(_canonical(name), nbytes, first.dtype if first is not None else None,
-                                tuple(first.shape) if first is not None else (), size, name)
-
-    def wrapper(*args, **kwargs):
-        make = lambda: record(args, kwargs)  # noqa: E731
-        make.fallback = CollectiveRecord(_canonical(name), 0, None, (), None, name)
-        return _call_recorded(make, fn, args, kwargs)
-
-    wrapper.__wrapped__ = fn
-    wrapper.__name__ = getattr(fn, "__name__", name)
-    wrapper.__doc__ = getattr(fn, "__doc__", None)
-    wrapper._equiopt_recorder = True
-    return wrapper
-
-
-class _RecordingOp:
-    """Stands in for an ``OpOverloadPacket`` in its ``torch.ops`` namespace; attributes pass through."""
-
-    def __init__(self, packet: Any, name: str, source: str, spec: tuple[int, Any, int]):
-        # source: "namespace.op", what CollectiveRecord.api reports
-        self._packet, self._name, self._source, self._spec = packet, name, source, spec
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self._packet, item)
-
-    def __call__(self, *args, **kwargs):
-        make = lambda: self._record(args, kwargs)  # noqa: E731
-        make.fallback = CollectiveRecord(_canonical(self._name), 0, None, (), None, self._source)
-        return _call_recorded(make, self._packet, args, kwargs)
-
-    def _record(self, args: tuple, kwargs: dict) -> CollectiveRecord:
-        if kwargs:  # put keyword arguments in their schema positions
-            names = [a.name for a in self._packet.default._schema.arguments]
-            args = tuple(args) + tuple(kwargs[n] for n in names[len(args):] if n in kwargs)
-        t_index, mult, g_index = self._spec
-        tensors = args[t_index]
-        nbytes = _nbytes(tensors)
-        size = _group_size(args[g_index]) if len(args) > g_index else None
-        if mult != "one":
-            size = int(args[mult])
-            nbytes *= size
-        first = _first_tensor(tensors)
-        return CollectiveRecord(_canonical(self._name), nbytes, first.dtype if first is not None else None,
-                                tuple(first.shape) if first is not None else (), size, self._source)
-
-
-def _c10d_modules(extra: tuple[Any, ...]) -> list[Any]:
-    mods = [m for n, m in list(sys.modules.items()) if m is not None and (n == "torch.distributed" or n.startswith("torch.distributed."))]
-    return mods + [m for m in extra if m not in mods]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = getattr(func, "_schema", None)  # None for a higher-order operator
+        if schema is not None and (schema.name in _OPS or schema.name == _BATCH_P2P):
+            try:
+                self.log.records.extend(_records(schema.name, args, kwargs, schema))
+            except Exception as err:  # never let counting break the collective itself; say what was missed
+                warnings.warn(f"record_collectives: could not size {schema.name} ({err!r}); it is recorded with 0 bytes")
+                op = _OPS[schema.name][0] if schema.name in _OPS else "send"
+                self.log.records.append(CollectiveRecord(op, 0, None, (), None, schema.name.replace("::", ".")))
+        elif self.dtensor is not None and any(issubclass(t, self.dtensor) for t in types):
+            return NotImplemented  # DTensor runs first and lowers the op to collectives on plain tensors, seen here
+        return func(*args, **kwargs)
 
 
 @contextmanager
 def record_collectives(extra_modules: tuple[Any, ...] = ()) -> Iterator[CollectiveLog]:
     """Record the collectives issued in the block into the :class:`CollectiveLog` it yields.
 
-    Recorders nest (each sees everything issued inside it). ``extra_modules``: modules
-    outside ``torch.distributed`` that imported c10d functions by name (the outermost
-    recorder's are the ones patched).
+    Recorders nest (each sees everything issued inside it). ``extra_modules`` is accepted
+    for compatibility and not needed: a function imported by name anywhere still issues
+    the dispatcher ops that are recorded.
     """
     import torch.distributed as dist
 
@@ -290,37 +214,9 @@ def record_collectives(extra_modules: tuple[Any, ...] = ()) -> Iterator[Collecti
     if not dist.is_available():
         yield log
         return
-    import torch.distributed.distributed_c10d as c10d
-
-    with _lock:
-        first = not _active
-        _active.append(log)
-    undo: list[tuple[Any, str, Any]] = []
     try:
-        if first:
-            originals = {name: getattr(c10d, name) for name in _C10D if hasattr(c10d, name)}
-            wrappers = {name: _c10d_wrapper(name, fn) for name, fn in originals.items()}
-            by_id = {id(fn): (fn, wrappers[name]) for name, fn in originals.items()}
-            for module in _c10d_modules(tuple(extra_modules)):
-                for attr, value in list(vars(module).items()):
-                    hit = by_id.get(id(value))
-                    if hit is not None and value is hit[0]:
-                        undo.append((module, attr, value))
-                        setattr(module, attr, hit[1])
-            for ns_name, table in (("_c10d_functional", _FUNCTIONAL), ("_c10d_functional_autograd", _FUNCTIONAL),
-                                   ("_dtensor", {"shard_dim_alltoall": (0, "one", 3)})):
-                namespace = getattr(torch.ops, ns_name)
-                for op, spec in table.items():
-                    try:
-                        packet = getattr(namespace, op)
-                    except (AttributeError, RuntimeError):
-                        continue
-                    name = "all_to_all" if op == "shard_dim_alltoall" else op
-                    undo.append((namespace, op, packet))
-                    setattr(namespace, op, _RecordingOp(packet, name, f"{ns_name}.{op}", spec))
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 spells it torch.distributed._tensor
+        from torch.distributed._tensor import DTensor
+    with _Recorder(log, DTensor):
         yield log
-    finally:
-        for target, attr, value in reversed(undo):
-            setattr(target, attr, value)
-        with _lock:
-            _active.remove(log)
