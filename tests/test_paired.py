@@ -145,3 +145,116 @@ def test_cli_compare_with_baseline_writes_a_paired_report(tmp_path, monkeypatch,
     assert "2 of 3" in out and "mean diff in val/loss vs a" in out
     text = report.read_text()
     assert "equiopt compare cfg/a.toml" in text and "2 of 3" in text and str(tmp_path / "runs" / "b-s2") in text
+
+
+# ------------------------------------------------------------- runs done and time left
+RUN_LINE = r"\[(\d+)/(\d+) runs\] (done|reused): (\S+) \(([^)]*)\)(; ~(.+) left)?"
+
+
+def _run_lines(err: str):
+    import re
+
+    lines = [ln for ln in err.splitlines() if ln.startswith("[")]
+    matches = [re.fullmatch(RUN_LINE, ln) for ln in lines]
+    assert all(matches), lines
+    return [(int(m[1]), int(m[2]), m[3], m[4], m[7]) for m in matches]
+
+
+def test_run_progress_counts_runs_and_estimates_from_trained_runs_only(monkeypatch):
+    import io
+
+    from equiopt.study.paired import RunProgress
+
+    monkeypatch.delenv("RANK", raising=False)
+    now = [0.0]
+    out = io.StringIO()
+    runs = RunProgress(5, stream=out, clock=lambda: now[0])
+    lines = []
+    for name, seconds, reused in (("a", 60, False), ("b", 1, True), ("c", 60, False), ("d", 180, False), ("e", 60, False)):
+        now[0] += seconds
+        lines.append(runs.done(name, reused))
+    assert lines == ["[1/5 runs] done: a (60 s); ~4 min left", "[2/5 runs] reused: b (already finished); ~3 min left",
+                     "[3/5 runs] done: c (60 s); ~2 min left", "[4/5 runs] done: d (3 min); ~2 min left",
+                     "[5/5 runs] done: e (60 s)"]
+    assert out.getvalue().splitlines() == lines
+    # nothing trained yet: no estimate
+    assert RunProgress(2, stream=io.StringIO()).done("x", reused=True) == "[1/2 runs] reused: x (already finished)"
+    # only the main process reports
+    quiet = io.StringIO()
+    monkeypatch.setenv("RANK", "1")
+    RunProgress(1, stream=quiet).done("y")
+    monkeypatch.delenv("RANK")
+    RunProgress(1, stream=quiet, enabled=False).done("y")
+    assert quiet.getvalue() == ""
+
+
+def test_run_progress_is_a_tqdm_bar_on_a_terminal(monkeypatch):
+    import io
+
+    pytest.importorskip("tqdm")
+    from equiopt.study.paired import RunProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("RANK", raising=False)
+    term = Terminal()
+    runs = RunProgress(3, stream=term)
+    for name in ("a", "b", "c"):
+        runs.done(name)
+    text = term.getvalue()
+    assert "runs: 3/3" in text and "done: c" in text and "[3/3 runs]" not in text
+
+
+def test_sweep_shows_runs_done_of_total_and_resumes_as_reused(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    configs = []
+    for arm in ("a", "b"):
+        p = tmp_path / f"{arm}.toml"
+        p.write_text(f'[run]\nname = "{arm}"\nout_dir = "{tmp_path / "runs" / arm}"\n[model]\nfamily = "qwen3"\n'
+                     f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n')
+        configs.append(str(p))
+
+    def fake_train(cfg, progress=False):
+        write_run(cfg.out_path, cfg.run.name, cfg.run.seed, 5.0 + cfg.optim.overrides["attention"]["lr"])
+
+    # 2 arms x (2 multipliers on seed 0 + seeds 1, 2 at the chosen 0.5) = 8 runs
+    names = [f"{arm}-{tag}" for arm in ("a", "b") for tag in ("lrx0.5-s0", "lrx2-s0", "lrx0.5-s1", "lrx0.5-s2")]
+    sweep(configs, [0.5, 2.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=1)
+    lines = _run_lines(capsys.readouterr().err)
+    assert [(i, n, kind, name) for i, n, kind, name, _ in lines] == [(i + 1, 8, "done", nm) for i, nm in enumerate(names)]
+    assert all(left for *_, left in lines[:-1]) and lines[-1][4] is None
+    # resumed: every run is reused, and with nothing trained there is no estimate
+    (tmp_path / "runs" / "b" / "lrx2-s0" / "log.jsonl").unlink()
+    sweep(configs, [0.5, 2.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=1)
+    lines = _run_lines(capsys.readouterr().err)
+    kinds = [(i, kind, name, left is not None) for i, _, kind, name, left in lines]
+    assert kinds == [(1, "reused", names[0], False), (2, "reused", names[1], False), (3, "reused", names[2], False),
+                     (4, "reused", names[3], False), (5, "reused", names[4], False), (6, "done", names[5], True),
+                     (7, "reused", names[6], True), (8, "reused", names[7], False)]
+
+
+def test_cli_compare_shows_runs_done_of_total(tmp_path, monkeypatch, capsys):
+    import os
+
+    from equiopt import cli
+
+    monkeypatch.delenv("RANK", raising=False)
+    for seed in (0, 1):  # arm a finished in an earlier invocation: reused
+        write_run(tmp_path / "runs" / f"a-s{seed}", f"a-s{seed}", seed, 5.0, recipe="paper:qwen3:a-i")
+        os.utime(tmp_path / "runs" / f"a-s{seed}" / "log.jsonl", (1e9, 1e9))
+
+    def fake_run_seed(config, sets, seed, force):
+        arm = Path(config).stem
+        out = tmp_path / "runs" / f"{arm}-s{seed}"
+        if not (out / "log.jsonl").exists():
+            write_run(out, f"{arm}-s{seed}", seed, 4.9 + seed, recipe="paper:qwen3:a-ii")
+        return [str(out)]
+
+    monkeypatch.setattr(cli, "_run_seed", fake_run_seed)
+    cli.main(["compare", "cfg/a.toml", "cfg/b.toml", "--seeds", "2", "--out", str(tmp_path / "plots")])
+    lines = _run_lines(capsys.readouterr().err)
+    assert [(i, n, kind, name, left is not None) for i, n, kind, name, left in lines] == [
+        (1, 4, "reused", "a-s0", False), (2, 4, "reused", "a-s1", False), (3, 4, "done", "b-s0", True),
+        (4, 4, "done", "b-s1", False)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 def _compare(args, argv) -> int:
     """``equiopt compare``: train (or reuse) the runs, print the table, paired differences and figures."""
     from .study.compare_table import compare_rows, compare_table
-    from .study.paired import paired_rows, paired_table, sweep, sweep_report
+    from .study.paired import RunProgress, paired_rows, paired_table, sweep, sweep_report
     from .study.plots import plot_runs
 
     sets = _parse_sets(args.set)
@@ -224,9 +225,13 @@ def _compare(args, argv) -> int:
             print(f"report: {args.report}")
         return 0
     out_dirs = []
+    runs = RunProgress(len(args.configs) * len(seeds))
     for config in args.configs:
         for seed in seeds:
-            out_dirs += _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
+            start = time.time()
+            dirs = _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
+            runs.done(", ".join(Path(d).name for d in dirs), reused=all(_untouched_since(d, start) for d in dirs))
+            out_dirs += dirs
     table = compare_table(out_dirs, metric=args.metric)
     text = [table]
     if args.baseline:
@@ -271,6 +276,13 @@ def _baseline_label(baseline: str, configs, arms) -> str:
         if baseline == config:
             return arm.label
     return baseline
+
+
+def _untouched_since(run_dir: str, start: float) -> bool:
+    """The run was reused, not trained: its log exists and was last written before ``start``
+    (with a second's slack: a file system's timestamps can lag the clock)."""
+    log = Path(run_dir) / "log.jsonl"
+    return log.exists() and log.stat().st_mtime < start - 1.0
 
 
 def _run_seed(config: str, sets: dict, seed: int | None, force: bool) -> list[str]:

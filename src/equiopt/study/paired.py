@@ -20,13 +20,24 @@ tools answer both:
     +inf); the report then compares best against best, paired by seed over all seeds, and
     lists every number with the run directory whose ``log.jsonl`` holds it. The lr is
     chosen on the same validation batches that the comparison reports; the report says so.
+
+:class:`RunProgress`
+    Runs done out of the total and the time left, for a sweep or ``equiopt compare``: one
+    line per finished run on stderr (``[3/12 runs] done: qwen3-b-ii-s1 (41 s); ~6 min
+    left``), or an outer tqdm bar when tqdm is installed and stderr is a terminal, beside
+    each run's own progress bar. The estimate is the mean time of the runs trained so far in
+    this invocation times the runs left; runs reused because they had already finished count
+    as done without entering it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -34,7 +45,7 @@ from typing import Any, Iterable, Sequence
 from .compare_table import HIGHER_IS_BETTER, CompareRow, compare_rows
 
 __all__ = ["t_quantile", "PairedRow", "paired_rows", "paired_table", "SweepArm", "sweep", "sweep_report",
-           "select_baseline"]
+           "select_baseline", "RunProgress"]
 
 
 # ------------------------------------------------------------------ statistics
@@ -208,6 +219,67 @@ def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------- progress
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class RunProgress:
+    """Runs done of ``total`` and the time left, reported after each run (see the module docstring).
+
+    Call :meth:`done` once per run, with ``reused=True`` for a run that had already
+    finished: it counts as done but its (near zero) time does not enter the mean that the
+    estimate scales. A trained run's time is the wall time since the previous call (or since
+    construction). Only the main process reports (``RANK`` unset or 0); ``enabled=False``
+    reports nothing. ``stream`` (stderr by default) gets the lines, or the tqdm bar when it is
+    a terminal and tqdm is installed.
+    """
+
+    def __init__(self, total: int, enabled: bool = True, stream=None, clock=time.perf_counter):
+        self.total, self.count, self.times = total, 0, []
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and os.environ.get("RANK", "0") == "0"
+        self.clock = clock
+        self.mark = clock()
+        self.bar = None
+        if self.enabled and getattr(self.stream, "isatty", lambda: False)():
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc="runs", unit="run", file=self.stream, dynamic_ncols=True,
+                                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
+            except ImportError:
+                pass
+
+    def left(self) -> float | None:
+        """Seconds left: the mean time of the runs trained so far times the runs not yet done."""
+        return statistics.fmean(self.times) * (self.total - self.count) if self.times else None
+
+    def done(self, name: str, reused: bool = False) -> str:
+        """Count one run as done; report and return its line."""
+        now = self.clock()
+        self.count += 1
+        if not reused:
+            self.times.append(now - self.mark)
+        self.mark = now
+        what = f"reused: {name} (already finished)" if reused else f"done: {name} ({_duration(self.times[-1])})"
+        left = self.left()
+        tail = "" if left is None or self.count >= self.total else f"; ~{_duration(left)} left"
+        line = f"[{self.count}/{self.total} runs] {what}{tail}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{what}{tail}", refresh=False)
+            self.bar.update(1)
+            if self.count >= self.total:
+                self.bar.close()
+        elif self.enabled:
+            print(line, file=self.stream, flush=True)
+        return line
+
+
 # ------------------------------------------------------------------- sweeps
 @dataclass
 class SweepArm:
@@ -262,7 +334,8 @@ def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[
     ``optim.overrides`` set ``lr = m * base lr`` for each swept role on top of the config's
     own overrides. A run that diverges (``nonfinite``) is kept as a result, not retried.
     With ``tune_seeds = k`` the grid runs on ``seeds[:k]`` only; the multiplier with the
-    best mean ``metric`` there is then run on the remaining seeds.
+    best mean ``metric`` there is then run on the remaining seeds. With ``progress`` each
+    run shows its own progress and a :class:`RunProgress` reports the runs done and the time left.
     """
     from ..train.config import load_config
     from ..train.loop import NonFiniteLossError, train
@@ -272,6 +345,7 @@ def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[
     if tune_seeds is not None and not 1 <= tune_seeds <= len(seeds):
         raise ValueError(f"tune_seeds must be between 1 and the number of seeds ({len(seeds)}), got {tune_seeds}")
     tuning = seeds if tune_seeds is None else seeds[:tune_seeds]
+    runs = RunProgress(len(configs) * (len(multipliers) * len(tuning) + len(seeds) - len(tuning)), enabled=progress)
     arms = []
     for path in configs:
         base_cfg = load_config(path, sets or {})
@@ -287,13 +361,15 @@ def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[
             run_sets.update({"run.seed": seed, "run.name": f"{base_cfg.run.name}-{tag}",
                              "run.out_dir": str(base_cfg.out_path / tag), "optim.overrides": overrides})
             cfg = load_config(path, run_sets)
-            if force or not _done(cfg.out_path):
+            reused = not force and _done(cfg.out_path)
+            if not reused:
                 try:
                     train_fn(cfg, progress=progress)
                 except NonFiniteLossError:
                     pass
             elif progress:
                 print(f"{cfg.out_path}: already done, skipped")
+            runs.done(cfg.run.name, reused)
             arm.runs.setdefault(mult, {})[seed] = str(cfg.out_path)
 
         for mult in multipliers:
