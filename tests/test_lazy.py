@@ -116,7 +116,7 @@ def test_lazy_on_work_matrices_masks_their_rows():
 
 def test_bad_lazy_settings_fail_by_name():
     p = torch.nn.Parameter(torch.randn(8, 4))
-    with pytest.raises(ValueError, match="lazy must be True or False"):
+    with pytest.raises(ValueError, match="field 'lazy': expected true or false"):
         EquivariantOptimizer([p], rule="row", lazy="yes")
     with pytest.raises(ValueError, match="momentum rule.*adamw"):
         EquivariantOptimizer([p], rule="adamw", lazy=True)

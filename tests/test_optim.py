@@ -250,7 +250,7 @@ def test_closure_zero_grad_and_add_param_group():
     assert model.weight.grad is None
     bias = torch.nn.Parameter(torch.zeros(4))
     opt.add_param_group({"params": [bias], "rule": "adamw", "lr": 1e-3})
-    assert opt.param_groups[-1]["rule"] == "adamw" and opt.param_groups[-1]["betas"] == (0.9, 0.999)
+    assert opt.param_groups[-1]["rule"] == "adamw" and opt.param_groups[-1]["betas"] == (0.9, 0.95)
     with pytest.raises(ValueError, match="needs a matrix"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "rule": "row", "names": ["ln.weight"]})
 

@@ -15,11 +15,31 @@ from equiopt.train.config import ConfigError, from_dict, load_config
 def test_every_engine_group_key_is_a_recipe_field():
     engine = eo.EquivariantOptimizer([torch.zeros(1, requires_grad=True)], rule="adamw")
     keys = [k for k in engine.defaults if k not in ("layout", "layouts", "names")]
-    assert list(ENGINE_KEYS) == keys
+    assert sorted(ENGINE_KEYS) == sorted(keys)
     assert "polar_dtype" in keys and "nonfinite" in keys
     for key in keys:
         assert key in FIELDS
         assert any(key in fields for fields in RULE_FIELDS.values())
+
+
+def test_hand_built_groups_and_recipes_give_a_rule_the_same_defaults():
+    """One table: for every rule, a param group that names only the rule gets exactly the
+    settings a recipe fills in for it."""
+    from equiopt.recipes.schema import normalize_settings
+
+    for rule in eo.optim.RULES:
+        shape = (4, 3) if rule in eo.optim.MATRIX_RULES else (3,)
+        opt = eo.EquivariantOptimizer([{"params": [torch.zeros(shape, requires_grad=True)], "rule": rule,
+                                        "lr": 0.1}])
+        group = opt.param_groups[0]
+        recipe = normalize_settings({"rule": rule, "lr": 0.1}, "matrix")
+        for key, value in recipe.items():
+            if key != "schedule":
+                assert group[key] == value, (rule, key, group[key], value)
+    adamw = eo.EquivariantOptimizer([torch.zeros(3, requires_grad=True)], rule="adamw").param_groups[0]
+    sgd = eo.EquivariantOptimizer([torch.zeros(3, requires_grad=True)], rule="sgd").param_groups[0]
+    assert adamw["betas"] == (0.9, 0.95) and sgd["beta"] == 0.95
+    assert normalize_settings({"rule": "sgd", "lr": 0.1}, "vector")["beta"] == 0.95
 
 
 def _attention_after_one_step(overrides):
@@ -56,7 +76,7 @@ def test_polar_dtype_and_nonfinite_from_toml_round_trip():
 @pytest.mark.parametrize("patch, message", [
     ({"attention": {"polar_dtype": "int8"}}, r"role 'attention', field 'polar_dtype': expected a floating dtype"),
     ({"embedding": {"polar_dtype": "float32"}}, r"role 'embedding', field 'polar_dtype': does not apply to rule"),
-    ({"*": {"nonfinite": "ignore"}}, r"field 'nonfinite': unknown value 'ignore'; valid: skip, raise"),
+    ({"*": {"nonfinite": "ignore"}}, r"field 'nonfinite': unknown nonfinite policy 'ignore'; valid: skip, raise"),
     ({"*": {"polar_dtyp": "float32"}}, r"unknown field 'polar_dtyp'; valid fields: .*polar_dtype"),
 ])
 def test_engine_options_are_validated_naming_the_field(patch, message):
@@ -143,14 +163,17 @@ def test_default_recipe_is_safe_and_trains(one_thread):
     assert rms <= rms0 + lr * steps and rms < 10 * rms0
 
 
-def test_options_the_schema_has_no_check_for_are_checked_by_the_engine():
-    """A key the engine gains is accepted at once; its values are validated by the engine itself."""
+def test_engine_options_are_checked_by_the_one_table():
+    """The recipe schema and the engine run the same check, so their errors agree."""
+    from equiopt.optim.fields import check_settings
     from equiopt.recipes import schema
 
-    with pytest.raises(ValueError, match=r"ctx, field 'nonfinite': .*unknown nonfinite policy 'bad'"):
-        schema._engine_validate({"rule": "spectral", "lr": 0.1, "nonfinite": "bad"}, "ctx")
-    schema._engine_validate({"rule": "row", "lr": 0.1, "nonfinite": "raise"}, "ctx")
-    assert schema._engine_checked("ctx", "some_dtype", "bf16") is torch.bfloat16
-    assert schema._engine_checked("ctx", "some_flag", 3) == 3
-    with pytest.raises(ValueError, match="field 'some_dtype': expected a floating dtype"):
-        schema._engine_checked("ctx", "some_dtype", "int64")
+    with pytest.raises(ValueError, match=r"ctx, field 'nonfinite': unknown nonfinite policy 'bad'"):
+        check_settings({"rule": "spectral", "lr": 0.1, "nonfinite": "bad"}, "ctx")
+    with pytest.raises(ValueError, match=r"param_groups\[0\], field 'nonfinite': unknown nonfinite policy 'bad'"):
+        eo.EquivariantOptimizer([torch.zeros(2, 2, requires_grad=True)], nonfinite="bad")
+    with pytest.raises(ValueError, match=r"role 'matrix', field 'nonfinite': unknown nonfinite policy 'bad'"):
+        schema.normalize_settings({"rule": "spectral", "lr": 0.1, "nonfinite": "bad"}, "matrix")
+    assert check_settings({"rule": "spectral", "lr": 0.1, "polar_dtype": "bf16"}, "ctx")["polar_dtype"] is torch.bfloat16
+    with pytest.raises(ValueError, match="field 'polar_dtype': expected a floating dtype"):
+        check_settings({"rule": "spectral", "lr": 0.1, "polar_dtype": "int64"}, "ctx")

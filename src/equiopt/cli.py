@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="constants that choose between reduce and owner plans: nccl-h100 (default), gloo-cpu, "
                            "reduce, owner")
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
+    sub.add_parser("fields", help="every rule's settings: the rules that read each one, its defaults, its meaning")
     sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     passthrough = ("data", "plot", "table", "bench")
@@ -193,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         print(planning.format_plan(doc))
         if args.json:
             planning.write_json(doc, args.json)
+    elif args.command == "fields":
+        from .optim.fields import fields_table
+
+        print(fields_table())
     elif args.command == "bench":
         from .bench import main as bench_main
 

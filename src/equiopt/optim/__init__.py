@@ -2,9 +2,9 @@
 
 from .engine import EquivariantOptimizer, NonFiniteGradientError
 from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
-from .rules import LR_SCALES, MATRIX_RULES, RULES
+from .fields import FIELDS, LR_SCALES, MATRIX_RULES, RULE_DEFAULTS, RULE_FIELDS, RULES
 
 __all__ = [
     "EquivariantOptimizer", "NonFiniteGradientError", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM",
-    "HybridPolarGradM", "RULES", "MATRIX_RULES", "LR_SCALES",
+    "HybridPolarGradM", "RULES", "MATRIX_RULES", "LR_SCALES", "FIELDS", "RULE_FIELDS", "RULE_DEFAULTS",
 ]

@@ -24,8 +24,8 @@ from ..layouts import Layout, parse_layout
 from .. import maps
 from ..distributed.placements import Sharding, describe_sharding, mesh_group, row_range
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .rules import (ELEMENTWISE_RULES, MATRIX_RULES, factored_map, map_key, precentred, reducible, resolved,
-                    shape_factor, validate_group)
+from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
+from .rules import factored_map, map_key, precentred, reducible, resolved, shape_factor, validate_group
 from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
 from .costs import replica_division, resolve_cost_model
 from .sharded import (LOCAL, WAVES, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan,
@@ -98,7 +98,9 @@ class NonFiniteGradientError(FloatingPointError, ValueError):
 class EquivariantOptimizer(Optimizer):
     r"""Symmetry-compatible optimizer; each param group names its rule, layout and settings.
 
-    Group keys (all optional, defaults below):
+    Group keys (all optional; every rule's settings, with their defaults and checks, are defined
+    once in :data:`equiopt.optim.fields.FIELDS`, printed by ``equiopt fields``, and a recipe
+    fills in the same defaults):
 
     - ``rule``: ``"spectral"`` (Muon: polar factor), ``"right"`` (RightPolarGradM),
       ``"left"`` (LeftPolarGradM), ``"row"`` (RowNormM), ``"hybrid"`` (HybridPolarGradM,
@@ -171,27 +173,27 @@ class EquivariantOptimizer(Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float = default("lr"),
         rule: str = "spectral",
         layout: Any = "row",
-        center: bool = False,
-        order: str = "row_then_right",
-        beta: float = 0.95,
+        center: bool = default("center"),
+        order: str = default("order"),
+        beta: float = default("beta"),
         nesterov: bool | None = None,
         alpha: float | None = None,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        method: str = "polar_express",
-        steps: int = 5,
-        eta: str | Callable = "inverse",
-        betas: tuple[float, float] = (0.9, 0.999),
-        adam_eps: float = 1e-8,
+        eps: float = default("eps"),
+        weight_decay: float = default("weight_decay"),
+        method: str = default("method"),
+        steps: int = default("steps"),
+        eta: str | Callable = default("eta"),
+        betas: tuple[float, float] = default("betas"),
+        adam_eps: float = default("adam_eps"),
         lr_scale: str | None = None,
         polar_dtype: torch.dtype | None = None,
-        nonfinite: str = "skip",
+        nonfinite: str = default("nonfinite"),
         scale: str | None = None,
-        damping: str = "relative",
-        lazy: bool = False,
+        damping: str = default("damping"),
+        lazy: bool = default("lazy"),
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
         compile: bool | str | None = None,

@@ -13,30 +13,14 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .. import maps
-from ..linalg import POLAR_METHODS
+from .fields import LR_SCALES, MATRIX_RULES, RULE_FIELDS, check_settings, default, fill_defaults
 
-MATRIX_RULES = ("spectral", "right", "left", "row", "hybrid")
-ELEMENTWISE_RULES = ("adamw", "sgd")
-RULES = MATRIX_RULES + ELEMENTWISE_RULES
-LR_SCALES = ("none", "spectral", "match_adamw")
-NONFINITE_POLICIES = ("skip", "raise")
-
-# Defaults that depend on the rule; a group that leaves a key at None gets these.
-RULE_DEFAULTS = {
-    "spectral": {"scale": "nu", "nesterov": True, "lr_scale": "spectral", "alpha": 0.0},
-    "right": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "left": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "row": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "hybrid": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 1.0},
-    "adamw": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
-    "sgd": {"scale": "nu", "nesterov": False, "lr_scale": "none", "alpha": 0.0},
-}
 
 
 def resolved(group: dict, key: str):
-    """A group's value for ``key``, falling back to the rule's default when it is None."""
+    """A group's value for ``key``, falling back to the rule's default (:mod:`.fields`) when it is None."""
     value = group.get(key)
-    return RULE_DEFAULTS[group["rule"]][key] if value is None else value
+    return default(key, group["rule"]) if value is None else value
 
 
 def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
@@ -158,46 +142,15 @@ def apply_map(key: MapKey, eta, D: torch.Tensor) -> torch.Tensor:
 
 
 def validate_group(group: dict, where: str) -> None:
-    """Clear errors for unknown names and out-of-range values (``where`` names the group)."""
+    """Fill ``group``'s missing settings from the rule's defaults and check them in place:
+    clear errors naming ``where`` and the setting for unknown names and out-of-range values
+    (the checks of :data:`~equiopt.optim.fields.FIELDS`)."""
     rule = group.get("rule")
-    if rule not in RULES:
-        raise ValueError(f"{where}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
-    if rule in MATRIX_RULES and rule != "row":
-        valid = POLAR_METHODS if rule == "spectral" else maps.ONE_SIDED_METHODS
-        if group["method"] not in valid:
-            raise ValueError(f"{where}: unknown method {group['method']!r} for rule {rule!r}; valid: {', '.join(valid)}")
-    if rule == "hybrid" and group["order"] not in maps.HYBRID_ORDERS:
-        raise ValueError(f"{where}: unknown hybrid order {group['order']!r}; valid: {', '.join(maps.HYBRID_ORDERS)}")
-    if not callable(group["eta"]) and group["eta"] not in maps.ETA_RULES:
-        raise ValueError(f"{where}: unknown eta {group['eta']!r}; valid: {', '.join(maps.ETA_RULES)} or a callable")
-    if resolved(group, "lr_scale") not in LR_SCALES:
-        raise ValueError(f"{where}: unknown lr_scale {group['lr_scale']!r}; valid: {', '.join(LR_SCALES)}")
-    if group.get("damping", "relative") not in maps.DAMPINGS:
-        raise ValueError(f"{where}: unknown damping {group['damping']!r}; valid: {', '.join(maps.DAMPINGS)}")
-    if resolved(group, "scale") not in maps.SCALES:
-        raise ValueError(f"{where}: unknown scale {group['scale']!r}; valid: {', '.join(maps.SCALES)}")
-    if group["nonfinite"] not in NONFINITE_POLICIES:
-        raise ValueError(f"{where}: unknown nonfinite policy {group['nonfinite']!r}; valid: {', '.join(NONFINITE_POLICIES)}")
-    if not isinstance(group["lazy"], bool):
-        raise ValueError(f"{where}: lazy must be True or False, got {group['lazy']!r}")
-    if group["lazy"]:
-        if rule == "adamw":
-            raise ValueError(f"{where}: lazy=True needs a momentum rule (row, hybrid, right, left, spectral, sgd), "
-                             "not 'adamw'")
-        if group["center"]:
-            raise ValueError(f"{where}: lazy=True cannot be combined with center=True (the quotient maps of LM "
-                             "heads and routers see dense gradients; the row mask is not shift-invariant)")
-    checks = [
-        ("lr", group["lr"] >= 0, ">= 0"),
-        ("beta", 0 <= group["beta"] < 1, "in [0, 1)"),
-        ("eps", group["eps"] > 0, "> 0"),
-        ("weight_decay", group["weight_decay"] >= 0, ">= 0"),
-        ("steps", int(group["steps"]) >= 1, ">= 1"),
-        ("alpha", 0 <= resolved(group, "alpha") <= 1, "in [0, 1]"),
-        ("adam_eps", group["adam_eps"] > 0, "> 0"),
-    ]
-    b1, b2 = group["betas"]
-    checks.append(("betas", 0 <= b1 < 1 and 0 <= b2 < 1, "a pair in [0, 1)"))
-    for name, ok, what in checks:
-        if not ok:
-            raise ValueError(f"{where}: {name} must be {what}, got {group[name]!r}")
+    try:
+        fill_defaults(group)
+    except ValueError as err:
+        raise ValueError(f"{where}, field 'rule': {err}") from None
+    if group["lazy"] is not False and "lazy" not in RULE_FIELDS[rule]:
+        raise ValueError(f"{where}, field 'lazy': lazy=True needs a momentum rule (row, hybrid, right, left, "
+                         f"spectral, sgd), not {rule!r}")
+    group.update(check_settings(group, where))

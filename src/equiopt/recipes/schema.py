@@ -6,19 +6,22 @@ A *settings dict* describes how one parameter role is optimized. It is what
 
 Every settings dict has a ``rule`` and an ``lr``. The other fields a rule
 accepts, and their defaults, are listed in :data:`RULE_FIELDS` and
-:data:`RULE_DEFAULTS`; :func:`normalize_settings` fills the defaults in, so a
-normalized dict spells out every hyperparameter of its rule.
+:data:`RULE_DEFAULTS`, both read from the optimizer's own table
+(:data:`equiopt.optim.fields.FIELDS`); :func:`normalize_settings` fills the defaults
+in, so a normalized dict spells out every hyperparameter of its rule.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from ..linalg import POLAR_METHODS
-from ..maps import DAMPINGS, ETA_RULES, HYBRID_ORDERS, ONE_SIDED_METHODS
+from ..maps import ETA_RULES, HYBRID_ORDERS
 from ..maps import SCALES as MAP_SCALES
+from ..optim import fields
+from ..roles.table import ROLES as _ROLES
 
 __all__ = [
     "ROLES",
@@ -43,25 +46,16 @@ __all__ = [
 ]
 
 #: Parameter roles, as assigned by :func:`equiopt.assign_roles`.
-ROLES: tuple[str, ...] = (
-    "embedding",
-    "lm_head",
-    "attention",
-    "mlp_in",
-    "mlp_out",
-    "router",
-    "matrix",
-    "vector",
-)
+ROLES: tuple[str, ...] = _ROLES
 
 #: Update rules understood by the optimizer.
 #: ``spectral`` is Muon (orthogonal polar factor), ``right``/``left`` are
 #: RightPolarGradM/LeftPolarGradM, ``row`` is RowNormM, ``hybrid`` is
 #: HybridPolarGradM (with an ``order``).
-RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid", "adamw", "sgd")
+RULES: tuple[str, ...] = fields.RULES
 
 #: Rules that keep an EMA momentum ``M = beta M + (1 - beta) G`` and map it.
-MATRIX_RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid")
+MATRIX_RULES: tuple[str, ...] = fields.MATRIX_RULES
 
 #: Composition orders of the hybrid rule (those of :func:`equiopt.maps.hybrid`).
 ORDERS: tuple[str, ...] = tuple(HYBRID_ORDERS)
@@ -69,31 +63,18 @@ ORDERS: tuple[str, ...] = tuple(HYBRID_ORDERS)
 #: Inner solvers: every polar-factor method of :func:`equiopt.linalg.polar`.
 METHODS: tuple[str, ...] = tuple(POLAR_METHODS)
 
-#: Inner solvers each rule accepts: ``spectral`` computes a polar factor
-#: (:func:`equiopt.linalg.polar`); the one-sided and hybrid rules compute an
-#: inverse square root of a Gram matrix (:func:`equiopt.linalg.inv_sqrt`), or the
-#: polar factor directly with ``gram_newton_schulz`` (the paper's hybrid runs).
-RULE_METHODS: dict[str, tuple[str, ...]] = {
-    "spectral": tuple(POLAR_METHODS),
-    "right": tuple(ONE_SIDED_METHODS),
-    "left": tuple(ONE_SIDED_METHODS),
-    "hybrid": tuple(ONE_SIDED_METHODS),
-}
+#: Inner solvers each rule accepts (:data:`equiopt.optim.fields.RULE_METHODS`).
+RULE_METHODS: dict[str, tuple[str, ...]] = fields.RULE_METHODS
 
 #: Row-scaling rules of :func:`equiopt.maps.eta_scale`; ``inverse`` is
 #: eta(t) = 1 / (t + eps), the paper's smoothed row normalization.
 ETAS: tuple[str, ...] = tuple(ETA_RULES)
 
 #: Shape-dependent learning-rate factor conventions of the ``spectral`` rule
-#: (Muon), per work matrix of shape (rows, cols): ``none`` (1), ``spectral``
-#: (sqrt(max(1, rows / cols)), the original Muon convention) and
-#: ``match_adamw`` (0.2 * sqrt(max(rows, cols))). The other rules have no
-#: shape factor.
-LR_SCALES: tuple[str, ...] = ("none", "spectral", "match_adamw")
+#: (:func:`equiopt.optim.rules.lr_scale_factor`).
+LR_SCALES: tuple[str, ...] = fields.LR_SCALES
 
-#: Update-size conventions of the one-sided and hybrid rules (:data:`equiopt.maps.SCALES`):
-#: ``nu`` (the paper's ``nu^alpha``) and ``rms`` (scale-transferable: a well-conditioned
-#: step has RMS 1 at every width and vocabulary, so the lr is the update RMS).
+#: Update-size conventions of the one-sided and hybrid rules (:data:`equiopt.maps.SCALES`).
 SCALES: tuple[str, ...] = tuple(MAP_SCALES)
 
 #: Learning-rate schedule kinds, see :mod:`equiopt.recipes.schedules`.
@@ -105,106 +86,33 @@ _SCHEDULE_FIELDS: dict[str, dict[str, Any]] = {
     "constant": {},
 }
 
-_COMMON = ("rule", "lr", "weight_decay", "schedule")
-_MATRIX_COMMON = ("beta", "nesterov")
-_SPECTRAL_SOLVER = ("method", "steps")
+#: Param-group keys of the optimizer engine a recipe may set: every setting of
+#: :data:`equiopt.optim.fields.FIELDS`.
+ENGINE_KEYS: tuple[str, ...] = tuple(fields.FIELDS)
 
-#: Fields each rule accepts (``rule``, ``lr``, ``weight_decay`` and
-#: ``schedule`` are accepted by all).
-RULE_FIELDS: dict[str, tuple[str, ...]] = {
-    "spectral": _COMMON + _MATRIX_COMMON + ("lr_scale",) + _SPECTRAL_SOLVER,
-    "right": _COMMON + _MATRIX_COMMON + ("center", "alpha", "eps", "scale") + _SPECTRAL_SOLVER,
-    "left": _COMMON + _MATRIX_COMMON + ("center", "alpha", "eps", "scale") + _SPECTRAL_SOLVER,
-    "row": _COMMON + _MATRIX_COMMON + ("center", "eps", "eta"),
-    "hybrid": _COMMON
-    + _MATRIX_COMMON
-    + ("center", "alpha", "eps", "order", "eta", "scale")
-    + _SPECTRAL_SOLVER,
-    "adamw": _COMMON + ("betas", "adam_eps"),
-    "sgd": _COMMON + ("beta", "nesterov"),
-}
-
-#: Param-group keys that come from the role table, not from a recipe.
-_STRUCTURAL_KEYS = ("layout", "layouts", "names")
+#: Settings a recipe holds only when given (the engine's default applies otherwise).
+OPTIONAL_FIELDS: tuple[str, ...] = fields.OPTIONAL_FIELDS
 
 
-def _engine_group_keys() -> tuple[str, ...]:
-    """Every param-group key :class:`equiopt.EquivariantOptimizer` reads (its ``defaults``)."""
-    import torch
-
-    from ..optim import EquivariantOptimizer
-
-    probe = EquivariantOptimizer([torch.zeros(1, requires_grad=True)], rule="adamw")
-    return tuple(k for k in probe.defaults if k not in _STRUCTURAL_KEYS)
+def _with_schedule(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` with the recipe's own ``schedule`` after ``weight_decay``."""
+    at = names.index("weight_decay") + 1
+    return names[:at] + ("schedule",) + names[at:]
 
 
-#: Param-group keys of the optimizer engine a recipe may set: read from the engine
-#: itself, so a key the engine gains is a recipe field at once.
-ENGINE_KEYS: tuple[str, ...] = _engine_group_keys()
-
-#: Rules an engine option applies to, where not all (the engine ignores it elsewhere).
-_ENGINE_KEY_RULES: dict[str, tuple[str, ...]] = {
-    "polar_dtype": ("spectral",),
-    "damping": ("right", "left", "hybrid"),
-    "lazy": tuple(r for r in RULES if r != "adamw"),
-}
-
-#: Engine options without a recipe default: a settings dict holds them only when
-#: given, and the engine's own default applies otherwise (``polar_dtype``:
-#: bfloat16 Polar Express iterations; ``nonfinite``: ``"skip"``).
-OPTIONAL_FIELDS: tuple[str, ...] = tuple(
-    k for k in ENGINE_KEYS if k not in {f for fields in RULE_FIELDS.values() for f in fields}
-)
-for _rule in RULE_FIELDS:
-    RULE_FIELDS[_rule] = RULE_FIELDS[_rule] + tuple(
-        k for k in OPTIONAL_FIELDS if _rule in _ENGINE_KEY_RULES.get(k, RULES)
-    )
+#: Fields each rule accepts: the engine's settings of that rule, and ``schedule``.
+RULE_FIELDS: dict[str, tuple[str, ...]] = {rule: _with_schedule(names) for rule, names in fields.RULE_FIELDS.items()}
 
 #: Every field name a settings dict may contain.
-FIELDS: tuple[str, ...] = tuple(
-    dict.fromkeys(f for fields in RULE_FIELDS.values() for f in fields)
-)
+FIELDS: tuple[str, ...] = _with_schedule(tuple(fields.FIELDS))
 
-_MATRIX_DEFAULTS: dict[str, Any] = {
-    "weight_decay": 0.0,
-    "beta": 0.95,
-    "nesterov": False,
-    "center": False,
-    "eps": 1e-8,
-    "method": "polar_express",
-    "steps": 5,
-    "eta": "inverse",
-}
-
-#: Defaults filled in for fields a settings dict leaves out. ``lr`` has no
-#: default. ``schedule`` defaults by role, see :func:`default_schedule`.
-#: Spectral (Muon) defaults to Nesterov momentum and the ``spectral``
-#: lr_scale, as in the original Muon; the one-sided rules default to
-#: ``alpha = 0`` and the hybrid rule to ``alpha = 1`` (the defaults of
-#: :mod:`equiopt.maps`); AdamW defaults to ``betas = (0.9, 0.95)``, the usual
-#: language-model pre-training choice.
+#: Defaults filled in for fields a settings dict leaves out: the engine's
+#: (:data:`equiopt.optim.fields.RULE_DEFAULTS`), so a recipe and a hand-built param
+#: group give a rule the same settings. ``lr`` has no default; ``schedule`` defaults
+#: by role, see :func:`default_schedule`.
 RULE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "spectral": {
-        **{k: _MATRIX_DEFAULTS[k] for k in ("weight_decay", "beta", "method", "steps")},
-        "nesterov": True,
-        "lr_scale": "spectral",
-    },
-    "right": {
-        **{k: v for k, v in _MATRIX_DEFAULTS.items() if k != "eta"},
-        "alpha": 0.0,
-        "scale": "nu",
-    },
-    "left": {
-        **{k: v for k, v in _MATRIX_DEFAULTS.items() if k != "eta"},
-        "alpha": 0.0,
-        "scale": "nu",
-    },
-    "row": {
-        k: v for k, v in _MATRIX_DEFAULTS.items() if k not in ("method", "steps")
-    },
-    "hybrid": {**_MATRIX_DEFAULTS, "alpha": 1.0, "order": "row_then_right", "scale": "nu"},
-    "adamw": {"weight_decay": 0.0, "betas": (0.9, 0.95), "adam_eps": 1e-8},
-    "sgd": {"weight_decay": 0.0, "beta": 0.0, "nesterov": False},
+    rule: {k: v for k, v in defaults.items() if k not in OPTIONAL_FIELDS}
+    for rule, defaults in fields.RULE_DEFAULTS.items()
 }
 
 
@@ -227,174 +135,41 @@ def default_schedule(role: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def _where(context: str, field: str) -> str:
-    return f"{context}, field {field!r}" if context else f"field {field!r}"
-
-
 def _fail(context: str, field: str, message: str) -> ValueError:
-    return ValueError(f"{_where(context, field)}: {message}")
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _real(context: str, field: str, value: Any) -> float:
-    if not _is_real(value):
-        raise _fail(context, field, f"expected a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise _fail(context, field, f"expected a finite number, got {value!r}")
-    return value
-
-
-def _positive(context: str, field: str, value: Any) -> float:
-    v = _real(context, field, value)
-    if not v > 0:
-        raise _fail(context, field, f"must be > 0, got {value!r}")
-    return v
-
-
-def _nonnegative(context: str, field: str, value: Any) -> float:
-    v = _real(context, field, value)
-    if not v >= 0:
-        raise _fail(context, field, f"must be >= 0, got {value!r}")
-    return v
-
-
-def _unit_open(context: str, field: str, value: Any) -> float:
-    v = _real(context, field, value)
-    if not 0 <= v < 1:
-        raise _fail(context, field, f"must satisfy 0 <= {field} < 1, got {value!r}")
-    return v
+    where = f"{context}, field {field!r}" if context else f"field {field!r}"
+    return ValueError(f"{where}: {message}")
 
 
 def _unit_closed(context: str, field: str, value: Any) -> float:
-    v = _real(context, field, value)
-    if not 0 <= v <= 1:
-        raise _fail(context, field, f"must satisfy 0 <= {field} <= 1, got {value!r}")
-    return v
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise _fail(context, field, f"must satisfy 0 <= {field.split('.')[-1]} <= 1, got {value!r}")
+    return float(value)
 
 
-def _boolean(context: str, field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(context, field, f"expected true or false, got {value!r}")
+def _int_at_least(context: str, field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(context, field, f"expected an integer, got {value!r}")
+    if value < minimum:
+        raise _fail(context, field, f"must be >= {minimum}, got {value!r}")
     return value
 
 
-def _choice(choices: Sequence[str]):
-    def check(context: str, field: str, value: Any) -> str:
-        if value not in choices:
-            raise _fail(
-                context, field, f"unknown value {value!r}; valid: {', '.join(choices)}"
-            )
-        return value
-
-    return check
-
-
-def _int_at_least(minimum: int):
-    def check(context: str, field: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                raise _fail(context, field, f"expected an integer, got {value!r}")
-        if value < minimum:
-            raise _fail(context, field, f"must be >= {minimum}, got {value!r}")
-        return value
-
-    return check
-
-
-def _betas(context: str, field: str, value: Any) -> tuple[float, float]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
-        raise _fail(context, field, f"expected a pair (beta1, beta2), got {value!r}")
-    out = []
-    for i, b in enumerate(value):
-        v = _real(context, field, b)
-        if not 0 <= v < 1:
-            raise _fail(
-                context, field, f"betas[{i}] must satisfy 0 <= beta < 1, got {value!r}"
-            )
-        out.append(v)
-    return (out[0], out[1])
-
-
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-                "fp64": "float64", "double": "float64"}
-
-
-def _dtype(context: str, field: str, value: Any):
-    """A floating torch dtype, from a dtype or its name (``"bfloat16"``, ``"float32"``, ``"torch.float16"``, ``"bf16"``)."""
-    import torch
-
-    if isinstance(value, torch.dtype):
-        dtype = value
-    elif isinstance(value, str):
-        name = value.strip().lower().removeprefix("torch.")
-        dtype = getattr(torch, _DTYPE_NAMES.get(name, name), None)
-    else:
-        dtype = None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise _fail(context, field, f"expected a floating dtype name (bfloat16, float16, float32, float64), got {value!r}")
-    return dtype
-
-
-def _engine_choice(name: str):
-    """A choice among the values the engine's own validation accepts (e.g. NONFINITE_POLICIES)."""
-    from ..optim import rules
-
-    return _choice(getattr(rules, name))
-
-
-def _engine_checked(context: str, field: str, value: Any) -> Any:
-    """An engine option without a schema check of its own: the engine validates it."""
-    if field.endswith("dtype"):
-        return _dtype(context, field, value)
-    return value
-
-
-_CHECKS = {
-    "rule": _choice(RULES),
-    "lr": _positive,
-    "weight_decay": _nonnegative,
-    "beta": _unit_open,
-    "nesterov": _boolean,
-    "center": _boolean,
-    "alpha": _unit_closed,
-    "eps": _positive,
-    "method": _choice(METHODS),
-    "steps": _int_at_least(1),
-    "order": _choice(ORDERS),
-    "eta": _choice(ETAS),
-    "lr_scale": _choice(LR_SCALES),
-    "scale": _choice(SCALES),
-    "damping": _choice(DAMPINGS),
-    "betas": _betas,
-    "adam_eps": _positive,
-    "polar_dtype": _dtype,
-    "nonfinite": _engine_choice("NONFINITE_POLICIES"),
-    "lazy": _boolean,
-}
-for _key in OPTIONAL_FIELDS:
-    _CHECKS.setdefault(_key, _engine_checked)
-
-
-def _engine_validate(settings: Mapping[str, Any], context: str) -> None:
-    """Let the engine check the options it alone knows, on a throwaway parameter."""
-    import torch
-
-    from ..optim import EquivariantOptimizer
-
-    rule = settings["rule"]
-    probe = torch.zeros(2, 2, requires_grad=True) if rule in MATRIX_RULES else torch.zeros(2, requires_grad=True)
-    group = {k: v for k, v in settings.items() if k != "schedule"}
+def _check_values(settings: Mapping[str, Any], rule: str, context: str) -> dict[str, Any]:
+    """The table's checks (:data:`equiopt.optim.fields.FIELDS`) on a recipe's settings;
+    a recipe names its ``eta`` (TOML holds no callables)."""
+    if "eta" in settings and callable(settings["eta"]):
+        raise _fail(context, "eta", f"a recipe names its eta rule ({', '.join(ETAS)}), got {settings['eta']!r}")
+    where = context or "settings"
     try:
-        EquivariantOptimizer([{"params": [probe], **group}])
-    except (ValueError, TypeError) as err:
-        given = [k for k in OPTIONAL_FIELDS if k in settings]
-        raise _fail(context, given[0] if len(given) == 1 else "/".join(given), str(err)) from None
+        out = fields.check_settings(settings, where)
+    except ValueError as err:
+        message = str(err)
+        raise ValueError(message[len(where) + 2:] if not context else message) from None
+    if out.get("lazy") and rule not in fields.FIELDS["lazy"].rules:
+        raise _fail(context, "lazy", f"does not apply to rule {rule!r}")
+    return out
 
 
 def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
@@ -425,7 +200,7 @@ def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
         )
     out: dict[str, Any] = {"kind": kind, **allowed, **{k: v for k, v in schedule.items() if k != "kind"}}
     if kind == "warmup_cosine":
-        out["warmup_steps"] = _int_at_least(0)(context, "schedule.warmup_steps", out["warmup_steps"])
+        out["warmup_steps"] = _int_at_least(context, "schedule.warmup_steps", out["warmup_steps"], 0)
     elif kind == "stable_decay":
         out["stable_fraction"] = _unit_closed(
             context, "schedule.stable_fraction", out["stable_fraction"]
@@ -451,6 +226,12 @@ def _check_field_names(settings: Mapping[str, Any], rule: str | None, context: s
                 )
 
 
+def _rule(value: Any, context: str) -> str:
+    if value not in RULES:
+        raise _fail(context, "rule", f"unknown rule {value!r}; valid: {', '.join(RULES)}")
+    return value
+
+
 def normalize_settings(
     settings: Mapping[str, Any], role: str, context: str | None = None
 ) -> dict[str, Any]:
@@ -466,25 +247,13 @@ def normalize_settings(
     _check_field_names(settings, None, context)
     if "rule" not in settings:
         raise ValueError(f"{context}: missing field 'rule'; valid rules: {', '.join(RULES)}")
-    rule = _CHECKS["rule"](context, "rule", settings["rule"])
+    rule = _rule(settings["rule"], context)
     _check_field_names(settings, rule, context)
     if "lr" not in settings:
         raise ValueError(f"{context}: missing field 'lr'")
-    out: dict[str, Any] = {"rule": rule}
-    merged = {**RULE_DEFAULTS[rule], **settings}
-    for key in RULE_FIELDS[rule]:
-        if key in ("rule", "schedule") or (key in OPTIONAL_FIELDS and key not in merged):
-            continue
-        out[key] = _CHECKS[key](context, key, merged[key])
-    if any(k in out for k in OPTIONAL_FIELDS):
-        _engine_validate(out, context)
-    if "method" in out and out["method"] not in RULE_METHODS[rule]:
-        raise _fail(
-            context,
-            "method",
-            f"{out['method']!r} is not available for rule {rule!r}; "
-            f"valid: {', '.join(RULE_METHODS[rule])}",
-        )
+    merged = {**RULE_DEFAULTS[rule], **{k: v for k, v in settings.items() if k != "schedule"}}
+    checked = _check_values(merged, rule, context)
+    out: dict[str, Any] = {k: checked[k] for k in RULE_FIELDS[rule] if k in checked}
     out["schedule"] = normalize_schedule(
         settings.get("schedule", default_schedule(role)), context
     )
@@ -506,8 +275,7 @@ def merge_settings(
     if not isinstance(patch, Mapping):
         raise ValueError(f"{context}: expected a table of settings, got {patch!r}")
     _check_field_names(patch, None, context)
-    rule = patch.get("rule", base["rule"])
-    rule = _CHECKS["rule"](context, "rule", rule)
+    rule = _rule(patch.get("rule", base["rule"]), context)
     _check_field_names(patch, rule, context)
     allowed = RULE_FIELDS[rule]
     merged = {k: v for k, v in base.items() if k in allowed}

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
 
 from ..optim import EquivariantOptimizer
-from ..recipes import DEFAULT_RECIPE, Recipe, build_scheduler, get_recipe
 from .infer import assign_roles
 from .table import ROLES, RoleTable
+
+if TYPE_CHECKING:  # recipes read ROLES from this package, so they are imported when used
+    from ..recipes import Recipe
 
 
 def param_groups(table: RoleTable, recipe: Recipe) -> list[dict[str, Any]]:
@@ -33,7 +35,7 @@ def param_groups(table: RoleTable, recipe: Recipe) -> list[dict[str, Any]]:
 
 def build_optimizer(
     model: nn.Module,
-    recipe: str | Recipe = DEFAULT_RECIPE,
+    recipe: str | Recipe = "equiopt:default",
     total_steps: int | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     rules: Any = None,
@@ -89,6 +91,8 @@ def build_optimizer(
         ValueError: for an unknown recipe, role or field, or a parameter whose role
             cannot be inferred (the message proposes the ``rules=`` entry).
     """
+    from ..recipes import build_scheduler, get_recipe
+
     rec = get_recipe(recipe)
     if overrides:
         rec = rec.with_overrides(overrides)
@@ -123,6 +127,8 @@ def print_roles(model: nn.Module, recipe: str | Recipe | None = None, file=None,
         The :class:`RoleTable` printed.
     """
     table = assign_roles(model, **role_options)
+    from ..recipes import get_recipe
+
     rec = get_recipe(recipe) if recipe is not None else None
     print(table.format(rec), file=file)
     return table

@@ -40,6 +40,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..roles.table import ROLES
+
 __all__ = [
     "Run",
     "RunLogWarning",
@@ -54,7 +56,6 @@ __all__ = [
     "main_plot",
 ]
 
-ROLES = ("embedding", "lm_head", "attention", "mlp_in", "mlp_out", "router", "matrix", "vector")
 LOGIT_PANELS = (
     ("logits/rms", "Raw final-logit RMS", "RMS (logit units)"),
     ("logits/centred_rms", "Centred final-logit RMS", "RMS (logit units)"),

@@ -1,0 +1,260 @@
+"""Every rule's settings, defined once: name, the rules that read it, default, check, meaning.
+
+:data:`FIELDS` is the one table. :class:`~equiopt.optim.EquivariantOptimizer` fills a
+param group's missing or ``None`` settings from it and checks them with it;
+:mod:`equiopt.recipes.schema` derives the recipe vocabulary (which fields each rule
+accepts, their defaults) from it; ``equiopt fields`` prints it and the docs page
+"Rules and their settings" is generated from it. A hand-built param group and a recipe
+therefore give the same rule the same defaults: the usual language-model pre-training
+choices (EMA momentum 0.95, Nesterov for Muon, AdamW ``betas = (0.9, 0.95)``, decoupled
+weight decay 0 unless set).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .. import maps
+from ..linalg import POLAR_METHODS
+
+__all__ = [
+    "Field", "FIELDS", "RULES", "MATRIX_RULES", "ELEMENTWISE_RULES", "LR_SCALES", "NONFINITE_POLICIES",
+    "RULE_FIELDS", "RULE_DEFAULTS", "OPTIONAL_FIELDS", "RULE_METHODS", "default", "fill_defaults", "check_settings",
+    "fields_table",
+]
+
+MATRIX_RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid")
+ELEMENTWISE_RULES: tuple[str, ...] = ("adamw", "sgd")
+RULES: tuple[str, ...] = MATRIX_RULES + ELEMENTWISE_RULES
+LR_SCALES: tuple[str, ...] = ("none", "spectral", "match_adamw")
+NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
+_MOMENTUM_RULES = MATRIX_RULES + ("sgd",)
+_GRAM_RULES = ("right", "left", "hybrid")
+
+#: Inner solvers each rule accepts: ``spectral`` computes a polar factor
+#: (:func:`equiopt.linalg.polar`); the one-sided and hybrid rules an inverse square root
+#: of a Gram (:func:`equiopt.linalg.inv_sqrt`), or the polar factor directly with
+#: ``gram_newton_schulz``.
+RULE_METHODS: dict[str, tuple[str, ...]] = {
+    "spectral": tuple(POLAR_METHODS),
+    **{rule: tuple(maps.ONE_SIDED_METHODS) for rule in _GRAM_RULES},
+}
+
+
+class Field(NamedTuple):
+    """One setting. ``default`` is a value, or a mapping rule -> value where it depends on
+    the rule; ``check(value, rule)`` returns the value (normalised) or raises
+    :class:`ValueError` with a message that does not name the field (callers add it).
+    ``optional``: a recipe leaves the field out unless given, and the engine's default
+    applies."""
+
+    name: str
+    rules: tuple[str, ...]
+    default: Any
+    check: Callable[[Any, str], Any]
+    doc: str
+    optional: bool = False
+
+    def default_for(self, rule: str) -> Any:
+        return self.default[rule] if isinstance(self.default, Mapping) else self.default
+
+
+# ---------------------------------------------------------------- value checks
+def _number(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _interval(low: float, high: float, closed: bool, what: str) -> Callable[[Any, str], float]:
+    def check(value: Any, rule: str) -> float:
+        v = _number(value)
+        if not (low <= v <= high if closed else low <= v < high):
+            raise ValueError(f"must be {what}, got {value!r}")
+        return v
+    return check
+
+
+def _at_least(low: float, strict: bool) -> Callable[[Any, str], float]:
+    def check(value: Any, rule: str) -> float:
+        v = _number(value)
+        if not (v > low if strict else v >= low):
+            raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {value!r}")
+        return v
+    return check
+
+
+def _boolean(value: Any, rule: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false (True or False in Python), got {value!r}")
+    return value
+
+
+def _integer_at_least(low: int) -> Callable[[Any, str], int]:
+    def check(value: Any, rule: str) -> int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if value < low:
+            raise ValueError(f"must be >= {low}, got {value!r}")
+        return value
+    return check
+
+
+def _choice(noun: str, choices: Sequence[str] | Callable[[str], Sequence[str]]) -> Callable[[Any, str], str]:
+    def check(value: Any, rule: str) -> str:
+        valid = choices(rule) if callable(choices) else choices
+        if value not in valid:
+            for_rule = f" for rule {rule!r}" if callable(choices) else ""
+            raise ValueError(f"unknown {noun} {value!r}{for_rule}; valid: {', '.join(valid)}")
+        return value
+    return check
+
+
+def _eta(value: Any, rule: str) -> Any:
+    if callable(value):
+        return value
+    return _choice("eta", maps.ETA_RULES)(value, rule)
+
+
+def _betas(value: Any, rule: str) -> tuple[float, float]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"expected a pair (beta1, beta2), got {value!r}")
+    pair = tuple(_number(b) for b in value)
+    if not all(0 <= b < 1 for b in pair):
+        raise ValueError(f"must be a pair in [0, 1), got {value!r}")
+    return pair  # type: ignore[return-value]
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                "fp64": "float64", "double": "float64"}
+
+
+def _dtype(value: Any, rule: str) -> Any:
+    """``None``, or a floating torch dtype from a dtype or its name (``"bfloat16"``, ``"bf16"``, ``"torch.float16"``)."""
+    import torch
+
+    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    dtype = None
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        dtype = getattr(torch, _DTYPE_NAMES.get(name, name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"expected a floating dtype name (bfloat16, float16, float32, float64), got {value!r}")
+    return dtype
+
+
+def _methods(rule: str) -> Sequence[str]:
+    return RULE_METHODS.get(rule, ())
+
+
+# ------------------------------------------------------------------ the table
+_ALL = RULES
+FIELDS: dict[str, Field] = {f.name: f for f in (
+    Field("rule", _ALL, None, _choice("rule", RULES),
+          "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
+          "adamw, sgd"),
+    Field("lr", _ALL, 1e-3, _at_least(0.0, strict=False), "learning rate (a recipe must give it)"),
+    Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
+    Field("beta", _MOMENTUM_RULES, 0.95, _interval(0.0, 1.0, False, "in [0, 1)"),
+          "EMA momentum M = beta M + (1 - beta) G"),
+    Field("nesterov", _MOMENTUM_RULES, {**{r: False for r in _ALL}, "spectral": True}, _boolean,
+          "map beta M + (1 - beta) G instead of M (Muon's default)"),
+    Field("center", ("right", "left", "row", "hybrid"), False, _boolean,
+          "project onto the quotient that removes softmax's shared shift (LM heads, routers)"),
+    Field("alpha", _GRAM_RULES, {**{r: 0.0 for r in _ALL}, "hybrid": 1.0}, _interval(0.0, 1.0, True, "in [0, 1]"),
+          "exponent of the nu^alpha update size"),
+    Field("eps", ("right", "left", "row", "hybrid"), 1e-8, _at_least(0.0, strict=True),
+          "Gram damping (relative or absolute, see damping) and row-norm smoothing"),
+    Field("method", ("spectral",) + _GRAM_RULES, "polar_express", _choice("method", _methods),
+          "polar-factor method (spectral) or Gram inverse-square-root method"),
+    Field("steps", ("spectral",) + _GRAM_RULES, 5, _integer_at_least(1), "iterations of the method"),
+    Field("order", ("hybrid",), "row_then_right", _choice("hybrid order", maps.HYBRID_ORDERS),
+          "composition order of the hybrid map"),
+    Field("eta", ("row", "hybrid"), "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
+    Field("lr_scale", ("spectral",), "spectral", _choice("lr_scale", LR_SCALES),
+          "shape factor: spectral sqrt(max(1, rows/cols)), match_adamw 0.2 sqrt(max(rows, cols)), none"),
+    Field("scale", _GRAM_RULES, "nu", _choice("scale", maps.SCALES),
+          "update size: nu (the paper's nu^alpha) or rms (RMS 1 at every width)"),
+    Field("damping", _GRAM_RULES, "relative", _choice("damping", maps.DAMPINGS),
+          "relative: eps times the mean eigenvalue of the Gram, tr(C) / min(m, n); absolute: the paper's eps", optional=True),
+    Field("betas", ("adamw",), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
+    Field("adam_eps", ("adamw",), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
+    Field("polar_dtype", ("spectral",), None, _dtype,
+          "dtype of the polar iterations (None: bfloat16)", optional=True),
+    Field("nonfinite", _ALL, "skip", _choice("nonfinite policy", NONFINITE_POLICIES),
+          "skip: leave a parameter with a NaN/Inf gradient untouched and count it; raise: name it", optional=True),
+    Field("lazy", _MOMENTUM_RULES, False, _boolean,
+          "update only rows whose gradient is nonzero this step (embeddings)", optional=True),
+)}
+
+#: Fields each rule reads, in table order.
+RULE_FIELDS: dict[str, tuple[str, ...]] = {rule: tuple(n for n, f in FIELDS.items() if rule in f.rules)
+                                           for rule in RULES}
+#: Every rule's defaults (``lr`` and ``rule`` excluded).
+RULE_DEFAULTS: dict[str, dict[str, Any]] = {
+    rule: {n: FIELDS[n].default_for(rule) for n in fields if n not in ("rule", "lr")}
+    for rule, fields in RULE_FIELDS.items()
+}
+#: Fields a recipe holds only when given (the engine's default applies otherwise).
+OPTIONAL_FIELDS: tuple[str, ...] = tuple(n for n, f in FIELDS.items() if f.optional)
+
+
+def default(name: str, rule: str = "spectral") -> Any:
+    """The default of setting ``name`` for ``rule``."""
+    return FIELDS[name].default_for(rule)
+
+
+def fill_defaults(group: dict) -> dict:
+    """Set every setting ``group`` leaves out or at ``None`` to its rule's default (in place)."""
+    rule = group.get("rule")
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    for name, field in FIELDS.items():
+        if group.get(name) is None:
+            group[name] = field.default_for(rule)
+    return group
+
+
+def check_settings(settings: Mapping[str, Any], where: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
+    """Checked (normalised) values of ``fields`` (default: the rule's) of ``settings``, plus
+    the checks across fields. Errors read ``"{where}, field 'name': ..."``."""
+    rule = settings.get("rule")
+    out: dict[str, Any] = {"rule": _checked("rule", rule, rule, where)}
+    for name in RULE_FIELDS[rule] if fields is None else fields:
+        if name != "rule" and name in settings:
+            out[name] = _checked(name, settings[name], rule, where)
+    if out.get("lazy"):
+        if out.get("center"):
+            raise ValueError(f"{where}, field 'lazy': lazy=True cannot be combined with center=True (the quotient "
+                             "maps of LM heads and routers see dense gradients; the row mask is not shift-invariant)")
+    return out
+
+
+def _checked(name: str, value: Any, rule: str, where: str) -> Any:
+    try:
+        return FIELDS[name].check(value, rule)
+    except ValueError as err:
+        raise ValueError(f"{where}, field {name!r}: {err}") from None
+
+
+def fields_table() -> str:
+    """The table as Markdown: each setting, the rules that read it, its default(s), meaning."""
+    lines = ["| setting | rules | default | meaning |", "|---|---|---|---|"]
+    for name, f in FIELDS.items():
+        rules = "all" if f.rules == RULES else ", ".join(f.rules)
+        if isinstance(f.default, Mapping):
+            values = [f.default[r] for r in f.rules]
+            usual = max(values, key=values.count)
+            others = [f"{r}: {f.default[r]!r}" for r in f.rules if f.default[r] != usual]
+            shown = repr(usual) + (f" ({'; '.join(others)})" if others else "")
+        else:
+            shown = "required in a recipe; 1e-3 by hand" if name == "lr" else ("-" if name == "rule" else repr(f.default))
+        lines.append(f"| `{name}` | {rules} | {shown}{' (optional)' if f.optional else ''} | {f.doc} |")
+    return "\n".join(lines)
