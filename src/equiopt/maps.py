@@ -25,6 +25,8 @@ centring of the quotient maps costs a vector, not a pass over the matrix.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
@@ -217,10 +219,31 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, redu
 
 
 def _maybe_center(D: torch.Tensor, flag: bool, reducer: Optional[RowReducer] = None,
-                  centred_input: bool = False) -> torch.Tensor:
-    """``Pi D`` when ``flag`` (a new tensor), else ``D``; ``centred_input``: ``D`` is already
+                  centered_input: bool = False) -> torch.Tensor:
+    """``Pi D`` when ``flag`` (a new tensor), else ``D``; ``centered_input``: ``D`` is already
     ``Pi D`` (its owner centred it in place), so it is used as it is."""
-    return D - _col_mean(D, reducer) if flag and not centred_input else D
+    return D - _col_mean(D, reducer) if flag and not centered_input else D
+
+
+def _renamed_keyword(old: str, new: str):
+    """Accept the keyword ``old`` as a deprecated spelling of ``new``.
+
+    ``old=`` still works and emits a :class:`DeprecationWarning` naming ``new``; passing
+    both raises :class:`TypeError`. Calls that use ``new`` go straight through.
+    """
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {new!r} and its deprecated spelling {old!r}; "
+                                    f"pass only {new!r}")
+                warnings.warn(f"{fn.__name__}(): the keyword {old!r} is deprecated, use {new!r}",
+                              DeprecationWarning, stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+        return inner
+    return wrap
 
 
 def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse") -> torch.Tensor:
@@ -243,15 +266,16 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
     return materialize(row_norm_factored(D, eps, center, eta)).to(D.dtype)
 
 
+@_renamed_keyword("centred_input", "centered_input")
 def row_norm_factored(
     D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse",
-    reducer: Optional[RowReducer] = None, centred_input: bool = False, col_reducer: Optional[RowReducer] = None,
+    reducer: Optional[RowReducer] = None, centered_input: bool = False, col_reducer: Optional[RowReducer] = None,
 ) -> Factored:
     """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (None: ``D`` is whole).
     ``col_reducer``: the same for a ``D`` split by columns (sums over the columns of each
-    row, completing the row norms). ``centred_input`` (with ``center``): ``D`` already has
+    row, completing the row norms). ``centered_input`` (with ``center``): ``D`` already has
     zero column means, so it is not centred again (no full-size copy); the output
     projection is kept.
 
@@ -261,13 +285,15 @@ def row_norm_factored(
         center: the horizontal (quotient) form.
         eta: the row-scaling rule, see :func:`eta_scale`.
         reducer: completes sums over rows split across ranks; None for a whole ``D``.
-        centred_input: ``D`` already has zero column means.
+        centered_input: ``D`` already has zero column means. The former spelling
+            ``centred_input=`` is a deprecated alias (it warns); passing both raises
+            :class:`TypeError`.
         col_reducer: completes the row norms of a ``D`` split by columns.
 
     Returns:
         The update as a :class:`Factored`.
     """
-    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
     return _row_factors(x, eta, eps, center, reducer, col_reducer)
 
 
@@ -436,6 +462,7 @@ def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, cent
     return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
 
 
+@_renamed_keyword("centred_input", "centered_input")
 def one_sided_factored(
     D: torch.Tensor,
     eps: float = 1e-8,
@@ -446,13 +473,13 @@ def one_sided_factored(
     gram: str = "auto",
     scale: str = "nu",
     reducer: Optional[RowReducer] = None,
-    centred_input: bool = False,
+    centered_input: bool = False,
     damping: str = "relative",
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
-    ``centred_input``: as in :func:`row_norm_factored`.
+    ``centered_input``: as in :func:`row_norm_factored`.
 
     Args:
         D: work matrices ``(..., m, n)``.
@@ -464,13 +491,14 @@ def one_sided_factored(
         gram: the Gram side formed (see :func:`gram_side`).
         scale: ``"nu"`` (the paper's ``nu^alpha``) or ``"rms"``.
         reducer: completes sums over rows split across ranks; None for a whole ``D``.
-        centred_input: ``D`` already has zero column means.
+        centered_input: ``D`` already has zero column means (``centred_input=``: the
+            deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
 
     Returns:
         The update as a :class:`Factored`.
     """
-    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
     return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping)
 
 
@@ -639,6 +667,7 @@ def _clean_stage(f: Factored) -> Factored:
     return f
 
 
+@_renamed_keyword("centred_input", "centered_input")
 def hybrid_factored(
     D: torch.Tensor,
     order: str = "row_then_right",
@@ -651,13 +680,13 @@ def hybrid_factored(
     gram: str = "auto",
     scale: str = "nu",
     reducer: Optional[RowReducer] = None,
-    centred_input: bool = False,
+    centered_input: bool = False,
     damping: str = "relative",
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
     ``reducer``: the :class:`RowReducer` of a row-sharded ``D`` (right Gram only);
-    ``centred_input``: as in :func:`row_norm_factored`.
+    ``centered_input``: as in :func:`row_norm_factored`.
 
     Args:
         D: work matrices ``(..., m, n)``.
@@ -671,7 +700,8 @@ def hybrid_factored(
         gram: the Gram side formed (see :func:`gram_side`).
         scale: ``"nu"`` or ``"rms"``.
         reducer: completes sums over rows split across ranks; None for a whole ``D``.
-        centred_input: ``D`` already has zero column means.
+        centered_input: ``D`` already has zero column means (``centred_input=``: the
+            deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
 
     Returns:
@@ -679,7 +709,7 @@ def hybrid_factored(
     """
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
-    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centred_input)
+    x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
     if order == "row_then_right":
         z = materialize(_row_factors(x, eta, eps, center, reducer))
         rows = None

@@ -112,14 +112,14 @@ def factored_map(key: MapKey, eta, D: torch.Tensor, reducer: maps.RowReducer | N
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
     if rule in ("right", "left"):
         return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
-                                       scale=scale, reducer=reducer, centred_input=done, damping=damping)
+                                       scale=scale, reducer=reducer, centered_input=done, damping=damping)
     if col_reducer is not None and rule != "row":
         raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
     if rule == "row":
-        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centred_input=done,
+        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done,
                                       col_reducer=col_reducer)
     return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
-                                scale=scale, reducer=reducer, centred_input=done, damping=damping)
+                                scale=scale, reducer=reducer, centered_input=done, damping=damping)
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:
