@@ -68,13 +68,31 @@ class _Multiplier:
 
 
 class WarmupCosine(_Multiplier):
-    """Linear warmup ``(step + 1) / warmup_steps``, then half-cosine to 0 at ``total_steps``."""
+    """Linear warmup ``(step + 1) / warmup_steps``, then half-cosine to 0 at ``total_steps``.
+
+    Called with the scheduler's step counter it returns the lr multiplier in force for
+    the next optimizer update (the formula is in the module docstring).
+
+    Args:
+        warmup_steps: the length ``w`` of the linear warmup; the first update uses ``1/w``
+            and update ``w`` the full rate.
+        total_steps: the step ``T`` at which the multiplier reaches 0 (and stays there);
+            None: warmup, then constant 1.
+    """
 
     def __init__(self, warmup_steps: int = 100, total_steps: int | None = None) -> None:
         self.warmup_steps = int(warmup_steps)
         self.total_steps = total_steps
 
     def __call__(self, step: int) -> float:
+        """The multiplier at ``step``.
+
+        Args:
+            step: the scheduler's counter (``scheduler.step()`` calls so far).
+
+        Returns:
+            The lr multiplier, in ``[0, 1]``.
+        """
         w, total = self.warmup_steps, self.total_steps
         if step < w:
             return (step + 1) / w
@@ -87,7 +105,17 @@ class WarmupCosine(_Multiplier):
 
 
 class StableDecay(_Multiplier):
-    """1 until ``floor(stable_fraction * total_steps)``, then linear to 0 at ``total_steps``."""
+    """1 until ``floor(stable_fraction * total_steps)``, then linear to 0 at ``total_steps``.
+
+    Called with the scheduler's step counter it returns the lr multiplier in force for
+    the next optimizer update (the formula is in the module docstring).
+
+    Args:
+        stable_fraction: the fraction ``f`` of ``total_steps`` held at the full rate;
+            the linear decay starts at ``S = floor(f * T)``.
+        total_steps: the step ``T`` at which the multiplier reaches 0 (and stays there);
+            None: constant 1.
+    """
 
     def __init__(self, stable_fraction: float = 0.6, total_steps: int | None = None) -> None:
         self.stable_fraction = float(stable_fraction)
@@ -101,6 +129,14 @@ class StableDecay(_Multiplier):
         return math.floor(self.stable_fraction * self.total_steps + 1e-9)
 
     def __call__(self, step: int) -> float:
+        """The multiplier at ``step``.
+
+        Args:
+            step: the scheduler's counter (``scheduler.step()`` calls so far).
+
+        Returns:
+            The lr multiplier, in ``[0, 1]``.
+        """
         total = self.total_steps
         if total is None:
             return 1.0
@@ -113,9 +149,17 @@ class StableDecay(_Multiplier):
 
 
 class Constant(_Multiplier):
-    """Multiplier 1 at every step."""
+    """Multiplier 1 at every step (the ``constant`` schedule; no parameters)."""
 
     def __call__(self, step: int) -> float:
+        """The multiplier at ``step``.
+
+        Args:
+            step: the scheduler's counter (ignored).
+
+        Returns:
+            1.0.
+        """
         return 1.0
 
 
@@ -126,6 +170,21 @@ def make_lr_lambda(
 
     See the module docstring for the formulas and for the behaviour without
     ``total_steps``.
+
+    Args:
+        schedule: a schedule dict (``{"kind": "warmup_cosine", "warmup_steps": 100}``,
+            ``{"kind": "stable_decay", "stable_fraction": 0.6}`` or
+            ``{"kind": "constant"}``; missing fields take their defaults, see
+            :func:`~equiopt.recipes.schema.normalize_schedule`), or None.
+        total_steps: the number of optimizer updates of the run; None: no decay.
+
+    Returns:
+        A picklable multiplier (:class:`WarmupCosine`, :class:`StableDecay` or
+        :class:`Constant`) for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    Raises:
+        ValueError: on a bad schedule (unknown kind or key, out-of-range value) or a
+            ``total_steps`` that is not a positive integer or None.
     """
     total = _check_total(total_steps)
     if schedule is None:
@@ -147,6 +206,19 @@ def build_scheduler(
     Groups without a ``schedule`` entry (or with ``None``) keep their lr
     (multiplier 1). Call ``scheduler.step()`` once after every
     ``optimizer.step()``.
+
+    Args:
+        optimizer: the optimizer whose param groups carry the ``schedule`` entries (as
+            :func:`equiopt.build_optimizer` and recipe param groups do).
+        total_steps: the number of optimizer updates of the run; None: no decay.
+        last_epoch: passed to ``LambdaLR`` (``-1``: a new schedule).
+
+    Returns:
+        The scheduler, one multiplier per param group (see :func:`make_lr_lambda`).
+
+    Raises:
+        ValueError: on a bad schedule, naming the param group (and its role), or a
+            ``total_steps`` that is not a positive integer or None.
     """
     total = _check_total(total_steps)
     lambdas = []

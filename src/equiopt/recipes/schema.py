@@ -124,6 +124,13 @@ def default_schedule(role: str) -> dict[str, Any]:
     for every other parameter, whatever its optimizer, holds the base lr for
     the first 60 % of the steps and then decays it linearly to 0. So ``vector``
     gets ``warmup_cosine`` and every other role ``stable_decay``.
+
+    Args:
+        role: a parameter role (:data:`ROLES`).
+
+    Returns:
+        A new schedule dict: ``{"kind": "warmup_cosine", "warmup_steps": 100}`` for
+        ``vector``, ``{"kind": "stable_decay", "stable_fraction": 0.6}`` otherwise.
     """
     if role == "vector":
         return {"kind": "warmup_cosine", "warmup_steps": 100}
@@ -178,6 +185,20 @@ def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
     ``{"kind": "warmup_cosine", "warmup_steps": int >= 0}``,
     ``{"kind": "stable_decay", "stable_fraction": 0 <= float <= 1}`` or
     ``{"kind": "constant"}``.
+
+    Args:
+        schedule: the schedule as given (a mapping with a ``kind``; the other fields
+            may be left out).
+        context: where the schedule comes from (e.g. ``"role 'router'"``), put before
+            the field in error messages.
+
+    Returns:
+        A new dict with ``kind`` first and every field of that kind, defaults filled in
+        (``warmup_steps`` as an int, ``stable_fraction`` as a float).
+
+    Raises:
+        ValueError: when ``schedule`` is not a mapping, its kind is unknown, it has a
+            key its kind does not take, or a value is out of range.
     """
     field = "schedule"
     if not isinstance(schedule, Mapping):
@@ -239,6 +260,22 @@ def normalize_settings(
 
     Raises :class:`ValueError` naming the role and field on an unknown field, a
     field that does not apply to the rule, or a bad value.
+
+    Args:
+        settings: the role's settings; ``rule`` and ``lr`` are required, every other
+            field of the rule (:data:`RULE_FIELDS`) is optional.
+        role: the parameter role (:data:`ROLES`); it picks the default ``schedule``
+            (:func:`default_schedule`).
+        context: the prefix of error messages; None: ``"role '<role>'"``.
+
+    Returns:
+        A new dict of the rule's fields in :data:`RULE_FIELDS` order with the defaults
+        of :data:`RULE_DEFAULTS` filled in (optional fields only when given), and a
+        normalized ``schedule`` last.
+
+    Raises:
+        ValueError: on settings that are not a mapping, a missing ``rule`` or ``lr``,
+            an unknown rule or field, a field the rule does not take, or a bad value.
     """
     if context is None:
         context = f"role {role!r}"
@@ -269,6 +306,20 @@ def merge_settings(
     rule, fields of ``base`` that the new rule does not accept are dropped and
     the new rule's defaults fill the gaps. A partial ``schedule`` (no ``kind``,
     or the same kind) updates the current schedule; a new ``kind`` replaces it.
+
+    Args:
+        base: the current settings of ``role`` (normalized, see
+            :func:`normalize_settings`); not modified.
+        patch: the fields to change; any subset of :data:`FIELDS`.
+        role: the parameter role (:data:`ROLES`).
+        context: the prefix of error messages; None: ``"role '<role>'"``.
+
+    Returns:
+        A new normalized settings dict (as :func:`normalize_settings` returns).
+
+    Raises:
+        ValueError: when ``patch`` is not a mapping, names an unknown rule or field or
+            a field the resulting rule does not take, or the merged settings are invalid.
     """
     if context is None:
         context = f"role {role!r}"

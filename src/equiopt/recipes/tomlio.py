@@ -62,7 +62,24 @@ class RecipeFile(NamedTuple):
 
 
 def parse_recipe_toml(text: str, *, source: str = "<string>", default_name: str | None = None) -> RecipeFile:
-    """Parse recipe TOML without resolving ``base``; errors name ``source``."""
+    """Parse recipe TOML without resolving ``base``; errors name ``source``.
+
+    Args:
+        text: the TOML text of a recipe file (format in the module docstring).
+        source: where ``text`` came from (a path), put before every error message.
+        default_name: the recipe's name when the file has no ``name`` (the file's stem,
+            see :func:`read_recipe_text`); None: ``name`` is required.
+
+    Returns:
+        A :class:`RecipeFile`: with ``base``, its ``roles`` are overrides for the
+        registry to apply (``recipe`` is None); without it, ``recipe`` is the complete,
+        validated :class:`~equiopt.recipes.Recipe` the file defines.
+
+    Raises:
+        ValueError: on invalid TOML, an unknown top-level key, a missing name or
+            (without ``base``) an unknown role, a missing role or settings the recipe
+            rejects; the message starts with ``source``.
+    """
     toml = _tomllib()
     try:
         data = toml.loads(text)
@@ -86,7 +103,18 @@ def read_recipe_text(path: "str | os.PathLike[str]") -> tuple[str, str, str]:
 
 
 def save_recipe_toml(recipe: Recipe, path: "str | os.PathLike[str]") -> None:
-    """Write ``recipe`` to ``path`` in the format :func:`equiopt.recipes.load_recipe_toml` reads."""
+    """Write ``recipe`` to ``path`` in the format :func:`equiopt.recipes.load_recipe_toml` reads.
+
+    Every role is written in full (no ``base``, no ``roles."*"``), so loading the file
+    gives back an equal recipe.
+
+    Args:
+        recipe: the recipe to save.
+        path: the file to write (UTF-8; replaced if it exists).
+
+    Raises:
+        OSError: when ``path`` cannot be written.
+    """
     with open(os.fspath(path), "w", encoding="utf-8") as fh:
         fh.write(recipe.to_toml())
 
