@@ -10,20 +10,20 @@ import torch.distributed as dist
 def counting_map_work():
     """Yield a list that receives the cost (``owners.map_cost``) of every matrix the
     engine maps whole on this rank while the block runs."""
-    import equiopt.optim.engine as engine
+    import equiopt.optim.distribute as distribute
     from equiopt.optim.owners import map_cost
 
-    done, original = [], engine._map_whole
+    done, original = [], distribute.map_whole
 
     def counting(jobs):
         done.extend(map_cost(D.shape) for _, _, D in jobs)
         return original(jobs)
 
-    engine._map_whole = counting
+    distribute.map_whole = counting
     try:
         yield done
     finally:
-        engine._map_whole = original
+        distribute.map_whole = original
 
 
 def check_work_divided(done, costs) -> torch.Tensor:

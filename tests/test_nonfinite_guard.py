@@ -5,7 +5,7 @@ import torch
 
 from equiopt import maps
 from equiopt.optim import EquivariantOptimizer, NonFiniteGradientError
-from equiopt.optim import engine as engine_module
+from equiopt.optim import distribute as engine_module
 from equiopt.optim.apply import GRAD_LIMIT
 
 RULES = [

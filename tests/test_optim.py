@@ -126,7 +126,7 @@ def test_layouts_col_applies_map_to_transpose():
 
 def test_per_parameter_layouts_and_batching_across_params(monkeypatch):
     """Same-shaped work from different parameters and groups is mapped in one call."""
-    from equiopt.optim import engine
+    from equiopt.optim import distribute as engine
 
     calls = []
     real = engine.factored_map

@@ -12,28 +12,23 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
 
-from ..layouts import Layout, parse_layout
 from .. import maps
-from ..distributed.placements import Sharding, describe_sharding, mesh_group, row_range
+from ..distributed.placements import Sharding, describe_sharding, mesh_group
+from ..layouts import Layout, parse_layout
+from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
-from .rules import factored_map, map_key, precentred, reducible, resolved, shape_factor, validate_group
-from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
 from .costs import replica_division, resolve_cost_model
-from .sharded import (LOCAL, WAVES, Plan, ShardSum, global_flags, local, owner_batches, owner_units, plan,
-                      reducers)
-
-# Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
-# Row-norm maps and the element-wise rules cost less than sending their results.
-DIVIDED_RULES = ("spectral", "right", "left", "hybrid")
+from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
+from .distribute import DIVIDED, DIVIDED_RULES, LOCAL as LOCAL_MODE, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
+from .rules import map_key, precentred, reducible, resolved, shape_factor, validate_group
+from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
 
 
 def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
@@ -43,40 +38,6 @@ def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
     base = p.untyped_storage().data_ptr()
     if any(v.untyped_storage().data_ptr() != base for v in layout.to_work_list(p.detach(), name=name)):
         raise ValueError(f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice")
-
-
-def _map(key: tuple, eta, D: torch.Tensor, sums) -> maps.Factored:
-    """:func:`factored_map`, with the row and column reducers of a split ``D`` when there are."""
-    return factored_map(key, eta, D) if sums is None else factored_map(key, eta, D, *sums)
-
-
-def _map_whole(jobs: list[tuple[tuple, Any, torch.Tensor]]) -> list[torch.Tensor]:
-    """Updates (materialised, in ``D``'s dtype) of ``(key, eta, D)`` jobs on whole work
-    matrices; jobs with equal keys and matrix shapes run as one batched call."""
-    batches: dict[tuple, list[int]] = defaultdict(list)
-    for i, (key, _, D) in enumerate(jobs):
-        batches[(key, tuple(D.shape[-2:]), D.dtype)].append(i)
-    out: list[torch.Tensor | None] = [None] * len(jobs)
-    for (key, shape, _), members in batches.items():
-        flat = [jobs[i][2].reshape(-1, *shape) for i in members]
-        D = flat[0] if len(flat) == 1 else torch.cat(flat)
-        U = maps.materialize(factored_map(key, jobs[members[0]][1], D)).to(D.dtype)
-        for i, u in zip(members, torch.split(U, [x.shape[0] for x in flat])):
-            out[i] = u.reshape(jobs[i][2].shape)
-    return out  # type: ignore[return-value]
-
-
-class _WholeTask(NamedTuple):
-    """A sharded parameter whose map needs whole work matrices (mapped on an owner rank)."""
-
-    group: dict
-    key: tuple
-    layout: Layout
-    sharding: Sharding
-    plan: Plan
-    param: torch.Tensor  # this rank's block of the weights
-    direction: torch.Tensor  # this rank's block of the momentum direction
-    coef: torch.Tensor  # -lr * ok
 
 
 def _replica_group(divide_work):
@@ -320,6 +281,10 @@ class EquivariantOptimizer(Optimizer):
         one in the property tests). Reading it reads the device counter back."""
         return int(self._update_skips.detach().cpu()) if self._update_skips is not None else 0
 
+    def _add(self, view: torch.Tensor, update: maps.Factored, coef: torch.Tensor) -> None:
+        """Add a work matrix's update to its weights (guarded, :func:`~.apply.add_factored_`) and count it."""
+        self._count(add_factored_(view, update, coef))
+
     def _count(self, ok: torch.Tensor) -> None:
         """Add a work matrix's update flag (from :func:`~.apply.add_factored_`) to the counter."""
         if self._update_skips is None:
@@ -460,8 +425,8 @@ class EquivariantOptimizer(Optimizer):
     @torch.no_grad()
     def _step_impl(self, lrs: list[torch.Tensor]) -> None:
         self._last_flags = []
-        buckets: dict[tuple, list] = defaultdict(list)
-        gathered: list[_WholeTask] = []
+        buckets: dict[BucketKey, list[WorkItem]] = defaultdict(list)
+        whole: list[WholeTask] = []
         for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
             if not live:
@@ -483,19 +448,8 @@ class EquivariantOptimizer(Optimizer):
                 self._adamw(group, lr, params, states, okfs[0])
                 continue
             for k, (j, p, st) in enumerate(zip(live, params, states)):
-                self._matrix_step(group, lr, j, p, st, okfs[0][k], buckets, gathered)
-        divided = []
-        for bucket, items in buckets.items():
-            if bucket[-1] == "divided":
-                divided.append((bucket[0], items))
-            elif len(bucket) > 2 and bucket[2] == "rows":
-                self._run_row_gathered(bucket[0], items)
-            else:
-                self._run_bucket(bucket[0], items)
-        if divided:
-            self._run_divided(divided)
-        if gathered:
-            self._run_gathered(gathered)
+                self._matrix_step(group, lr, j, p, st, okfs[0][k], buckets, whole)
+        distribute.run(buckets, whole, self._add, replicas=self._replicas, overlap=self.overlap)
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
@@ -545,13 +499,13 @@ class EquivariantOptimizer(Optimizer):
             if axes:
                 mesh_group(sharding.mesh, axes)
 
-    def _matrix_step(self, group, lr, j, p, state, okf, buckets, gathered) -> None:
+    def _matrix_step(self, group, lr, j, p, state, okf, buckets, whole) -> None:
         """Momentum, decay and the map of one parameter; on a DTensor, of this rank's block
         (``p``, its gradient and state are DTensors; their local tensors are stepped).
 
-        The map is queued: in ``buckets`` (batched by settings and shape; under
-        ``divide_work`` the matrix-product maps of plain parameters are marked to be divided
-        among the replicas) or in ``gathered`` (split work that needs whole matrices).
+        The map is queued for :func:`.distribute.run`: in ``buckets`` (batched by settings,
+        shape and mode; under ``divide_work`` the matrix-product maps of plain parameters are
+        divided among the replicas) or in ``whole`` (split work that needs whole matrices).
         """
         buf = local(state["momentum_buffer"])
         grad = sanitize(local(p.grad), buf.dtype)
@@ -568,7 +522,7 @@ class EquivariantOptimizer(Optimizer):
             p.add_((direction * (-lr * okf)).to(p.dtype))
             return
         if how.how == "owner":
-            gathered.append(_WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
+            whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
             return
         if how.how == "local" and group["center"] and key.rule != "spectral":
             key = self._centre_in_place(direction, layout, okf, key)
@@ -588,9 +542,9 @@ class EquivariantOptimizer(Optimizer):
             sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part), None), False
             if division == "rows":
                 # cheaper still: each replica maps its rows completely, the update rows are gathered
-                buckets[(key, tuple(global_shapes[0][-2:]), "rows", id(self._replicas))].append(
-                    (layout.to_work_list(direction)[0], self._work_views(p, layout)[0],
-                     okf * (-lr * shape_factor(group, *global_shapes[0][-2:])), group, sums))
+                buckets[BucketKey(key, tuple(global_shapes[0][-2:]), ROWS, (id(self._replicas),))].append(
+                    WorkItem(layout.to_work_list(direction)[0], self._work_views(p, layout)[0],
+                             okf * (-lr * shape_factor(group, *global_shapes[0][-2:])), group, sums))
                 return
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
             if sums is None and w.numel() == 0:
@@ -599,9 +553,10 @@ class EquivariantOptimizer(Optimizer):
             if sums is not None:
                 # one bucket per (global shape, process groups): every rank forms the same buckets
                 groups = tuple(id(r.group) if r is not None else None for r in sums)
-                buckets[(key, tuple(gshape[-2:]), "reduce", groups)].append((w, pw, coef, group, sums))
+                buckets[BucketKey(key, tuple(gshape[-2:]), REDUCE, groups)].append(WorkItem(w, pw, coef, group, sums))
             else:
-                buckets[(key, tuple(w.shape[-2:])) + (("divided",) if divide else ())].append((w, pw, coef, group, None))
+                buckets[BucketKey(key, tuple(w.shape[-2:]), DIVIDED if divide else LOCAL_MODE)].append(
+                    WorkItem(w, pw, coef, group))
 
     @staticmethod
     def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, how: Plan, name: str) -> torch.Tensor:
@@ -640,159 +595,11 @@ class EquivariantOptimizer(Optimizer):
             w.sub_(w.mean(dim=-2, keepdim=True).mul_(okf))
         return precentred(key)
 
-    def _run_gathered(self, tasks: list[_WholeTask]) -> None:
-        """Maps of split parameters that need whole work matrices, spread over the ranks that
-        hold their pieces: each parameter is mapped on one owner rank (:mod:`.owners`), which
-        receives the blocks in one all-to-all and returns the update's blocks in another."""
-        units = []  # one per owner task: a whole parameter, or one expert of a stack
-        for t in tasks:
-            start = t.sharding.block[0][0]
-            for lead in owner_units(t.sharding, t.layout, t.sharding.block):
-                if lead is None:
-                    units.append((t, None))
-                else:
-                    units.append((t._replace(param=t.param.narrow(0, lead[0] - start, 1),
-                                             direction=t.direction.narrow(0, lead[0] - start, 1)), lead))
-        tasks = [t for t, _ in units]
-        batches = list(owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]))
-        overlap = self.overlap
-
-        def send(batch):
-            members = [tasks[i] for i in batch.members]
-            pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
-            return start_to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg,
-                                   async_op=overlap)
-
-        # A window of two batches: the next batch's blocks travel to their owners while
-        # this one's maps run, and its updates travel back while the next one's run;
-        # every rank starts the same collectives in the same order.
-        incoming = send(batches[0]) if batches else None
-        returning = None
-        for k, batch in enumerate(batches):
-            members = [tasks[i] for i in batch.members]
-            pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
-            whole = incoming.wait()
-            incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
-            updates = {}
-            for i, full in whole.items():
-                t = members[i]
-                works = t.layout.to_work_list(full)
-                mapped = _map_whole([(t.key, t.group["eta"], w) for w in works])
-                updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
-            if returning is not None:
-                self._add_owner_updates(*returning)
-            returning = (members, start_from_owners(updates, batch.blocks, batch.owners, batch.me, pg,
-                                                    like=members[0].direction, async_op=overlap))
-        if returning is not None:
-            self._add_owner_updates(*returning)
-
-    def _add_owner_updates(self, members: list, pending) -> None:
-        """Add this rank's blocks of an owner batch's updates (once they have arrived)."""
-        for t, u in zip(members, pending.wait()):
-            self._count(add_factored_(t.param, maps.Factored(u), t.coef))
-
-    def _run_divided(self, buckets: list[tuple]) -> None:
-        """Matrix-product maps of replicated parameters divided among the replicas: each
-        work matrix is mapped on one owner rank and broadcast (:func:`.owners.share`);
-        every rank then adds the same updates, so the weights stay identical."""
-        import torch.distributed as dist
-
-        pg = self._replicas
-        n, me = dist.get_world_size(pg), dist.get_rank(pg)
-        jobs = []  # (key, eta, one work matrix), for every matrix of every divided bucket
-        counts = []  # matrices per bucket item, in order
-        for key, items in buckets:
-            for w, _, _, group, _ in items:
-                mats = w.reshape(-1, *w.shape[-2:]).unbind(0)
-                jobs.extend((key, group["eta"], m) for m in mats)
-                counts.append(len(mats))
-        costs = [map_cost(m.shape) for _, _, m in jobs]
-        owners = assign(costs, n)
-        # in waves of similar work (as the owner work of split parameters): a wave's
-        # broadcasts travel while the next wave's maps run
-        order = sorted(range(len(jobs)), key=lambda t: (-costs[t], t))
-        shared: list = [None] * len(jobs)
-        pending = []
-        for w in range(min(WAVES, len(jobs))):
-            wave = sorted(order[w::WAVES])
-            mine = [t for t in wave if owners[t] == me]
-            results = dict(zip(mine, _map_whole([jobs[t] for t in mine])))
-            by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-            for t in wave:
-                by_dtype[jobs[t][2].dtype].append(t)
-            for ts in by_dtype.values():
-                pending.append((ts, start_share({k: results[t] for k, t in enumerate(ts) if t in results},
-                                                [jobs[t][2].shape for t in ts], [owners[t] for t in ts], me, pg,
-                                                like=jobs[ts[0]][2], async_op=self.overlap)))
-        for ts, wave_shared in pending:
-            for t, got in zip(ts, wave_shared.wait()):
-                shared[t] = got
-        items = [item for _, bucket in buckets for item in bucket]
-        start = 0
-        for (w, pw, coef, _, _), count in zip(items, counts):
-            u = torch.stack(shared[start:start + count]).view(w.shape)
-            start += count
-            self._count(add_factored_(pw, maps.Factored(u), coef))
-
-    def _run_row_gathered(self, key: tuple, items: list) -> None:
-        """Gram maps of replicated matrices divided by rows completely: each replica maps its
-        slice of every matrix's rows (sums over rows all-reduced), and one all-gather brings
-        every replica's update rows (slices padded to the largest), so all add the same update."""
-        import torch.distributed as dist
-
-        sums = items[0][4][0]
-        pg, (me, n) = sums.group, sums.part
-        pieces, layouts = [], []
-        for w, _, _, group, _ in items:
-            m = w.shape[-2]
-            a, b = row_range(m, n, me)
-            u = maps.materialize(factored_map(key, group["eta"], w.narrow(-2, a, b - a), ShardSum(pg, m))).to(w.dtype)
-            size = -(-m // n)
-            if b - a < size:
-                u = torch.cat([u, u.new_zeros(*u.shape[:-2], size - (b - a), u.shape[-1])], dim=-2)
-            pieces.append(u.reshape(-1))
-            layouts.append((w.shape, size))
-        flat = torch.cat(pieces)
-        out = flat.new_empty(n * flat.numel())
-        dist.all_gather_into_tensor(out, flat, group=pg)
-        per_rank = out.view(n, -1)
-        start = 0
-        for (w, pw, coef, _, _), (shape, size) in zip(items, layouts):
-            lead, m, d = shape[:-2], shape[-2], shape[-1]
-            count = math.prod(lead) * size * d
-            rows = per_rank[:, start:start + count].reshape(n, *lead, size, d)
-            start += count
-            full = torch.cat([rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)],
-                             dim=-2)
-            self._count(add_factored_(pw, maps.Factored(full), coef))
-
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
         """The parameter's work matrices as views: the update is added to them in place
         (every layout only reshapes, transposes and slices; checked when the group is built)."""
         return layout.to_work_list(p.detach())
-
-    def _run_bucket(self, key: tuple, items: list) -> None:
-        """Map every work matrix of one (map settings, shape) bucket and add it to its weights.
-
-        Row-wise maps (``row``) run per matrix: they gain nothing from batching and a
-        batch would cost a full copy. Maps built on matrix products run as one batched
-        call; the batch is a concatenation only when the bucket holds several tensors.
-        """
-        group, rows = items[0][3], items[0][4]
-        if key.rule == "row" or len(items) == 1:
-            for w, pw, coef, _, _ in items:
-                self._count(add_factored_(pw, _map(key, group["eta"], w, rows), coef))
-            return
-        shape = tuple(items[0][0].shape[-2:])
-        flat = [w.reshape(-1, *shape) for w, _, _, _, _ in items]
-        f = _map(key, group["eta"], torch.cat(flat), rows)
-        sizes = [x.shape[0] for x in flat]
-        parts = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
-        for i, (w, pw, coef, _, _) in enumerate(items):
-            lead = w.shape[:-2]
-            piece = maps.Factored(*[None if t[i] is None else t[i].reshape(*lead, *t[i].shape[-2:]) for t in parts])
-            self._count(add_factored_(pw, piece, coef))
 
     def _adamw(self, group: dict, lr, params: list, states: list, okfs: list) -> None:
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""

@@ -1,0 +1,265 @@
+"""Where the maps of a step run: batching work matrices and carrying out each one's plan.
+
+The engine decides, per parameter, momentum and decay and what its map needs
+(:func:`~.sharded.plan`, :func:`~.costs.replica_division`), and queues the work here as
+named records: :class:`WorkItem` in a bucket keyed by :class:`BucketKey`, or a
+:class:`WholeTask` for split work that needs whole matrices. :func:`run` then maps it all,
+in one place for every distribution:
+
+- ``LOCAL``: the work matrices this rank holds whole (single process, DDP without division,
+  heads or experts that a split leaves whole);
+- ``REDUCE``: split work matrices mapped on their shards, the sums over rows (and columns)
+  all-reduced inside the map (:class:`~.sharded.ShardSum` reducers);
+- ``ROWS``: replicated matrices divided by rows: each replica maps its rows, the update
+  rows are all-gathered;
+- ``DIVIDED``: replicated matrices mapped on one owner replica each and broadcast;
+- whole tasks: split matrices sent to an owner rank and back (:mod:`.owners`).
+
+Every path batches through :func:`map_batched`: work matrices with equal map settings and
+matrix shapes run as one batched call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from .. import maps
+from ..distributed.placements import Sharding, mesh_group, row_range
+from ..layouts import Layout
+from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
+from .rules import MapKey, factored_map, shape_factor
+from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
+
+__all__ = ["LOCAL", "REDUCE", "ROWS", "DIVIDED", "DIVIDED_RULES", "BucketKey", "WorkItem", "WholeTask",
+           "map_batched", "map_whole", "run"]
+
+LOCAL, REDUCE, ROWS, DIVIDED = "local", "reduce", "rows", "divided"
+
+# Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
+# Row-norm maps and the element-wise rules cost less than sending their results.
+DIVIDED_RULES = ("spectral", "right", "left", "hybrid")
+
+#: Adds a work matrix's update to its weights: ``add(view, update, coef)``.
+Add = Callable[[torch.Tensor, maps.Factored, torch.Tensor], None]
+
+
+class BucketKey(NamedTuple):
+    """Work matrices that run as one batch: equal map settings, matrix shape and mode
+    (``LOCAL``, ``REDUCE``, ``ROWS``, ``DIVIDED``); ``groups`` names the process groups of
+    the reductions, so every rank forms the same buckets."""
+
+    map: MapKey
+    shape: tuple[int, int]
+    mode: str = LOCAL
+    groups: tuple = ()
+
+
+class WorkItem(NamedTuple):
+    """One parameter's work matrices (this rank's block) queued for a map."""
+
+    work: torch.Tensor  # the momentum direction's work matrices
+    view: torch.Tensor  # the weights' work matrices, views: the update is added in place
+    coef: torch.Tensor  # -lr * shape factor * finite flag
+    group: dict
+    sums: Optional[tuple] = None  # (row reducer, column reducer) of a split work matrix
+
+
+class WholeTask(NamedTuple):
+    """A split parameter whose map needs whole work matrices (mapped on an owner rank)."""
+
+    group: dict
+    key: MapKey
+    layout: Layout
+    sharding: Sharding
+    plan: Plan
+    param: torch.Tensor  # this rank's block of the weights
+    direction: torch.Tensor  # this rank's block of the momentum direction
+    coef: torch.Tensor  # -lr * ok
+
+
+def _map(key: MapKey, eta, D: torch.Tensor, sums) -> maps.Factored:
+    """:func:`factored_map`, with the row and column reducers of a split ``D`` when there are."""
+    return factored_map(key, eta, D) if sums is None else factored_map(key, eta, D, *sums)
+
+
+def map_batched(key: MapKey, eta, works: list[torch.Tensor], sums=None) -> list[maps.Factored]:
+    """The map of ``key`` on each of ``works`` (equal matrix shapes), in factored form.
+
+    Row-wise maps (``row``) run per matrix: they gain nothing from batching and a batch
+    would cost a full copy. Maps built on matrix products run as one batched call; the
+    batch is a concatenation only when there are several tensors."""
+    if key.rule == "row" or len(works) == 1:
+        return [_map(key, eta, w, sums) for w in works]
+    shape = tuple(works[0].shape[-2:])
+    flat = [w.reshape(-1, *shape) for w in works]
+    f = _map(key, eta, torch.cat(flat), sums)
+    sizes = [x.shape[0] for x in flat]
+    parts = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
+    return [maps.Factored(*[None if t[i] is None else t[i].reshape(*w.shape[:-2], *t[i].shape[-2:]) for t in parts])
+            for i, w in enumerate(works)]
+
+
+def map_whole(jobs: list[tuple[MapKey, Any, torch.Tensor]]) -> list[torch.Tensor]:
+    """Updates (materialised, in ``D``'s dtype) of ``(key, eta, D)`` jobs on whole work
+    matrices; jobs with equal keys, matrix shapes and dtypes run as one batch."""
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    for i, (key, _, D) in enumerate(jobs):
+        batches[(key, tuple(D.shape[-2:]), D.dtype)].append(i)
+    out: list[torch.Tensor | None] = [None] * len(jobs)
+    for (key, _, dtype), members in batches.items():
+        mapped = map_batched(key, jobs[members[0]][1], [jobs[i][2] for i in members])
+        for i, f in zip(members, mapped):
+            out[i] = maps.materialize(f).to(dtype)
+    return out  # type: ignore[return-value]
+
+
+def run(buckets: dict[BucketKey, list[WorkItem]], whole: list[WholeTask], add: Add, *,
+        replicas=None, overlap: bool = True) -> None:
+    """Map every queued work matrix and add its update through ``add``.
+
+    ``replicas``: the process group of ``DIVIDED`` and ``ROWS`` buckets; ``overlap``: start
+    the owner exchanges asynchronously, in waves (results bitwise those of waiting)."""
+    divided = []
+    for key, items in buckets.items():
+        if key.mode == DIVIDED:
+            divided.append((key.map, items))
+        elif key.mode == ROWS:
+            _run_rows(key.map, items, add)
+        else:
+            group, sums = items[0].group, items[0].sums
+            for item, f in zip(items, map_batched(key.map, group["eta"], [i.work for i in items], sums)):
+                add(item.view, f, item.coef)
+    if divided:
+        _run_divided(divided, add, replicas, overlap)
+    if whole:
+        _run_whole(whole, add, overlap)
+
+
+def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
+    """Maps of split parameters that need whole work matrices, spread over the ranks that
+    hold their pieces: each parameter is mapped on one owner rank (:mod:`.owners`), which
+    receives the blocks in one all-to-all and returns the update's blocks in another."""
+    units = []  # one per owner task: a whole parameter, or one expert of a stack
+    for t in tasks:
+        start = t.sharding.block[0][0]
+        for lead in owner_units(t.sharding, t.layout, t.sharding.block):
+            if lead is None:
+                units.append((t, None))
+            else:
+                units.append((t._replace(param=t.param.narrow(0, lead[0] - start, 1),
+                                         direction=t.direction.narrow(0, lead[0] - start, 1)), lead))
+    tasks = [t for t, _ in units]
+    batches = list(owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]))
+
+    def send(batch):
+        members = [tasks[i] for i in batch.members]
+        pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
+        return start_to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg,
+                               async_op=overlap)
+
+    def receive(members, pending):
+        for t, u in zip(members, pending.wait()):
+            add(t.param, maps.Factored(u), t.coef)
+
+    # A window of two batches: the next batch's blocks travel to their owners while
+    # this one's maps run, and its updates travel back while the next one's run;
+    # every rank starts the same collectives in the same order.
+    incoming = send(batches[0]) if batches else None
+    returning = None
+    for k, batch in enumerate(batches):
+        members = [tasks[i] for i in batch.members]
+        pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
+        arrived = incoming.wait()
+        incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
+        updates = {}
+        for i, full in arrived.items():
+            t = members[i]
+            works = t.layout.to_work_list(full)
+            mapped = map_whole([(t.key, t.group["eta"], w) for w in works])
+            updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
+        if returning is not None:
+            receive(*returning)
+        returning = (members, start_from_owners(updates, batch.blocks, batch.owners, batch.me, pg,
+                                                like=members[0].direction, async_op=overlap))
+    if returning is not None:
+        receive(*returning)
+
+
+def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, overlap: bool) -> None:
+    """Matrix-product maps of replicated parameters divided among the replicas: each
+    work matrix is mapped on one owner rank and broadcast (:func:`.owners.start_share`);
+    every rank then adds the same updates, so the weights stay identical."""
+    import torch.distributed as dist
+
+    n, me = dist.get_world_size(pg), dist.get_rank(pg)
+    jobs = []  # (key, eta, one work matrix), for every matrix of every divided bucket
+    counts = []  # matrices per bucket item, in order
+    for key, items in buckets:
+        for item in items:
+            mats = item.work.reshape(-1, *item.work.shape[-2:]).unbind(0)
+            jobs.extend((key, item.group["eta"], m) for m in mats)
+            counts.append(len(mats))
+    costs = [map_cost(m.shape) for _, _, m in jobs]
+    owners = assign(costs, n)
+    # in waves of similar work (as the owner work of split parameters): a wave's
+    # broadcasts travel while the next wave's maps run
+    order = sorted(range(len(jobs)), key=lambda t: (-costs[t], t))
+    shared: list = [None] * len(jobs)
+    pending = []
+    for w in range(min(WAVES, len(jobs))):
+        wave = sorted(order[w::WAVES])
+        mine = [t for t in wave if owners[t] == me]
+        results = dict(zip(mine, map_whole([jobs[t] for t in mine])))
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+        for t in wave:
+            by_dtype[jobs[t][2].dtype].append(t)
+        for ts in by_dtype.values():
+            pending.append((ts, start_share({k: results[t] for k, t in enumerate(ts) if t in results},
+                                            [jobs[t][2].shape for t in ts], [owners[t] for t in ts], me, pg,
+                                            like=jobs[ts[0]][2], async_op=overlap)))
+    for ts, wave_shared in pending:
+        for t, got in zip(ts, wave_shared.wait()):
+            shared[t] = got
+    start = 0
+    for item, count in zip((item for _, items in buckets for item in items), counts):
+        u = torch.stack(shared[start:start + count]).view(item.work.shape)
+        start += count
+        add(item.view, maps.Factored(u), item.coef)
+
+
+def _run_rows(key: MapKey, items: list[WorkItem], add: Add) -> None:
+    """Gram maps of replicated matrices divided by rows completely: each replica maps its
+    slice of every matrix's rows (sums over rows all-reduced), and one all-gather brings
+    every replica's update rows (slices padded to the largest), so all add the same update."""
+    import torch.distributed as dist
+
+    sums = items[0].sums[0]
+    pg, (me, n) = sums.group, sums.part
+    pieces, layouts = [], []
+    for item in items:
+        w = item.work
+        m = w.shape[-2]
+        a, b = row_range(m, n, me)
+        u = maps.materialize(factored_map(key, item.group["eta"], w.narrow(-2, a, b - a), ShardSum(pg, m))).to(w.dtype)
+        size = -(-m // n)
+        if b - a < size:
+            u = torch.cat([u, u.new_zeros(*u.shape[:-2], size - (b - a), u.shape[-1])], dim=-2)
+        pieces.append(u.reshape(-1))
+        layouts.append((w.shape, size))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(n * flat.numel())
+    dist.all_gather_into_tensor(out, flat, group=pg)
+    per_rank = out.view(n, -1)
+    start = 0
+    for item, (shape, size) in zip(items, layouts):
+        lead, m, d = shape[:-2], shape[-2], shape[-1]
+        count = math.prod(lead) * size * d
+        rows = per_rank[:, start:start + count].reshape(n, *lead, size, d)
+        start += count
+        full = torch.cat([rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)],
+                         dim=-2)
+        add(item.view, maps.Factored(full), item.coef)
