@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
-from ..layouts import Col, Experts, Flatten, GateUp, Heads, Row, parse_layout
+from ..layouts import Col, Experts, Flatten, GateUp, Heads, Layout, Row, parse_layout
 from .table import ROLES, RoleRow, RoleTable
 
 _ATTN_CLASS = re.compile(r"attention|attn", re.I)
@@ -57,7 +57,67 @@ _MLP_IN_NAMES = {"gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_f
                  "up", "gate", "w12"}
 
 
-def _mla_dims(block: nn.Module) -> tuple[int, int, int, int, int | None] | None:
+class _Decision(NamedTuple):
+    """What inference decided for one parameter: its role, its layout (None for a
+    vector) and the reason shown in the role table."""
+
+    role: str
+    layout: Layout | None
+    reason: str
+
+
+class _RoleRule(NamedTuple):
+    """One entry of ``rules=``: parameters whose name matches ``pattern`` get ``role`` and
+    ``layout`` (None: the layout inference gives for that role)."""
+
+    pattern: re.Pattern
+    role: str
+    layout: Layout | None
+
+
+class _BlockContext(NamedTuple):
+    """The nearest attention or MLP block around a module: ``kind`` (``"attention"`` or
+    ``"mlp"``), its module path and the block module itself."""
+
+    kind: str
+    path: str
+    module: nn.Module
+
+
+class _Orientation(NamedTuple):
+    """How a 2-D weight is stored: ``storage`` (``"out_in"``, ``"in_out"`` or ``"unknown"``)
+    and the output and input widths of the map it applies."""
+
+    storage: str
+    out_features: int
+    in_features: int
+
+
+class _ConvLayout(NamedTuple):
+    """The layout of a convolution weight and the reason that describes its axes."""
+
+    layout: Flatten
+    reason: str
+
+
+class _DownProjection(NamedTuple):
+    """The output projection an MLP block's fused gate/up weight is probed against."""
+
+    weight: torch.Tensor
+    storage: str
+
+
+class _MlaDims(NamedTuple):
+    """Head counts and sizes of a multi-head latent attention block."""
+
+    heads: int
+    qk_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int | None
+
+
+def _mla_dims(block: nn.Module) -> _MlaDims | None:
     """``(heads, qk_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank)`` of a multi-head
     latent attention block (DeepSeek V2/V3 in torchtitan and transformers), else None."""
     qk, v = _positive_int(getattr(block, "qk_head_dim", None)), _positive_int(getattr(block, "v_head_dim", None))
@@ -67,7 +127,7 @@ def _mla_dims(block: nn.Module) -> tuple[int, int, int, int, int | None] | None:
         return None
     rope = _positive_int(getattr(block, "qk_rope_head_dim", None)) or 0
     nope = _positive_int(getattr(block, "qk_nope_head_dim", None)) or qk - rope
-    return heads, qk, nope, v, _positive_int(getattr(block, "kv_lora_rank", None))
+    return _MlaDims(heads, qk, nope, v, _positive_int(getattr(block, "kv_lora_rank", None)))
 
 
 class RoleInferenceError(ValueError):
@@ -259,7 +319,7 @@ def _storage(module: nn.Module, attr: str) -> str:
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def _conv(module: nn.Module, attr: str, p: torch.Tensor) -> tuple[Flatten, str] | None:
+def _conv(module: nn.Module, attr: str, p: torch.Tensor) -> _ConvLayout | None:
     """``(layout, reason)`` of a convolution weight, else None."""
     if not isinstance(module, _CONVS) or attr != "weight" or p.ndim < 3:
         return None
@@ -273,9 +333,9 @@ def _conv(module: nn.Module, attr: str, p: torch.Tensor) -> tuple[Flatten, str] 
     else:
         what = f"{cls} weight (out {p.shape[0]}, in/groups {p.shape[1]}, kernel {k}): rows = output channels"
     if groups == 1:
-        return Flatten(kernel), f"{what}, work = rows x (channels*kernel)"
+        return _ConvLayout(Flatten(kernel), f"{what}, work = rows x (channels*kernel)")
     depthwise = " (depthwise: one filter per channel)" if p.shape[0] == groups else ""
-    return Flatten(kernel, groups), f"{what}, one block per group of {groups}{depthwise}"
+    return _ConvLayout(Flatten(kernel, groups), f"{what}, one block per group of {groups}{depthwise}")
 
 
 def _nd_fix(name: str, shape: tuple[int, ...]) -> str:
@@ -311,7 +371,7 @@ def _is_bias(attr: str) -> bool:
     return attr.endswith("bias") or bool(re.search(r"(^|_)bias_[A-Z]+$", attr))
 
 
-def _rule_table(rules) -> list[tuple[re.Pattern, str, Any]]:
+def _rule_table(rules) -> list[_RoleRule]:
     if rules is None:
         return []
     items = rules.items() if isinstance(rules, Mapping) else rules
@@ -325,7 +385,7 @@ def _rule_table(rules) -> list[tuple[re.Pattern, str, Any]]:
             role, layout = spec
         if role not in ROLES:
             raise ValueError(f"rule {pattern!r}: unknown role {role!r}; valid: {', '.join(ROLES)}")
-        table.append((re.compile(pattern), role, None if layout is None else parse_layout(layout)))
+        table.append(_RoleRule(re.compile(pattern), role, None if layout is None else parse_layout(layout)))
     return table
 
 
@@ -428,15 +488,15 @@ def assign_roles(
                 continue
             seen.add(id(p))
             name = f"{mod_name}.{attr}" if mod_name else attr
-            forced = next(((role, lay) for pat, role, lay in table if pat.search(name)), None)
-            if forced is not None and forced[0] != "vector" and p.ndim < 2:
-                notes.append(f"rule for {forced[0]!r} matched the {p.ndim}-D parameter {name!r}, which stays a vector")
+            forced = next((rule for rule in table if rule.pattern.search(name)), None)
+            if forced is not None and forced.role != "vector" and p.ndim < 2:
+                notes.append(f"rule for {forced.role!r} matched the {p.ndim}-D parameter {name!r}, which stays a vector")
                 forced = None
             if forced is not None:
-                role, layout = forced
+                role, layout = forced.role, forced.layout
                 if layout is None and role != "vector":
                     try:
-                        _, layout, _ = ctx.infer(mod_name, module, attr, p, want=role)
+                        layout = ctx.infer(mod_name, module, attr, p, want=role).layout
                     except RoleInferenceError:
                         layout = Row() if p.ndim == 2 else None
                 if layout is not None:
@@ -516,22 +576,22 @@ class _Context:
         """Expert count from the MoE block's structure: an ``experts`` module list, or the
         leading axis of its 3-D expert tensors."""
         found = self._context_of(mod_name)
-        if found is None or found[0] != "mlp":
+        if found is None or found.kind != "mlp":
             return None
-        block = found[2]
+        block = found.module
         experts = getattr(block, "experts", None)
         if isinstance(experts, (nn.ModuleList, Sequence)) and not isinstance(experts, str) and len(experts) > 1:
             return len(experts)
         counts = {q.shape[0] for q in block.parameters() if q.ndim == 3}
         return counts.pop() if len(counts) == 1 else None
 
-    def _context_of(self, mod_name: str) -> tuple[str, str, nn.Module] | None:
+    def _context_of(self, mod_name: str) -> _BlockContext | None:
         for key, mod in self._ancestors(mod_name):
             cls = type(mod).__name__
             if _ATTN_CLASS.search(cls) and "norm" not in cls.lower():
-                return "attention", key, mod
+                return _BlockContext("attention", key, mod)
             if _MLP_CLASS.search(cls):
-                return "mlp", key, mod
+                return _BlockContext("mlp", key, mod)
         return None
 
     def _model_type(self, mod_name: str) -> str | None:
@@ -554,57 +614,59 @@ class _Context:
         )
 
     # --------------------------------------------------------------- inference
-    def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor, want: str | None = None):
+    def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor,
+              want: str | None = None) -> _Decision:
         name = f"{mod_name}.{attr}" if mod_name else attr
         shape = tuple(p.shape)
         self.dims = self.dims_at(mod_name)
         if want is None and (p.ndim < 2 or _is_bias(attr)):
             kind = "bias" if _is_bias(attr) else ("scalar" if p.ndim == 0 else "1-D")
-            return "vector", None, f"{kind} parameter: element-wise rule"
+            return _Decision("vector", None, f"{kind} parameter: element-wise rule")
         conv = _conv(module, attr, p)
         if conv is not None:
-            return want or "matrix", conv[0], conv[1]
+            return _Decision(want or "matrix", conv.layout, conv.reason)
         emb = self.embeddings.get(id(p))
         if emb is not None and want in (None, "embedding"):
-            return "embedding", Row(), f"input embedding {type(emb).__name__}: rows = vocabulary"
+            return _Decision("embedding", Row(), f"input embedding {type(emb).__name__}: rows = vocabulary")
         head = self.lm_heads.get(id(p))
         if head is not None and want in (None, "lm_head"):
             if _storage(head, "weight") == "in_out":
-                return "lm_head", Col(), "output embedding stored (d, vocab): work = transpose"
-            return "lm_head", Row(), "output embedding: rows = vocabulary, centred by the recipe"
+                return _Decision("lm_head", Col(), "output embedding stored (d, vocab): work = transpose")
+            return _Decision("lm_head", Row(), "output embedding: rows = vocabulary, centred by the recipe")
         ctx = self._context_of(mod_name)
         if want is not None and want not in ("attention", "mlp_in", "mlp_out", "router"):
             if p.ndim > 2:
-                return want, Flatten(shape[2:]), ""
-            return want, (Col() if _storage(module, attr) == "in_out" else Row()), ""
-        if ctx is not None and ctx[0] == "mlp" or want in ("mlp_in", "mlp_out", "router"):
+                return _Decision(want, Flatten(shape[2:]), "")
+            return _Decision(want, (Col() if _storage(module, attr) == "in_out" else Row()), "")
+        if ctx is not None and ctx.kind == "mlp" or want in ("mlp_in", "mlp_out", "router"):
             found = self._mlp(name, mod_name, module, attr, p, ctx, want)
             if found is not None:
                 return found
-        if ctx is not None and ctx[0] == "attention" or want == "attention":
-            return self._attention(name, module, attr, p, ctx[2] if ctx is not None else module)
+        if ctx is not None and ctx.kind == "attention" or want == "attention":
+            return self._attention(name, module, attr, p, ctx.module if ctx is not None else module)
         if p.ndim == 2:
-            return "matrix", Row(), "2-D weight outside attention/MLP blocks: whole matrix"
+            return _Decision("matrix", Row(), "2-D weight outside attention/MLP blocks: whole matrix")
         if all(n == 1 for n in shape[:-1]):
-            return "vector", None, f"{'x'.join(map(str, shape))} tensor with one axis longer than 1: element-wise rule"
+            return _Decision("vector", None,
+                             f"{'x'.join(map(str, shape))} tensor with one axis longer than 1: element-wise rule")
         if p.ndim == 3 and shape[0] == 1:
-            return "matrix", Experts(Row()), f"one {shape[1]}x{shape[2]} matrix behind a leading axis of 1"
+            return _Decision("matrix", Experts(Row()), f"one {shape[1]}x{shape[2]} matrix behind a leading axis of 1")
         raise self._fail(name, shape, f"a {p.ndim}-D tensor outside any recognised block", fix=_nd_fix(name, shape))
 
-    def _oriented(self, name, module, attr, p) -> tuple[str, int, int]:
+    def _oriented(self, name, module, attr, p) -> _Orientation:
         """(storage, out, in) of a 2-D weight; storage may be 'unknown' (then shapes decide)."""
         st = _storage(module, attr)
         a, b = p.shape[-2], p.shape[-1]
         if st == "in_out":
-            return st, b, a
+            return _Orientation(st, b, a)
         if st == "out_in":
-            return st, a, b
+            return _Orientation(st, a, b)
         hidden = self.dims.hidden
         if hidden is not None and b == hidden and a != hidden:
-            return "out_in", a, b
+            return _Orientation("out_in", a, b)
         if hidden is not None and a == hidden and b != hidden:
-            return "in_out", b, a
-        return "unknown", a, b
+            return _Orientation("in_out", b, a)
+        return _Orientation("unknown", a, b)
 
     def _attention(self, name, module, attr, p, block):
         d = self.dims
@@ -615,7 +677,7 @@ class _Context:
         hd = d.head_dim
         where = type(block).__name__
         if not self.per_head:
-            return "attention", Row(), f"{where} projection: whole matrix (per_head=False)"
+            return _Decision("attention", Row(), f"{where} projection: whole matrix (per_head=False)")
         mla = _mla_dims(block)
         if mla is not None:
             return self._mla(where, st, out, inp, mla)
@@ -644,12 +706,14 @@ class _Context:
             layout = Heads(hd) if st == "out_in" else Heads(hd, "cols")
             fused = d.heads is not None and out == (d.heads + 2 * (d.kv_heads or d.heads)) * hd
             kind = "fused q/k/v" if fused else "q/k/v"
-            return "attention", layout, f"{where} {kind} projection ({inp} -> {out}): {heads} blocks of {hd} rows, one per head"
+            return _Decision("attention", layout,
+                             f"{where} {kind} projection ({inp} -> {out}): {heads} blocks of {hd} rows, one per head")
         if output_side:
             heads = inp // hd
             layout = Heads(hd, "cols") if st == "out_in" else Heads(hd)
-            return "attention", layout, f"{where} output projection ({inp} -> {out}): {heads} blocks of {hd} columns, one per head"
-        return "attention", Row(), f"{where} projection ({inp} -> {out}) not split by heads: whole matrix"
+            return _Decision("attention", layout,
+                             f"{where} output projection ({inp} -> {out}): {heads} blocks of {hd} columns, one per head")
+        return _Decision("attention", Row(), f"{where} projection ({inp} -> {out}) not split by heads: whole matrix")
 
     def _mla(self, where, st, out, inp, mla):
         """Multi-head latent attention (DeepSeek V2/V3): the query and the key/value
@@ -659,21 +723,25 @@ class _Context:
         rows = (lambda size: Heads(size)) if st != "in_out" else (lambda size: Heads(size, "cols"))
         if out == heads * (nope + v) and (kv_rank is None or inp == kv_rank):
             if nope == v:
-                return "attention", rows(v), (f"{where} key/value up-projection ({inp} -> {out}): {2 * heads} "
-                                              f"blocks of {v} rows, a key and a value block per head")
-            return "attention", rows(nope + v), (f"{where} key/value up-projection ({inp} -> {out}): {heads} "
-                                                 f"blocks of {nope + v} rows, one per head")
+                return _Decision("attention", rows(v),
+                                 f"{where} key/value up-projection ({inp} -> {out}): {2 * heads} "
+                                 f"blocks of {v} rows, a key and a value block per head")
+            return _Decision("attention", rows(nope + v),
+                             f"{where} key/value up-projection ({inp} -> {out}): {heads} "
+                             f"blocks of {nope + v} rows, one per head")
         if out == heads * qk:
-            return "attention", rows(qk), f"{where} query projection ({inp} -> {out}): {heads} blocks of {qk} rows, one per head"
+            return _Decision("attention", rows(qk),
+                             f"{where} query projection ({inp} -> {out}): {heads} blocks of {qk} rows, one per head")
         if inp == heads * v and out == self.dims.hidden:
             layout = Heads(v, "cols") if st != "in_out" else Heads(v)
-            return "attention", layout, (f"{where} output projection ({inp} -> {out}): {heads} blocks of {v} "
-                                         "columns, one per head")
-        return "attention", Row(), f"{where} latent projection ({inp} -> {out}): no head axis, whole matrix"
+            return _Decision("attention", layout,
+                             f"{where} output projection ({inp} -> {out}): {heads} blocks of {v} "
+                             "columns, one per head")
+        return _Decision("attention", Row(), f"{where} latent projection ({inp} -> {out}): no head axis, whole matrix")
 
     def _mlp(self, name, mod_name, module, attr, p, ctx, want):
         d = self.dims
-        block = ctx[2] if ctx is not None else module
+        block = ctx.module if ctx is not None else module
         where = type(block).__name__
         shape = tuple(p.shape)
         # router: (experts, hidden) in an MoE block, or a module whose class says so
@@ -685,14 +753,14 @@ class _Context:
             ) or want == "router":
                 rows_first = d.hidden is None or shape[-1] == d.hidden
                 layout = Row() if rows_first else Col()
-                return "router", layout, f"router of {where}: rows = experts, centred by the recipe"
+                return _Decision("router", layout, f"router of {where}: rows = experts, centred by the recipe")
         if p.ndim == 3:
             return self._experts(name, module, attr, p, where)
         if p.ndim != 2:
             return None
         st, out, inp = self._oriented(name, module, attr, p)
         if min(out, inp) == 1:  # a per-token scalar gate (e.g. a shared expert's gate): no neuron axis
-            return "matrix", Row(), f"{where} scalar gate ({inp} -> {out}): whole matrix"
+            return _Decision("matrix", Row(), f"{where} scalar gate ({inp} -> {out}): whole matrix")
         short = _short(mod_name) if mod_name else ""
         if inp == d.hidden and out != d.hidden:
             side = "in"
@@ -708,14 +776,14 @@ class _Context:
             raise self._fail(name, shape, f"weight in {where} with unknown storage convention")
         if side == "out":
             layout = Col() if st == "out_in" else Row()
-            return "mlp_out", layout, f"{where} output projection ({inp} -> {out}): work = neurons x hidden"
+            return _Decision("mlp_out", layout, f"{where} output projection ({inp} -> {out}): work = neurons x hidden")
         ff_out = self._sibling_ff(block, p)
         if ff_out is not None and out == 2 * ff_out:
             mode = self._probe_pairing(name, block, module, attr, p, st)
             layout = GateUp(mode, split=self.split, axis=0 if st == "out_in" else 1)
-            return "mlp_in", layout, f"{where} fused gate/up ({mode}), {ff_out} neurons: work rows = neurons"
+            return _Decision("mlp_in", layout, f"{where} fused gate/up ({mode}), {ff_out} neurons: work rows = neurons")
         layout = Row() if st == "out_in" else Col()
-        return "mlp_in", layout, f"{where} input projection ({inp} -> {out}): rows = neurons"
+        return _Decision("mlp_in", layout, f"{where} input projection ({inp} -> {out}): rows = neurons")
 
     def _sibling_ff(self, block: nn.Module, p) -> int | None:
         """Neuron count of the block's output projection (its input width), if it has one."""
@@ -723,9 +791,9 @@ class _Context:
             for attr, q in sub.named_parameters(recurse=False):
                 if q is p or q.ndim != 2 or attr.endswith("bias"):
                     continue
-                st, out, inp = self._oriented(sub_name, sub, attr, q)
-                if out == self.dims.hidden and inp != self.dims.hidden:
-                    return inp
+                oriented = self._oriented(sub_name, sub, attr, q)
+                if oriented.out_features == self.dims.hidden and oriented.in_features != self.dims.hidden:
+                    return oriented.in_features
         return None
 
     def _experts(self, name, module, attr, p, where):
@@ -756,7 +824,8 @@ class _Context:
             raise self._fail(name, p.shape, "expert tensor that neither reads nor writes the hidden size")
         if side == "out":
             inner = Row() if transposed else Col()
-            return "mlp_out", Experts(inner), f"{E} experts' output projections ({inp} -> {out}): neurons x hidden each"
+            return _Decision("mlp_out", Experts(inner),
+                             f"{E} experts' output projections ({inp} -> {out}): neurons x hidden each")
         gated = getattr(module, "has_gate", None)
         if gated is None:
             gated = "gate" in attr or (named and "G" in axes)
@@ -768,9 +837,10 @@ class _Context:
                                  "('mlp_in', 'experts:gate_up:concat')")
             mode = "concat" if concatenated else "interleave"
             layout = Experts(GateUp(mode, split=self.split, axis=1 if transposed else 0))
-            return "mlp_in", layout, f"{E} experts' fused gate/up ({mode}{', stored (in, out)' if transposed else ''})"
+            return _Decision("mlp_in", layout,
+                             f"{E} experts' fused gate/up ({mode}{', stored (in, out)' if transposed else ''})")
         inner = Col() if transposed else Row()
-        return "mlp_in", Experts(inner), f"{E} experts' input projections ({inp} -> {out})"
+        return _Decision("mlp_in", Experts(inner), f"{E} experts' input projections ({inp} -> {out})")
 
     def _probe_pairing(self, name, block, module, attr, p, st) -> str:
         """Which gate/up pairing makes a neuron permutation leave the block's output unchanged."""
@@ -782,9 +852,9 @@ class _Context:
         for sub_name, sub in block.named_modules():
             for a2, q in sub.named_parameters(recurse=False):
                 if q is not p and q.ndim == 2 and not a2.endswith("bias"):
-                    s2, out, inp = self._oriented(sub_name, sub, a2, q)
-                    if inp == ff and out == self.dims.hidden:
-                        down = (q, s2)
+                    oriented = self._oriented(sub_name, sub, a2, q)
+                    if oriented.in_features == ff and oriented.out_features == self.dims.hidden:
+                        down = _DownProjection(q, oriented.storage)
         if down is None:
             raise self._fail(name, p.shape, "fused gate/up without a matching output projection to probe with")
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -795,7 +865,7 @@ class _Context:
         bias = bias if isinstance(bias, torch.Tensor) and bias.shape == (2 * ff,) else None
         with torch.no_grad():
             base = _first(block(x))
-            saved_p, saved_q = p.detach().clone(), down[0].detach().clone()
+            saved_p, saved_q = p.detach().clone(), down.weight.detach().clone()
             saved_b = bias.detach().clone() if bias is not None else None
             for mode in ("concat", "interleave"):
                 rows = torch.cat([perm, perm + ff]) if mode == "concat" else torch.stack([2 * perm, 2 * perm + 1], 1).flatten()
@@ -805,21 +875,22 @@ class _Context:
                     p.copy_(saved_p[:, rows])
                 if bias is not None:
                     bias.copy_(saved_b[rows])
-                if down[1] == "out_in":
-                    down[0].copy_(saved_q[:, perm])
+                if down.storage == "out_in":
+                    down.weight.copy_(saved_q[:, perm])
                 else:
-                    down[0].copy_(saved_q[perm])
+                    down.weight.copy_(saved_q[perm])
                 moved = _first(block(x))
                 results[mode] = torch.allclose(moved, base, rtol=1e-4, atol=1e-5 * float(base.abs().max()) + 1e-7)
                 p.copy_(saved_p)
-                down[0].copy_(saved_q)
+                down.weight.copy_(saved_q)
                 if bias is not None:
                     bias.copy_(saved_b)
         good = [m for m, ok in results.items() if ok]
         if len(good) != 1:
             raise self._fail(name, p.shape, f"probing the gate/up pairing was inconclusive ({results})")
-        self.probed.append(f"{name}: {good[0]}")
-        return good[0]
+        (pairing,) = good
+        self.probed.append(f"{name}: {pairing}")
+        return pairing
 
 
 def _first(out):
