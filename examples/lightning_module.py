@@ -13,11 +13,10 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from _data import Progressions
 
 import equiopt
 from equiopt.integrations import lightning as eol
-
-from _data import Progressions
 
 
 class TinyLM(L.LightningModule):
@@ -47,10 +46,21 @@ def main(argv=None):
     torch.manual_seed(0)
     module = TinyLM(args.recipe)
     data = torch.utils.data.DataLoader(Progressions(module.model.config.vocab_size), batch_size=8, shuffle=True)
-    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=Path(args.out) / "checkpoints", save_last=True,
-                                                      every_n_train_steps=max(1, args.steps // 2), save_top_k=-1)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, callbacks=[checkpoints],
-                        enable_progress_bar=False, enable_model_summary=False)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=Path(args.out) / "checkpoints",
+        save_last=True,
+        every_n_train_steps=max(1, args.steps // 2),
+        save_top_k=-1,
+    )
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[checkpoints],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     last = Path(args.out) / "checkpoints" / "last.ckpt"
     trainer.fit(module, data, ckpt_path=str(last) if args.resume and last.exists() else None)
     print(json.dumps({"first_loss": module.losses[0], "last_loss": module.losses[-1], "steps": trainer.global_step}))

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _data import Progressions
 from torch.nn.parallel import DistributedDataParallel
 
 import equiopt
-
-from _data import Progressions
 
 
 def main(argv=None):
@@ -45,8 +44,9 @@ def main(argv=None):
 
     data = Progressions(model.config.vocab_size)
     sampler = torch.utils.data.DistributedSampler(data, world, rank, seed=0) if distributed else None
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler,
-                                         shuffle=sampler is None, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=args.batch_size // world, sampler=sampler, shuffle=sampler is None, drop_last=True
+    )
     losses, step, epoch = [], 0, 0
     while step < args.steps:
         if sampler is not None:
@@ -65,11 +65,29 @@ def main(argv=None):
 
     if rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step}, Path(args.out) / "checkpoint.pt")
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+            },
+            Path(args.out) / "checkpoint.pt",
+        )
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print(json.dumps({"rank": rank, "first_loss": losses[0], "last_loss": losses[-1], "steps": step,
-                      "weights": digest[:16], "roles": {r.name: r.role for r in optimizer.role_table}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "first_loss": losses[0],
+                "last_loss": losses[-1],
+                "steps": step,
+                "weights": digest[:16],
+                "roles": {r.name: r.role for r in optimizer.role_table},
+            }
+        ),
+        flush=True,
+    )
     if distributed:
         dist.barrier()  # nobody tears down the group while a peer still talks
         del wrapped  # release DDP while the group is alive

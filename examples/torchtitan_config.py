@@ -45,11 +45,17 @@ def qwen3_moe_debug_equiopt():
     their own rules (left-spectral, centred, on the router); the norms stay on torchtitan's
     AdamW, to show a config that mixes optimizers."""
     config = qwen3_moe_debug()
-    config.optimizer = equiopt_config(recipe="paper:olmoe:ii", param_groups=[
-        ParamGroupConfig(pattern=r"norm\.weight$", optimizer_name="AdamW",
-                         optimizer_kwargs={"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.0}),
-        ParamGroupConfig(pattern=r".*", optimizer_name=OPTIMIZER_NAME),
-    ])
+    config.optimizer = equiopt_config(
+        recipe="paper:olmoe:ii",
+        param_groups=[
+            ParamGroupConfig(
+                pattern=r"norm\.weight$",
+                optimizer_name="AdamW",
+                optimizer_kwargs={"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.0},
+            ),
+            ParamGroupConfig(pattern=r".*", optimizer_name=OPTIMIZER_NAME),
+        ],
+    )
     return config
 
 

@@ -38,7 +38,7 @@ def check_run(out: Path, vocab: int, max_weight_rms: float, margin: float) -> tu
         if r.get("kind") == "train":
             for k, v in r.items():
                 if k.startswith("weight_rms/") and isinstance(v, (int, float)):
-                    weights[k[len("weight_rms/"):]] = max(weights.get(k[len("weight_rms/"):], 0.0), float(v))
+                    weights[k[len("weight_rms/") :]] = max(weights.get(k[len("weight_rms/") :], 0.0), float(v))
     vals = [r["val/loss"] for r in recs if r.get("kind") == "val" and "val/loss" in r]
     val = float(vals[-1]) if vals else math.nan
     limit = math.log(vocab) + margin
@@ -71,12 +71,21 @@ def main(argv=None) -> int:
     configs = args.configs or sorted(str(c) for c in (ROOT / "configs" / "cpu").rglob("*.toml"))
     results, failed = {}, []
     for path in configs:
-        rel = Path(path).resolve().relative_to(ROOT / "configs") if str(Path(path).resolve()).startswith(
-            str(ROOT / "configs")) else Path(Path(path).name)
+        rel = (
+            Path(path).resolve().relative_to(ROOT / "configs")
+            if str(Path(path).resolve()).startswith(str(ROOT / "configs"))
+            else Path(Path(path).name)
+        )
         out = Path(args.out) / rel.with_suffix("")
-        sets = {"train.steps": args.steps, "train.val_every": args.steps, "train.log_every": max(1, args.steps // 10),
-                "train.val_batches": args.val_batches, "train.checkpoint_every": 0, "train.tensorboard": False,
-                "run.out_dir": str(out)}
+        sets = {
+            "train.steps": args.steps,
+            "train.val_every": args.steps,
+            "train.log_every": max(1, args.steps // 10),
+            "train.val_batches": args.val_batches,
+            "train.checkpoint_every": 0,
+            "train.tensorboard": False,
+            "run.out_dir": str(out),
+        }
         cfg = load_config(path, sets)
         log = out / "log.jsonl"
         if args.force or not log.exists() or '"kind": "end"' not in log.read_text():
@@ -88,14 +97,20 @@ def main(argv=None) -> int:
         ok, info = check_run(out, int(vocab), args.max_weight_rms, args.margin)
         results[str(path)] = {"ok": ok, **info}
         worst = max(info["max_weight_rms"].items(), key=lambda kv: kv[1], default=("-", math.nan))
-        print(f"{'ok  ' if ok else 'FAIL'} {path}: val/loss {info['val_loss']:.4f}, largest weight RMS "
-              f"{worst[0]} {worst[1]:.3g}" + (f"  <- {'; '.join(info['problems'])}" if not ok else ""), flush=True)
+        print(
+            f"{'ok  ' if ok else 'FAIL'} {path}: val/loss {info['val_loss']:.4f}, largest weight RMS "
+            f"{worst[0]} {worst[1]:.3g}" + (f"  <- {'; '.join(info['problems'])}" if not ok else ""),
+            flush=True,
+        )
         if not ok:
             failed.append(str(path))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str) + "\n")
-    print(f"{len(configs) - len(failed)} of {len(configs)} configs sane" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"{len(configs) - len(failed)} of {len(configs)} configs sane"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -35,20 +35,44 @@ from pathlib import Path
 
 import torch
 
-FIELDS = ["vocab", "width", "scale", "lr", "seed", "steps", "val_loss", "train_loss", "emb_weight_rms",
-          "emb_update_rms", "status", "seconds"]
+FIELDS = [
+    "vocab",
+    "width",
+    "scale",
+    "lr",
+    "seed",
+    "steps",
+    "val_loss",
+    "train_loss",
+    "emb_weight_rms",
+    "emb_update_rms",
+    "status",
+    "seconds",
+]
 
 
 def model_overrides(vocab: int, width: int) -> dict:
     heads = 4
-    return {"vocab_size": vocab, "hidden_size": width, "intermediate_size": 3 * width, "num_hidden_layers": 2,
-            "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": width // heads}
+    return {
+        "vocab_size": vocab,
+        "hidden_size": width,
+        "intermediate_size": 3 * width,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "head_dim": width // heads,
+    }
 
 
 UPDATE_SIZES = ("nu", "rms", "rms-alpha0", "nu-lazy", "rms-lazy", "row-lazy")
-TITLES = {"nu": "paper: nu^alpha (alpha = 1)", "rms": 'scale = "rms" (alpha = 1)', "rms-alpha0": 'scale = "rms", alpha = 0',
-          "nu-lazy": "paper's nu^alpha, lazy = True", "rms-lazy": 'scale = "rms", lazy = True',
-          "row-lazy": 'RowNormM (eta = "rms"), lazy = True'}
+TITLES = {
+    "nu": "paper: nu^alpha (alpha = 1)",
+    "rms": 'scale = "rms" (alpha = 1)',
+    "rms-alpha0": 'scale = "rms", alpha = 0',
+    "nu-lazy": "paper's nu^alpha, lazy = True",
+    "rms-lazy": 'scale = "rms", lazy = True',
+    "row-lazy": 'RowNormM (eta = "rms"), lazy = True',
+}
 
 
 def update_size(label: str) -> dict:
@@ -99,7 +123,11 @@ def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -
     muon = {} if getattr(args, "muon_lr", None) is None else {role: {"lr": args.muon_lr} for role in MUON_ROLES}
     return {
         "run": {"name": name, "out_dir": str(Path(args.runs) / name), "seed": seed, "device": "cpu"},
-        "model": {"family": "qwen3", "size": "tiny", "overrides": {**model_overrides(vocab, width), **init_std(args, width)}},
+        "model": {
+            "family": "qwen3",
+            "size": "tiny",
+            "overrides": {**model_overrides(vocab, width), **init_std(args, width)},
+        },
         "data": {"train": args.data.format(vocab=vocab), "seq_len": args.seq_len, "batch_size": args.batch_size},
         "optim": {
             "recipe": "paper:qwen3:a-ii",
@@ -110,8 +138,14 @@ def run_config(args, vocab: int, width: int, scale: str, lr: float, seed: int) -
                 **muon,
             },
         },
-        "train": {"steps": args.steps, "log_every": args.steps, "val_every": args.steps,
-                  "val_batches": args.val_batches, "checkpoint_every": 0, "tensorboard": False},
+        "train": {
+            "steps": args.steps,
+            "log_every": args.steps,
+            "val_every": args.steps,
+            "val_batches": args.val_batches,
+            "checkpoint_every": 0,
+            "tensorboard": False,
+        },
     }
 
 
@@ -138,11 +172,20 @@ def one_run(args, vocab, width, scale, lr, seed) -> dict:
     except NonFiniteLossError:
         status, val = "nonfinite", float("nan")
     tr = last_train_metrics(cfg.out_path)
-    return {"vocab": vocab, "width": width, "scale": scale, "lr": lr, "seed": seed, "steps": args.steps,
-            "val_loss": val, "train_loss": tr.get("loss", float("nan")),
-            "emb_weight_rms": tr.get("weight_rms/embedding", float("nan")),
-            "emb_update_rms": tr.get("update_rms/embedding", float("nan")), "status": status,
-            "seconds": round(time.time() - start, 1)}
+    return {
+        "vocab": vocab,
+        "width": width,
+        "scale": scale,
+        "lr": lr,
+        "seed": seed,
+        "steps": args.steps,
+        "val_loss": val,
+        "train_loss": tr.get("loss", float("nan")),
+        "emb_weight_rms": tr.get("weight_rms/embedding", float("nan")),
+        "emb_update_rms": tr.get("update_rms/embedding", float("nan")),
+        "status": status,
+        "seconds": round(time.time() - start, 1),
+    }
 
 
 def stale_rows(args, vocab: int, width: int, label: str, lr: float, seed: int = 0) -> list[dict]:
@@ -174,10 +217,15 @@ def stale_rows(args, vocab: int, width: int, label: str, lr: float, seed: int = 
     for lo, hi in ((0, 1), (1, 5), (5, 20), (20, step[0] + 1), (None, None)):
         rows = (last < 0) if lo is None else (age >= lo) & (age < hi) & (last >= 0)
         if rows.any():
-            out.append({"last seen (steps ago)": "never" if lo is None else f"{lo}-{hi - 1}", "rows": int(rows.sum()),
-                        "median batches seen": float(count[rows].median()),
-                        "median momentum norm": float(momentum[rows].median()),
-                        "median weight norm": float(norms[rows].median())})
+            out.append(
+                {
+                    "last seen (steps ago)": "never" if lo is None else f"{lo}-{hi - 1}",
+                    "rows": int(rows.sum()),
+                    "median batches seen": float(count[rows].median()),
+                    "median momentum norm": float(momentum[rows].median()),
+                    "median weight norm": float(norms[rows].median()),
+                }
+            )
     return out
 
 
@@ -194,7 +242,8 @@ def residual_scales(args, vocab: int, width: int, label: str, lr: float, seed: i
     model = trainer.model
     distinct = []
     model.get_input_embeddings().register_forward_pre_hook(
-        lambda _m, inp: distinct.append(int(inp[0].unique().numel())) if model.training else None)
+        lambda _m, inp: distinct.append(int(inp[0].unique().numel())) if model.training else None
+    )
 
     def measure(when: str) -> dict:
         found, hooks = {"when": when}, []
@@ -202,12 +251,16 @@ def residual_scales(args, vocab: int, width: int, label: str, lr: float, seed: i
         def keep(name):
             def hook(_m, _inp, out):
                 found[name] = round(float((out[0] if isinstance(out, tuple) else out).float().pow(2).mean().sqrt()), 4)
+
             return hook
 
         hooks.append(model.get_input_embeddings().register_forward_hook(keep("embedding")))
         for i, layer in enumerate(model.model.layers):
-            hooks += [layer.self_attn.register_forward_hook(keep(f"attention {i}")),
-                      layer.mlp.register_forward_hook(keep(f"mlp {i}")), layer.register_forward_hook(keep(f"residual {i}"))]
+            hooks += [
+                layer.self_attn.register_forward_hook(keep(f"attention {i}")),
+                layer.mlp.register_forward_hook(keep(f"mlp {i}")),
+                layer.register_forward_hook(keep(f"residual {i}")),
+            ]
         inputs, _ = next(iter(trainer.val))
         was_training = model.training
         model.eval()
@@ -234,8 +287,14 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def key(row) -> tuple:
-    return (int(row["vocab"]), int(row["width"]), row["scale"], float(f"{float(row['lr']):.6g}"), int(row["seed"]),
-            int(row["steps"]))
+    return (
+        int(row["vocab"]),
+        int(row["width"]),
+        row["scale"],
+        float(f"{float(row['lr']):.6g}"),
+        int(row["seed"]),
+        int(row["steps"]),
+    )
 
 
 def _vertex(lrs: list[float], means: list[float], i: int, half: int = 1) -> float | None:
@@ -293,9 +352,11 @@ def _bootstrap(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 0) -> 
     def points(x):
         return [float(q) for q in np.percentile(x, [2.5, 50, 97.5])]
 
-    return {"ratio": points(2 ** (table.max(0) - table.min(0))),
-            "noise_only_ratio": points(2 ** (centred.max(0) - centred.min(0))),
-            "by_size": {size: points(2 ** v) for size, v in logs.items()}}
+    return {
+        "ratio": points(2 ** (table.max(0) - table.min(0))),
+        "noise_only_ratio": points(2 ** (centred.max(0) - centred.min(0))),
+        "by_size": {size: points(2**v) for size, v in logs.items()},
+    }
 
 
 def _shared_lr(best: dict) -> dict | None:
@@ -304,8 +365,10 @@ def _shared_lr(best: dict) -> dict | None:
     shared = set.intersection(*(set(map(float, b["mean_val_loss_by_lr"])) for b in best.values()))
     if not shared:
         return None
+
     def regrets(lr):
         return {k: b["mean_val_loss_by_lr"][str(lr)] - b["best_val_loss"] for k, b in best.items()}
+
     lr = min(sorted(shared), key=lambda x: max(regrets(x).values()))
     r = regrets(lr)
     return {"lr": lr, "worst_regret": max(r.values()), "mean_regret": sum(r.values()) / len(r), "regret_by_size": r}
@@ -321,7 +384,8 @@ def summarise(rows: list[dict]) -> dict:
         v = float(r["val_loss"])
         v = v if math.isfinite(v) else math.inf
         table.setdefault(r["scale"], {}).setdefault((int(r["vocab"]), int(r["width"])), {}).setdefault(
-            float(r["lr"]), {})[int(r["seed"])] = v
+            float(r["lr"]), {}
+        )[int(r["seed"])] = v
     out = {}
     for scale, sizes in table.items():
         best = {}
@@ -330,28 +394,38 @@ def summarise(rows: list[dict]) -> dict:
             means = [sum(by_lr[lr].values()) / len(by_lr[lr]) for lr in grid]
             i, _ = _best(grid, means)
             best[f"v{vocab}-d{width}"] = {
-                "vocab": vocab, "width": width, "seeds": min(len(v) for v in by_lr.values()),
-                "best_lr": grid[i], "best_val_loss": means[i], "at_grid_edge": i in (0, len(grid) - 1),
-                "fit_lr": _vertex(grid, means, i), "fit5_lr": _vertex(grid, means, i, half=2),
-                "mean_val_loss_by_lr": dict(zip(map(str, grid), means))}
+                "vocab": vocab,
+                "width": width,
+                "seeds": min(len(v) for v in by_lr.values()),
+                "best_lr": grid[i],
+                "best_val_loss": means[i],
+                "at_grid_edge": i in (0, len(grid) - 1),
+                "fit_lr": _vertex(grid, means, i),
+                "fit5_lr": _vertex(grid, means, i, half=2),
+                "mean_val_loss_by_lr": dict(zip(map(str, grid), means)),
+            }
         boot, boot5 = _bootstrap(sizes), _bootstrap(sizes, half=2)
         for (vocab, width), q in (boot["by_size"] if boot else {}).items():
             best[f"v{vocab}-d{width}"]["fit_lr_bootstrap_2.5_50_97.5"] = q
         lrs = [b["best_lr"] for b in best.values()]
         fits = [b["fit_lr"] for b in best.values() if b["fit_lr"] is not None]
         fits5 = [b["fit5_lr"] for b in best.values() if b["fit5_lr"] is not None]
-        out[scale] = {"best": best, "best_lr_ratio_max_over_min": max(lrs) / min(lrs),
-                      "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None,
-                      "fit5_lr_ratio_max_over_min": (max(fits5) / min(fits5)) if len(fits5) == len(lrs) else None,
-                      "fit_lr_ratio_bootstrap_2.5_50_97.5": boot and boot["ratio"],
-                      "fit5_lr_ratio_bootstrap_2.5_50_97.5": boot5 and boot5["ratio"],
-                      "fit_lr_noise_only_ratio_2.5_50_97.5": boot and boot["noise_only_ratio"],
-                      "shared_lr": _shared_lr(best)}
+        out[scale] = {
+            "best": best,
+            "best_lr_ratio_max_over_min": max(lrs) / min(lrs),
+            "fit_lr_ratio_max_over_min": (max(fits) / min(fits)) if len(fits) == len(lrs) else None,
+            "fit5_lr_ratio_max_over_min": (max(fits5) / min(fits5)) if len(fits5) == len(lrs) else None,
+            "fit_lr_ratio_bootstrap_2.5_50_97.5": boot and boot["ratio"],
+            "fit5_lr_ratio_bootstrap_2.5_50_97.5": boot5 and boot5["ratio"],
+            "fit_lr_noise_only_ratio_2.5_50_97.5": boot and boot["noise_only_ratio"],
+            "shared_lr": _shared_lr(best),
+        }
     return out
 
 
-def setting_table(sources: list[tuple[str, list[dict]]], label: str, lr: float | None = None,
-                  seeds: set[int] | None = None) -> str:
+def setting_table(
+    sources: list[tuple[str, list[dict]]], label: str, lr: float | None = None, seeds: set[int] | None = None
+) -> str:
     """Markdown table of the mean final validation loss (over seeds; their count in
     brackets) per model size (rows) and per setting (columns: one ``results.csv`` each, as
     ``(name, rows)``), for update size ``label`` at the embedding lr ``lr`` (None: each
@@ -367,11 +441,14 @@ def setting_table(sources: list[tuple[str, list[dict]]], label: str, lr: float |
                 continue
             v = float(r["val_loss"])
             found.setdefault((int(r["vocab"]), int(r["width"])), {}).setdefault(float(r["lr"]), []).append(
-                v if math.isfinite(v) else math.inf)
+                v if math.isfinite(v) else math.inf
+            )
         for size, by_lr in found.items():
             if len(by_lr) > 1:
-                raise SystemExit(f"{name}: vocab {size[0]} width {size[1]} has embedding lrs {sorted(by_lr)}; "
-                                 f"pick one with --table-lr")
+                raise SystemExit(
+                    f"{name}: vocab {size[0]} width {size[1]} has embedding lrs {sorted(by_lr)}; "
+                    f"pick one with --table-lr"
+                )
             (vals,) = by_lr.values()
             means.setdefault(size, {})[name] = (sum(vals) / len(vals), len(vals))
     names = [n for n, _ in sources]
@@ -384,9 +461,11 @@ def setting_table(sources: list[tuple[str, list[dict]]], label: str, lr: float |
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr (3 points) | "
-             "its seed bootstrap: 95 % interval | (5 points) | best mean val loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| update size | vocab | width | seeds | best lr on the grid | parabola-fit best lr (3 points) | "
+        "its seed bootstrap: 95 % interval | (5 points) | best mean val loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for scale in UPDATE_SIZES:
         if scale not in summary:
             continue
@@ -396,27 +475,39 @@ def markdown(summary: dict) -> str:
             edge = " (grid edge)" if b["at_grid_edge"] else ""
             q = b.get("fit_lr_bootstrap_2.5_50_97.5")
             interval = f"[{q[0]:.3g}, {q[2]:.3g}]" if q else "-"
-            lines.append(f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | {interval} | {fit5} | "
-                         f"{b['best_val_loss']:.4f} |")
+            lines.append(
+                f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | {interval} | {fit5} | "
+                f"{b['best_val_loss']:.4f} |"
+            )
     lines.append("")
     for scale in UPDATE_SIZES:
         if scale in summary:
             s = summary[scale]
             fit, fit5 = s["fit_lr_ratio_max_over_min"], s.get("fit5_lr_ratio_max_over_min")
             boot, boot5 = s.get("fit_lr_ratio_bootstrap_2.5_50_97.5"), s.get("fit5_lr_ratio_bootstrap_2.5_50_97.5")
-            lines.append(f"- `{scale}`: best lr max/min across sizes = {s['best_lr_ratio_max_over_min']:.3g} on the grid"
-                         + (f", {fit:.3g} from the 3-point parabola fits" if fit else "")
-                         + (f", {fit5:.3g} from the 5-point least-squares fits" if fit5 else "")
-                         + "".join(f"; seed bootstrap of the {n}-point ratio: median {b[1]:.3g}, 95 % interval "
-                                   f"[{b[0]:.3g}, {b[2]:.3g}]" for n, b in ((3, boot), (5, boot5)) if b))
+            lines.append(
+                f"- `{scale}`: best lr max/min across sizes = {s['best_lr_ratio_max_over_min']:.3g} on the grid"
+                + (f", {fit:.3g} from the 3-point parabola fits" if fit else "")
+                + (f", {fit5:.3g} from the 5-point least-squares fits" if fit5 else "")
+                + "".join(
+                    f"; seed bootstrap of the {n}-point ratio: median {b[1]:.3g}, 95 % interval "
+                    f"[{b[0]:.3g}, {b[2]:.3g}]"
+                    for n, b in ((3, boot), (5, boot5))
+                    if b
+                )
+            )
             noise = s.get("fit_lr_noise_only_ratio_2.5_50_97.5")
             if noise:
-                lines.append(f"  - noise alone (every size's bootstrap moved to one common optimum) gives a 3-point "
-                             f"ratio of {noise[1]:.3g} [{noise[0]:.3g}, {noise[2]:.3g}]")
+                lines.append(
+                    f"  - noise alone (every size's bootstrap moved to one common optimum) gives a 3-point "
+                    f"ratio of {noise[1]:.3g} [{noise[0]:.3g}, {noise[2]:.3g}]"
+                )
             shared = s.get("shared_lr")
             if shared:
-                lines.append(f"  - one lr for every size: {shared['lr']:g} costs at most {shared['worst_regret']:.4f} "
-                             f"(mean {shared['mean_regret']:.4f}) in final loss against each size's best grid point")
+                lines.append(
+                    f"  - one lr for every size: {shared['lr']:g} costs at most {shared['worst_regret']:.4f} "
+                    f"(mean {shared['mean_regret']:.4f}) in final loss against each size's best grid point"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -435,7 +526,7 @@ def plot(summary: dict, path: Path) -> None:
     ncols = min(3, len(scales))
     nrows = -(-len(scales) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.5 * nrows), squeeze=False)
-    for ax in axes.flat[len(scales):]:
+    for ax in axes.flat[len(scales) :]:
         ax.set_visible(False)
     for ax, scale in zip(axes.flat, scales):
         for b in summary[scale]["best"].values():
@@ -445,8 +536,15 @@ def plot(summary: dict, path: Path) -> None:
             lrs = sorted(map(float, b["mean_val_loss_by_lr"]))
             ys = [b["mean_val_loss_by_lr"][str(lr)] - b["best_val_loss"] for lr in lrs]
             ls = "-" if b["vocab"] == max(v for v, _ in all_sizes) else "--"
-            ax.plot(lrs, ys, ls, marker="o", markersize=3, color=colours[size],
-                    label=f"vocab {b['vocab']}, width {b['width']}")
+            ax.plot(
+                lrs,
+                ys,
+                ls,
+                marker="o",
+                markersize=3,
+                color=colours[size],
+                label=f"vocab {b['vocab']}, width {b['width']}",
+            )
             ax.plot([b["best_lr"]], [0.0], "*", color=colours[size], markersize=12, markeredgecolor="k")
         ax.set_xscale("log")
         ax.set_ylim(-0.005, 0.08)
@@ -476,22 +574,44 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--head-lr", type=float, default=1e-3, help="the LM head's AdamW lr (default 1e-3)")
-    p.add_argument("--head-lr-base-width", type=int, default=None,
-                   help="scale the LM head's AdamW lr by this width / the model's width (default: the same at every width)")
-    p.add_argument("--init-base-width", type=int, default=None,
-                   help="draw the weights with std 0.02 x sqrt(this / width) (default: 0.02 at every width)")
-    p.add_argument("--muon-lr", type=float, default=None,
-                   help="the Muon lr of the attention and MLP matrices (default: the recipe's 0.02)")
+    p.add_argument(
+        "--head-lr-base-width",
+        type=int,
+        default=None,
+        help="scale the LM head's AdamW lr by this width / the model's width (default: the same at every width)",
+    )
+    p.add_argument(
+        "--init-base-width",
+        type=int,
+        default=None,
+        help="draw the weights with std 0.02 x sqrt(this / width) (default: 0.02 at every width)",
+    )
+    p.add_argument(
+        "--muon-lr",
+        type=float,
+        default=None,
+        help="the Muon lr of the attention and MLP matrices (default: the recipe's 0.02)",
+    )
     p.add_argument("--plot-only", action="store_true")
-    p.add_argument("--table", nargs="+", metavar="NAME=RESULTS_CSV",
-                   help="instead of sweeping: print the mean final loss per size of each results.csv, side by side "
-                        "(one column per setting), for --scales (one label) at --table-lr and the --seeds given")
+    p.add_argument(
+        "--table",
+        nargs="+",
+        metavar="NAME=RESULTS_CSV",
+        help="instead of sweeping: print the mean final loss per size of each results.csv, side by side "
+        "(one column per setting), for --scales (one label) at --table-lr and the --seeds given",
+    )
     p.add_argument("--table-lr", type=float, default=None, help="the embedding lr the --table rows are taken at")
-    p.add_argument("--residual", metavar="VOCAB,WIDTH,LABEL,LR",
-                   help="instead of sweeping: train one run and print the RMS of the embedding's and each block's "
-                        "output in the residual stream, before and after")
-    p.add_argument("--stale-rows", metavar="VOCAB,WIDTH,LABEL,LR",
-                   help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen")
+    p.add_argument(
+        "--residual",
+        metavar="VOCAB,WIDTH,LABEL,LR",
+        help="instead of sweeping: train one run and print the RMS of the embedding's and each block's "
+        "output in the residual stream, before and after",
+    )
+    p.add_argument(
+        "--stale-rows",
+        metavar="VOCAB,WIDTH,LABEL,LR",
+        help="instead of sweeping: train one run and print its embedding rows grouped by when they were last seen",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.table:
@@ -534,7 +654,9 @@ def main(argv=None) -> int:
                             rows.append({k2: str(v) for k2, v in row.items()})
                             done.add(k)
     summary = summarise(rows)
-    summary["command"] = "PYTHONPATH=src python3 scripts/lr_transfer.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    summary["command"] = "PYTHONPATH=src python3 scripts/lr_transfer.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(markdown(summary))
     plot(summary, out / "lr_vs_loss.png")

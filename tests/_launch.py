@@ -47,7 +47,7 @@ def _rank_main(fn, rank, world, directory, args):
     directory = Path(directory)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 (open until the process ends)
+    stacks = open(directory / f"rank{rank}.stack", "w")
     if hasattr(signal, "SIGUSR1"):  # the launcher asks a rank it is about to stop where it waits
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch.distributed as dist
@@ -81,8 +81,10 @@ def run_gloo(fn, world, *args, directory, timeout=TIMEOUT, grace=GRACE):
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; the list of their return values."""
     directory = Path(tempfile.mkdtemp(prefix="gloo-", dir=directory))
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, str(directory), args), name=f"rank {rank}")
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world, str(directory), args), name=f"rank {rank}")
+        for rank in range(world)
+    ]
     for p in procs:
         p.start()
     start = time.monotonic()
@@ -126,8 +128,11 @@ def run_gloo(fn, world, *args, directory, timeout=TIMEOUT, grace=GRACE):
         p = procs[rank]
         tb = directory / f"rank{rank}.traceback"
         if p in stopped:
-            why = (f"still running after {timeout} s" if timed_out
-                   else f"stopped: still running {grace} s after another rank failed")
+            why = (
+                f"still running after {timeout} s"
+                if timed_out
+                else f"stopped: still running {grace} s after another rank failed"
+            )
             stack = (directory / f"rank{rank}.stack").read_text().strip()
             lines.append(f"  rank {rank}: {why}")
             details.append(f"----- rank {rank}: where it was when stopped -----\n{stack or '(no Python stack)'}")
@@ -135,11 +140,15 @@ def run_gloo(fn, world, *args, directory, timeout=TIMEOUT, grace=GRACE):
             lines.append(f"  rank {rank}: raised" + (" (the first rank to fail)" if failed[:1] == [rank] else ""))
             details.append(f"----- rank {rank}: traceback -----\n{tb.read_text().rstrip()}")
         elif p.exitcode and p.exitcode < 0:
-            lines.append(f"  rank {rank}: killed by {_signal_name(p.exitcode)}, no Python traceback "
-                         "(its stderr is in the captured output)")
+            lines.append(
+                f"  rank {rank}: killed by {_signal_name(p.exitcode)}, no Python traceback "
+                "(its stderr is in the captured output)"
+            )
         elif p.exitcode:
-            lines.append(f"  rank {rank}: exited with code {p.exitcode}, no Python traceback "
-                         "(its stderr is in the captured output)")
+            lines.append(
+                f"  rank {rank}: exited with code {p.exitcode}, no Python traceback "
+                "(its stderr is in the captured output)"
+            )
         else:
             lines.append(f"  rank {rank}: finished")
     head = f"{world} gloo ranks of {_describe(fn)} failed ({directory}):"
@@ -150,8 +159,14 @@ def torchrun_command(*argv, nproc=2, env=None):
     """``(command, environment)`` of ``torchrun --standalone --nproc_per_node=nproc *argv``:
     this interpreter, this ``sys.path``, one thread per rank, ``env`` on top."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *map(str, argv)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *map(str, argv),
+    ]
     return command, environment
 
 
@@ -165,17 +180,24 @@ def run_torchrun(*argv, nproc=2, timeout=600, env=None):
     failure with the tail of both (each rank's traceback is on its stderr)."""
     command, environment = torchrun_command(*argv, nproc=nproc, env=env)
     shown = "torchrun --nproc_per_node={} {}".format(nproc, " ".join(map(str, argv)))
-    proc = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a timeout stops the workers too
+    proc = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group: a timeout stops the workers too
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"`{shown}` still running after {timeout} s\n----- stdout -----\n{_tail(out)}\n"
-                    f"----- stderr -----\n{_tail(err)}", pytrace=False)
+        pytest.fail(
+            f"`{shown}` still running after {timeout} s\n----- stdout -----\n{_tail(out)}\n"
+            f"----- stderr -----\n{_tail(err)}",
+            pytrace=False,
+        )
     done = subprocess.CompletedProcess(command, proc.returncode, out, err)
     if done.returncode != 0:
-        pytest.fail(f"`{shown}` exited with code {done.returncode}\n----- stdout -----\n{_tail(out)}\n"
-                    f"----- stderr -----\n{_tail(err)}", pytrace=False)
+        pytest.fail(
+            f"`{shown}` exited with code {done.returncode}\n----- stdout -----\n{_tail(out)}\n"
+            f"----- stderr -----\n{_tail(err)}",
+            pytrace=False,
+        )
     return done

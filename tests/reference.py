@@ -14,7 +14,7 @@ def projector(m):
 
 def inv_sqrt(A, eps):
     lam, V = torch.linalg.eigh(0.5 * (A + A.T) + eps * torch.eye(A.shape[0], dtype=A.dtype))
-    return V @ torch.diag(lam ** -0.5) @ V.T
+    return V @ torch.diag(lam**-0.5) @ V.T
 
 
 def damp(C, eps, damping, D):

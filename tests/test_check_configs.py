@@ -16,8 +16,11 @@ spec.loader.exec_module(check_configs)
 
 def write_log(path, weight_rms, val, status="done"):
     path.mkdir(parents=True, exist_ok=True)
-    recs = [{"kind": "train", "step": 10, "loss": 5.0, "weight_rms/embedding": weight_rms, "weight_rms/attention": 0.05},
-            {"kind": "val", "step": 10, "val/loss": val}, {"kind": "end", "step": 10, "status": status}]
+    recs = [
+        {"kind": "train", "step": 10, "loss": 5.0, "weight_rms/embedding": weight_rms, "weight_rms/attention": 0.05},
+        {"kind": "val", "step": 10, "val/loss": val},
+        {"kind": "end", "step": 10, "status": status},
+    ]
     (path / "log.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
 
 

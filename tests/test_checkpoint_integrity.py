@@ -10,12 +10,18 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from test_train import data_dir, make_cfg, records  # noqa: F401  (data_dir is a fixture)
 
 from equiopt.train import (
-    CheckpointError, CheckpointWarning, Trainer, check_checkpoint, latest_checkpoint, load_checkpoint,
-    read_checkpoint, save_checkpoint,
+    CheckpointError,
+    CheckpointWarning,
+    Trainer,
+    check_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
 )
-from test_train import data_dir, make_cfg, records  # noqa: F401  (data_dir is a fixture)
 
 STEP = "step_{:08d}".format
 
@@ -101,8 +107,11 @@ def test_the_manifest_lists_every_file_with_its_size_and_hash(tmp_path):
 def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     save_checkpoint(tmp_path, 1, _tensors(1))
     _truncate(tmp_path / STEP(1) / "__0_0.distcp")
-    with pytest.raises(CheckpointError, match=rf"no intact checkpoint in .*{STEP(1)} is damaged: __0_0\.distcp is "
-                                              r"truncated.*Remove the damaged checkpoints"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"no intact checkpoint in .*{STEP(1)} is damaged: __0_0\.distcp is "
+        r"truncated.*Remove the damaged checkpoints",
+    ):
         load_checkpoint(tmp_path, _template())
     with pytest.raises(CheckpointError, match=r"there is no intact checkpoint in"):
         load_checkpoint(tmp_path / STEP(1), _template())
@@ -188,8 +197,11 @@ def test_resume_skips_a_truncated_shard_and_resume_from_names_what_is_damaged(da
     message = str(exit_.value.code)
     assert f"{STEP(8)} is damaged: rank_00000.json is damaged" in message
     assert message.endswith(f"intact checkpoints in {ckpts}: {STEP(4)}") and "Traceback" not in message
-    with pytest.raises(SystemExit, match=r"not a checkpoint directory \(it holds step_00000004, step_00000008: "
-                                         r"name one of them, or resume the run with --resume\)"):
+    with pytest.raises(
+        SystemExit,
+        match=r"not a checkpoint directory \(it holds step_00000004, step_00000008: "
+        r"name one of them, or resume the run with --resume\)",
+    ):
         main(["train", str(toml), "--resume-from", str(ckpts)])
     # --resume-from an intact one continues from there (step 4 of the same run)
     main(["train", str(toml), "--resume-from", str(ckpts / STEP(4))])
@@ -207,20 +219,30 @@ def _two_rank_worker(rank, world, root):
     mesh = init_device_mesh("cpu", (world,))
 
     def tensors(step):  # every rank writes its own half of each tensor
-        return {"w": distribute_tensor(torch.arange(24.0).reshape(8, 3) + step, mesh, [Shard(0)]),
-                "opt": {"m": distribute_tensor(torch.arange(6.0) * step, mesh, [Shard(0)])}}
+        return {
+            "w": distribute_tensor(torch.arange(24.0).reshape(8, 3) + step, mesh, [Shard(0)]),
+            "opt": {"m": distribute_tensor(torch.arange(6.0) * step, mesh, [Shard(0)])},
+        }
 
     def template():
-        return {"w": distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)]),
-                "opt": {"m": distribute_tensor(torch.zeros(6), mesh, [Shard(0)])}}
+        return {
+            "w": distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)]),
+            "opt": {"m": distribute_tensor(torch.zeros(6), mesh, [Shard(0)])},
+        }
 
     for kind, (name, damage, says) in TWO_RANK_DAMAGE.items():
         directory = root / kind.replace(" ", "_")
         for step in (1, 2):
             save_checkpoint(directory, step, tensors(step), {"note": step}, {"rank": rank}, keep=0)
         manifest = json.loads((directory / STEP(2) / "manifest.json").read_text())
-        assert set(manifest["files"]) == {".metadata", "checkpoint.json", "__0_0.distcp", "__1_0.distcp",
-                                          "rank_00000.json", "rank_00001.json"}
+        assert set(manifest["files"]) == {
+            ".metadata",
+            "checkpoint.json",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "rank_00000.json",
+            "rank_00001.json",
+        }
         dist.barrier()
         if rank == 0:
             damage(directory / STEP(2) / name)
@@ -244,8 +266,9 @@ def _two_rank_worker(rank, world, root):
             messages = [None] * world
             dist.all_gather_object(messages, str(err))
             assert messages[0] == messages[1], messages
-            assert __import__("re").search(rf"{STEP(2)} is damaged: {says}.*intact checkpoints in .*: {STEP(1)}$",
-                                           messages[0]), messages[0]
+            assert __import__("re").search(
+                rf"{STEP(2)} is damaged: {says}.*intact checkpoints in .*: {STEP(1)}$", messages[0]
+            ), messages[0]
 
 
 TWO_RANK_DAMAGE = {

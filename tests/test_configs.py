@@ -8,8 +8,8 @@ import pytest
 
 from equiopt.models import build
 from equiopt.roles import build_optimizer
-from equiopt.train import from_dict, load_config, train
 from equiopt.study.experiments import AUX_LOSS, PROTOCOLS, SCALES, SOFTCAP, Z_LOSS, experiments, run_config
+from equiopt.train import from_dict, load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -54,7 +54,9 @@ def test_switches_are_set_exactly_where_the_experiment_flips_them(scale):
         assert capped == (SOFTCAP if e.name.endswith("-softcap") else None), e.name
         aux = e.name.endswith("-aux")
         assert (cfg.train.aux_loss, cfg.train.z_loss) == ((AUX_LOSS, Z_LOSS) if aux else (0.0, 0.0)), e.name
-        assert cfg.optim.recipe == "paper:{}:{}".format(e.family, re.sub(r"(-head-adamw)?(-softcap|-aux)?$", "", e.name))
+        assert cfg.optim.recipe == "paper:{}:{}".format(
+            e.family, re.sub(r"(-head-adamw)?(-softcap|-aux)?$", "", e.name)
+        )
 
 
 def test_paper_scale_uses_the_paper_protocol():
@@ -70,11 +72,17 @@ def test_paper_scale_uses_the_paper_protocol():
 @pytest.mark.skipif(not PAPER_TEX, reason="the paper's source is not beside the repository")
 def test_protocols_match_the_papers_tables():
     tex = PAPER_TEX[0].read_text()
-    fields = {"Context length": "seq_len", "Per-device batch size": "per_device_batch", "Training steps": "steps",
-              "Training tokens": "train_tokens", "Validation steps": "val_steps", "Validation tokens": "val_tokens"}
+    fields = {
+        "Context length": "seq_len",
+        "Per-device batch size": "per_device_batch",
+        "Training steps": "steps",
+        "Training tokens": "train_tokens",
+        "Validation steps": "val_steps",
+        "Validation tokens": "val_tokens",
+    }
     for family, p in PROTOCOLS.items():
         start = tex.index(f"\\label{{{p.table}}}")
-        body = tex[start:tex.index("\\end{tabular}", start)]
+        body = tex[start : tex.index("\\end{tabular}", start)]
         for label, attr in fields.items():
             found = re.search(re.escape(label) + r"\s*&\s*([\d,]+)", body)
             assert found is not None, (family, label)
@@ -89,7 +97,9 @@ def test_head_adamw_variant_changes_only_the_lm_head():
     base_cfg = from_dict(run_config(plain, "cpu"))  # the same experiment at the same scale, head unchanged
     model = build("gemma3", "tiny")
     opt, _ = build_optimizer(model, cfg.optim.recipe, overrides=cfg.optim.overrides)
-    base, _ = build_optimizer(build("gemma3", "tiny"), base_cfg.optim.recipe, overrides=base_cfg.optim.overrides or None)
+    base, _ = build_optimizer(
+        build("gemma3", "tiny"), base_cfg.optim.recipe, overrides=base_cfg.optim.overrides or None
+    )
     rules = {g["role"]: (g["rule"], g["lr"]) for g in opt.param_groups}
     before = {g["role"]: (g["rule"], g["lr"]) for g in base.param_groups}
     assert rules.pop("lm_head") == ("adamw", 0.0005) and before.pop("lm_head")[0] == "row"
@@ -108,12 +118,30 @@ def corpus(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("path", ["cpu/qwen3/b-ii.toml", "cpu/gpt_oss/router-left-uncentered-aux.toml",
-                                  "gpu/gemma3/a-i-softcap.toml", "paper/olmoe/iv.toml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "cpu/qwen3/b-ii.toml",
+        "cpu/gpt_oss/router-left-uncentered-aux.toml",
+        "gpu/gemma3/a-i-softcap.toml",
+        "paper/olmoe/iv.toml",
+    ],
+)
 def test_shipped_configs_train_at_tiny_size(corpus, tmp_path, path):
-    sets = {"model.size": "tiny", "data.train": str(corpus), "data.ood_val": "", "data.seq_len": 16,
-            "data.batch_size": 4, "train.steps": 2, "train.val_every": 2, "train.val_batches": 1,
-            "train.checkpoint_every": 0, "train.tensorboard": False, "run.out_dir": str(tmp_path), "run.device": "cpu"}
+    sets = {
+        "model.size": "tiny",
+        "data.train": str(corpus),
+        "data.ood_val": "",
+        "data.seq_len": 16,
+        "data.batch_size": 4,
+        "train.steps": 2,
+        "train.val_every": 2,
+        "train.val_batches": 1,
+        "train.checkpoint_every": 0,
+        "train.tensorboard": False,
+        "run.out_dir": str(tmp_path),
+        "run.device": "cpu",
+    }
     cfg = load_config(CONFIGS / path, sets)
     cfg.model.overrides["vocab_size"] = 512  # the byte tokenizer's ids and specials fit
     result = train(cfg, progress=False)
@@ -143,6 +171,8 @@ def test_downsized_scales_use_the_transferable_embedding_update_and_paper_scale_
             small = from_dict(run_config(e, scale)).optim
             extra = {r: v for r, v in small.overrides.items() if v != (e.optim_overrides or {}).get(r)}
             for role, change in extra.items():
-                assert role in DOWNSIZED and all(small.overrides[role][k] == v for k, v in change.items() if k in DOWNSIZED[role])
+                assert role in DOWNSIZED and all(
+                    small.overrides[role][k] == v for k, v in change.items() if k in DOWNSIZED[role]
+                )
             changed += bool(extra)
     assert changed >= 2 * 8  # qwen3 and gemma3 (ii) configs at both downsized scales

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 
 import pytest
 import torch
@@ -26,8 +25,12 @@ MATRICES = {"row": (12, 6), "col": (6, 12), "heads:4": (16, 8), "experts:row": (
 # Every rule, with centring, orders, scales and solvers a user would pick.
 CASES = {
     "spectral": {"rule": "spectral"},
-    "spectral-ns-torch": {"rule": "spectral", "method": "newton_schulz_torch", "polar_dtype": torch.float32,
-                          "lr_scale": "match_adamw"},
+    "spectral-ns-torch": {
+        "rule": "spectral",
+        "method": "newton_schulz_torch",
+        "polar_dtype": torch.float32,
+        "lr_scale": "match_adamw",
+    },
     "right": {"rule": "right"},
     "right-centred-rms": {"rule": "right", "center": True, "scale": "rms", "alpha": 1.0},
     "left-centred": {"rule": "left", "center": True, "alpha": 0.5, "method": "exact"},
@@ -42,8 +45,14 @@ CASES = {
 MATRIX_CASES = [c for c in CASES if CASES[c]["rule"] not in ("adamw", "sgd")]
 
 
-def build(case: str | list[str], dtype=torch.float32, seed: int = 0, scale: float = 0.5,
-          weight_decay: float = 0.01, lr: float = 0.01):
+def build(
+    case: str | list[str],
+    dtype=torch.float32,
+    seed: int = 0,
+    scale: float = 0.5,
+    weight_decay: float = 0.01,
+    lr: float = 0.01,
+):
     """Parameters and optimizer: a group per case (a matrix of every layout, or for the
     element-wise rules two matrices; learning rates differ between groups) and a last,
     AdamW group holding a vector."""
@@ -220,7 +229,7 @@ def test_add_param_group_fills_defaults_and_steps_like_a_fresh_optimizer(case):
         grads = gradients(ps + extra, k)
         for p, g in zip(ps + extra, grads):
             p.grad = g
-        for p, g in zip(reference.param_groups[0]["params"], grads[len(ps):]):
+        for p, g in zip(reference.param_groups[0]["params"], grads[len(ps) :]):
             p.grad = g.clone()
         opt.step()
         reference.step()
@@ -241,8 +250,9 @@ def test_add_param_group_refuses_bad_groups_by_name():
     with pytest.raises(ValueError, match=r"param_groups\[2\].*beta"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], "beta": 1.5})
     with pytest.raises(ValueError, match="'router'.*complex"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))],
-                             "names": ["router"]})
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))], "names": ["router"]}
+        )
     with pytest.raises(ValueError, match="'step_count'.*floating"):
         EquivariantOptimizer([{"params": [torch.zeros(3, 3, dtype=torch.int64)], "names": ["step_count"]}])
     eager = EquivariantOptimizer([ps[0]], rule="row", eager_state=True)
@@ -254,8 +264,9 @@ def test_groups_keep_their_own_learning_rates_and_decay():
     """Two groups of one rule with different lr and weight decay step as two optimizers."""
     a, b = (torch.nn.Parameter(torch.randn(10, 6, dtype=torch.float64)) for _ in range(2))
     a2, b2 = twin([a, b])
-    opt = EquivariantOptimizer([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.01, "weight_decay": 0.5}],
-                               rule="hybrid", method="exact")
+    opt = EquivariantOptimizer(
+        [{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.01, "weight_decay": 0.5}], rule="hybrid", method="exact"
+    )
     one = EquivariantOptimizer([a2], rule="hybrid", method="exact", lr=0.1)
     two = EquivariantOptimizer([b2], rule="hybrid", method="exact", lr=0.01, weight_decay=0.5)
     for k in range(3):
@@ -391,9 +402,11 @@ SCHEDULERS = {
     "ConstantLR": lambda o: S.ConstantLR(o, factor=0.5, total_iters=3),
     "PolynomialLR": lambda o: S.PolynomialLR(o, total_iters=6, power=2.0),
     "SequentialLR": lambda o: S.SequentialLR(
-        o, [S.LinearLR(o, start_factor=0.2, total_iters=2), S.ExponentialLR(o, gamma=0.8)], milestones=[2]),
-    "ChainedScheduler": lambda o: S.ChainedScheduler([S.ConstantLR(o, factor=0.5, total_iters=3),
-                                                      S.ExponentialLR(o, gamma=0.9)]),
+        o, [S.LinearLR(o, start_factor=0.2, total_iters=2), S.ExponentialLR(o, gamma=0.8)], milestones=[2]
+    ),
+    "ChainedScheduler": lambda o: S.ChainedScheduler(
+        [S.ConstantLR(o, factor=0.5, total_iters=3), S.ExponentialLR(o, gamma=0.9)]
+    ),
     "ReduceLROnPlateau": lambda o: S.ReduceLROnPlateau(o, factor=0.5, patience=0),
 }
 
@@ -435,8 +448,9 @@ def test_every_scheduler_sets_the_learning_rate_the_step_uses(name):
         sgd.step()
         for p, q, b, ub in zip(ps, unit_ps, before, unit_before):
             i = owner[id(p)]
-            torch.testing.assert_close(p - b, lrs[i] * (q - ub), rtol=1e-9, atol=1e-15,
-                                       msg=lambda m: f"{cases[i]}, step {k}: {m}")
+            torch.testing.assert_close(
+                p - b, lrs[i] * (q - ub), rtol=1e-9, atol=1e-15, msg=lambda m: f"{cases[i]}, step {k}: {m}"
+            )
         advance(sched)
         advance(reference)
     assert len(set(seen)) > 1  # the schedule did change the rate
@@ -477,8 +491,9 @@ def test_low_precision_parameters_step_like_float64(case, dtype):
     ps, opt = build(case, dtype, scale=0.05)
     ref = twin(ps, torch.float64)
     settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    ref_opt = EquivariantOptimizer([{**s, "params": ref[:len(ps) - 1] if i == 0 else ref[-1:]}
-                                    for i, s in enumerate(settings)])
+    ref_opt = EquivariantOptimizer(
+        [{**s, "params": ref[: len(ps) - 1] if i == 0 else ref[-1:]} for i, s in enumerate(settings)]
+    )
     start = [p.detach().double().clone() for p in ps]
     for k in range(3):
         grads = gradients(ps, k)
@@ -526,17 +541,32 @@ ADJUST_LR = {None: "spectral", "original": "spectral", "match_rms_adamw": "match
 
 @muon_required
 @pytest.mark.parametrize("shape", [(48, 24), (24, 48)])
-@pytest.mark.parametrize("adjust_lr_fn,weight_decay", [(None, 0.0), ("original", 0.0), ("match_rms_adamw", 0.0),
-                                                       ("original", 0.1)])
+@pytest.mark.parametrize(
+    "adjust_lr_fn,weight_decay", [(None, 0.0), ("original", 0.0), ("match_rms_adamw", 0.0), ("original", 0.1)]
+)
 def test_newton_schulz_torch_agrees_with_torch_muon(shape, adjust_lr_fn, weight_decay):
     """``method="newton_schulz_torch"`` with the matching ``lr_scale`` is torch.optim.Muon."""
     gen = torch.Generator().manual_seed(0)
     w0 = 0.02 * torch.randn(shape, generator=gen)
     ours, theirs = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
-    opt = eo.Muon([ours], lr=0.02, beta=0.95, method="newton_schulz_torch", steps=5,
-                  lr_scale=ADJUST_LR[adjust_lr_fn], weight_decay=weight_decay)
-    ref = torch.optim.Muon([theirs], lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
-                           adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
+    opt = eo.Muon(
+        [ours],
+        lr=0.02,
+        beta=0.95,
+        method="newton_schulz_torch",
+        steps=5,
+        lr_scale=ADJUST_LR[adjust_lr_fn],
+        weight_decay=weight_decay,
+    )
+    ref = torch.optim.Muon(
+        [theirs],
+        lr=0.02,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        adjust_lr_fn=adjust_lr_fn,
+        weight_decay=weight_decay,
+    )
     for _ in range(10):
         g = torch.randn(shape, generator=gen)
         ours.grad, theirs.grad = g.clone(), g.clone()
@@ -544,8 +574,9 @@ def test_newton_schulz_torch_agrees_with_torch_muon(shape, adjust_lr_fn, weight_
         ref.step()
     moved = (theirs.detach() - w0).norm()
     assert (ours.detach() - theirs.detach()).norm() <= 1e-5 * moved
-    torch.testing.assert_close(opt.state[ours]["momentum_buffer"], ref.state[theirs]["momentum_buffer"],
-                               rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        opt.state[ours]["momentum_buffer"], ref.state[theirs]["momentum_buffer"], rtol=1e-6, atol=1e-9
+    )
 
 
 def test_newton_schulz_torch_normalises_without_a_margin():

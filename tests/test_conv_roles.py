@@ -162,18 +162,31 @@ def test_mamba_style_depthwise_conv1d():
 
 def test_transformers_vit_and_mamba_build_and_step():
     transformers = pytest.importorskip("transformers")
-    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=16,
-        patch_size=4, num_labels=5))
-    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(
-        vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, intermediate_size=32, conv_kernel=4))
+    vit = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=4,
+            num_labels=5,
+        )
+    )
+    mamba = transformers.MambaForCausalLM(
+        transformers.MambaConfig(
+            vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, intermediate_size=32, conv_kernel=4
+        )
+    )
     rows = _rows(vit)
     assert rows["vit.embeddings.patch_embeddings.projection.weight"].layout == Flatten((4, 4))
     assert rows["vit.embeddings.position_embeddings"].layout == Experts(Row())
     assert rows["vit.embeddings.cls_token"].role == "vector"
     assert _rows(mamba)["backbone.layers.0.mixer.conv1d.weight"].layout == Flatten((4,), groups=32)
-    for model, batch in ((vit, {"pixel_values": torch.randn(2, 3, 16, 16)}),
-                         (mamba, {"input_ids": torch.randint(0, 64, (2, 8))})):
+    for model, batch in (
+        (vit, {"pixel_values": torch.randn(2, 3, 16, 16)}),
+        (mamba, {"input_ids": torch.randint(0, 64, (2, 8))}),
+    ):
         optimizer, _ = eo.build_optimizer(model)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         out = model(**batch)
@@ -190,17 +203,28 @@ def _polar(m):
     return u @ vh
 
 
-@pytest.mark.parametrize("model_fn, x_fn", [
-    (ConvNet, lambda: torch.randn(2, 3, 36)),
-    (TinyViT, lambda: torch.randn(2, 3, 16, 16)),
-    (MambaStyleLM, lambda: torch.randint(0, 50, (2, 7))),
-])
+@pytest.mark.parametrize(
+    "model_fn, x_fn",
+    [
+        (ConvNet, lambda: torch.randn(2, 3, 36)),
+        (TinyViT, lambda: torch.randn(2, 3, 16, 16)),
+        (MambaStyleLM, lambda: torch.randint(0, 50, (2, 7))),
+    ],
+)
 def test_a_step_moves_conv_weights_by_the_polar_factor_of_their_momentum(model_fn, x_fn):
     torch.manual_seed(0)
     model = model_fn()
     lr, beta = 0.05, 0.9
-    overrides = {"matrix": {"method": "exact", "nesterov": False, "lr_scale": "none", "weight_decay": 0.0,
-                            "beta": beta, "lr": lr}}
+    overrides = {
+        "matrix": {
+            "method": "exact",
+            "nesterov": False,
+            "lr_scale": "none",
+            "weight_decay": 0.0,
+            "beta": beta,
+            "lr": lr,
+        }
+    }
     optimizer, _ = eo.build_optimizer(model, "equiopt:default", overrides=overrides)
     convs = {r.name: r for r in optimizer.role_table if isinstance(r.layout, Flatten)}
     assert convs
@@ -238,8 +262,14 @@ def test_verify_roles_checks_convolution_channels():
     x = torch.randn(2, 3, 36)
     report = verify_roles(model, input_ids=x, forward_fn=lambda m, ids: m(ids))
     conv = [c for c in report if c.kind == "conv"]
-    assert {c.names[0] for c in conv} == {"c1.weight", "c2.weight", "grouped.weight", "depthwise.weight",
-                                         "up.weight", "c3.weight"}
+    assert {c.names[0] for c in conv} == {
+        "c1.weight",
+        "c2.weight",
+        "grouped.weight",
+        "depthwise.weight",
+        "up.weight",
+        "c3.weight",
+    }
     assert report.ok, report.format()
     assert all(c.max_change <= c.tolerance and "moved one at a time" in c.detail for c in conv)
     assert "1 matrix parameter(s) not checked (no permutation check for this role)" in report.notes  # the head
@@ -251,8 +281,10 @@ def test_verify_roles_checks_convolution_channels():
     # the Mamba-style depthwise conv1d and a ViT patch embedding, inside real forwards
     lm = MambaStyleLM()
     report = verify_roles(lm)
-    assert report.ok and {c.names[0] for c in report if c.kind == "conv"} == {"layers.0.conv1d.weight",
-                                                                             "layers.1.conv1d.weight"}
+    assert report.ok and {c.names[0] for c in report if c.kind == "conv"} == {
+        "layers.0.conv1d.weight",
+        "layers.1.conv1d.weight",
+    }
     vit = TinyViT()
     report = verify_roles(vit, input_ids=torch.randn(2, 3, 16, 16), forward_fn=lambda m, ids: m(ids))
     assert report.ok and [c.names for c in report if c.kind == "conv"] == [("patch_embed.proj.weight",)]
@@ -302,6 +334,10 @@ def test_a_tensor_of_more_axes_inside_attention_gets_the_same_proposal():
             self.embed = nn.Embedding(10, 8)
             self.self_attention = Attn()
 
-    with pytest.raises(RoleInferenceError, match=re.escape("'self_attention.rel_pos' (shape (2, 3, 4))") + ".*"
-                       + re.escape(r"rules={'self_attention\\.rel_pos': ('matrix', 'flatten:4')}")):
+    with pytest.raises(
+        RoleInferenceError,
+        match=re.escape("'self_attention.rel_pos' (shape (2, 3, 4))")
+        + ".*"
+        + re.escape(r"rules={'self_attention\\.rel_pos': ('matrix', 'flatten:4')}"),
+    ):
         eo.assign_roles(Model(), dims={"heads": 2})

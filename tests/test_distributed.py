@@ -5,7 +5,10 @@ import torch
 import torch.distributed as dist
 
 from equiopt.distributed import (
-    UnsupportedShardingError, check_shardings, describe_sharding, record_collectives,
+    UnsupportedShardingError,
+    check_shardings,
+    describe_sharding,
+    record_collectives,
 )
 from equiopt.distributed.placements import row_range
 
@@ -64,8 +67,13 @@ def _check_placements(rank: int, world: int) -> None:
     with pytest.raises(UnsupportedShardingError, match=r"'grad_like'.*Partial"):
         describe_sharding(DTensor.from_local(torch.randn(4, 3), mesh, [Partial()]), "grad_like")
     with pytest.raises(UnsupportedShardingError, match=r"'a'.*Partial[\s\S]*'b'.*Partial"):
-        check_shardings([("ok", even), ("a", DTensor.from_local(torch.randn(4, 6), mesh, [Partial()])),
-                         ("b", DTensor.from_local(torch.randn(4, 3), mesh, [Partial()]))])
+        check_shardings(
+            [
+                ("ok", even),
+                ("a", DTensor.from_local(torch.randn(4, 6), mesh, [Partial()])),
+                ("b", DTensor.from_local(torch.randn(4, 3), mesh, [Partial()])),
+            ]
+        )
     # 2-D meshes: HSDP's (Replicate, Shard(0)) is rows over the second mesh dimension; two
     # axes on one dimension, and rows x columns, are blocks
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))

@@ -40,8 +40,14 @@ def _check_recipes(world):
     import equiopt
     from equiopt.models import build
 
-    cases = [("qwen3", "paper:qwen3:a-i"), ("qwen3", "paper:qwen3:b-ii"), ("qwen3", "paper:qwen3:b-iii"),
-             ("gemma3", "paper:gemma3:a-iii"), ("olmoe", "paper:olmoe:ii"), ("gpt_oss", "paper:gpt_oss:router-hybrid")]
+    cases = [
+        ("qwen3", "paper:qwen3:a-i"),
+        ("qwen3", "paper:qwen3:b-ii"),
+        ("qwen3", "paper:qwen3:b-iii"),
+        ("gemma3", "paper:gemma3:a-iii"),
+        ("olmoe", "paper:olmoe:ii"),
+        ("gpt_oss", "paper:gpt_oss:router-hybrid"),
+    ]
     for family, recipe in cases:
         ref = build(family, "tiny", seed=0)
         model = copy.deepcopy(ref)
@@ -79,12 +85,12 @@ def _check_division(world):
     waited = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for r, q, p in zip(ref, waited, params):
         r.grad, q.grad = p.grad.clone(), p.grad.clone()
-    groups = [{"params": params, "rule": "spectral", "polar_dtype": torch.float32},
-              {"params": [vec], "rule": "adamw"}]
+    groups = [{"params": params, "rule": "spectral", "polar_dtype": torch.float32}, {"params": [vec], "rule": "adamw"}]
     opt = EquivariantOptimizer(groups, lr=0.05, divide_work=True)
     # every broadcast waited for at once: the overlapped step must equal it bit for bit
-    EquivariantOptimizer([{"params": waited, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05,
-                         divide_work=True, overlap=False).step()
+    EquivariantOptimizer(
+        [{"params": waited, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05, divide_work=True, overlap=False
+    ).step()
     with counting_map_work() as done, record_collectives() as log:
         opt.step()
     EquivariantOptimizer([{"params": ref, "rule": "spectral", "polar_dtype": torch.float32}], lr=0.05).step()
@@ -119,8 +125,13 @@ def _check_gram_division(world):
 
     # scarce bandwidth: only the Grams' sums; plentiful, and the matrix too large for an owner: rows
     slow, fast = CostModel(bandwidth=1.0, flops=1e11), CostModel(bandwidth=1e30, flops=1e11, owner_max_bytes=0)
-    cases = [(dict(rule="hybrid"), slow), (dict(rule="hybrid", center=True, scale="rms"), slow),
-             (dict(rule="right", center=True), slow), (dict(rule="hybrid", center=True), fast), (dict(rule="right"), fast)]
+    cases = [
+        (dict(rule="hybrid"), slow),
+        (dict(rule="hybrid", center=True, scale="rms"), slow),
+        (dict(rule="right", center=True), slow),
+        (dict(rule="hybrid", center=True), fast),
+        (dict(rule="right"), fast),
+    ]
     for kw, costs in cases:
         w = torch.nn.Parameter(base.clone())
         w.grad = grad.clone()
@@ -175,9 +186,10 @@ def test_divide_work_needs_a_process_group():
 
 
 def test_build_optimizer_divides_work_for_a_ddp_wrapped_model(tmp_path):
+    from torch.nn.parallel import DistributedDataParallel
+
     import equiopt
     from equiopt.models import build
-    from torch.nn.parallel import DistributedDataParallel
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -186,6 +198,8 @@ def test_build_optimizer_divides_work_for_a_ddp_wrapped_model(tmp_path):
         opt, _ = equiopt.build_optimizer(DistributedDataParallel(model), "paper:qwen3:a-i")
         assert opt.divides_work
         assert not equiopt.build_optimizer(model, "paper:qwen3:a-i")[0].divides_work
-        assert not equiopt.build_optimizer(DistributedDataParallel(model), "paper:qwen3:a-i", divide_work=False)[0].divides_work
+        assert not equiopt.build_optimizer(DistributedDataParallel(model), "paper:qwen3:a-i", divide_work=False)[
+            0
+        ].divides_work
     finally:
         dist.destroy_process_group()

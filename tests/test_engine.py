@@ -76,7 +76,9 @@ RULES = [
 def test_skip_leaves_weights_and_state_untouched_and_others_move(settings, dtype):
     g = torch.Generator().manual_seed(0)
     bad, good = (torch.nn.Parameter((0.02 * torch.randn(16, 8, generator=g)).to(dtype)) for _ in range(2))
-    opt = EquivariantOptimizer([{"params": [bad, good], "names": ["bad", "good"], **settings}], lr=0.1, weight_decay=0.01)
+    opt = EquivariantOptimizer(
+        [{"params": [bad, good], "names": ["bad", "good"], **settings}], lr=0.1, weight_decay=0.01
+    )
     for step in range(3):
         for p in (bad, good):
             p.grad = torch.randn(p.shape, generator=g).to(dtype)
@@ -128,8 +130,10 @@ SPECS = [
 
 def _build(copies, **options):
     g = torch.Generator().manual_seed(0)
-    groups = [{"params": [torch.nn.Parameter(0.02 * torch.randn(*shape, generator=g)) for _ in range(copies)], **settings}
-              for settings, shape in SPECS]
+    groups = [
+        {"params": [torch.nn.Parameter(0.02 * torch.randn(*shape, generator=g)) for _ in range(copies)], **settings}
+        for settings, shape in SPECS
+    ]
     opt = EquivariantOptimizer(groups, lr=0.01, weight_decay=0.01, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return [p for gr in groups for p in gr["params"]], opt, sched
@@ -180,7 +184,9 @@ def test_engine_compile_option_equals_eager():
     assert opt._compiled_step is not None
     for a, b in zip(params, ref):
         assert _rel(a, b) <= 1e-5
-    assert [s["nonfinite"].item() for s in opt.state.values()] == [s["nonfinite"].item() for s in ref_opt.state.values()]
+    assert [s["nonfinite"].item() for s in opt.state.values()] == [
+        s["nonfinite"].item() for s in ref_opt.state.values()
+    ]
 
 
 INDUCTOR_SCRIPT = """
@@ -204,8 +210,12 @@ def test_inductor_compiled_step_from_a_cold_cache_equals_eager(tmp_path):
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
     out = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "worst" in out.stdout
@@ -216,8 +226,10 @@ def test_automatic_compile_warns_and_steps_eagerly_when_compiling_fails(monkeypa
     explicit ``compile=`` raises."""
     monkeypatch.setattr(EquivariantOptimizer, "_on_cuda", lambda self: True)
     (p,), opt, _ = _one(compile=None)
+
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.Unsupported("no backend here")
+
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
     before = p.detach().clone()
     with pytest.warns(UserWarning, match="stepping eagerly"):
@@ -245,10 +257,15 @@ def _largest_allocation(fn) -> int:
     return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
 
 
-@pytest.mark.parametrize("settings", [{"rule": "row", "center": True},
-                                      {"rule": "right", "center": True, "alpha": 1.0},
-                                      {"rule": "row", "center": True, "layout": "col"}],
-                         ids=["row", "right", "row-col-layout"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"rule": "row", "center": True},
+        {"rule": "right", "center": True, "alpha": 1.0},
+        {"rule": "row", "center": True, "layout": "col"},
+    ],
+    ids=["row", "right", "row-col-layout"],
+)
 def test_centred_maps_keep_the_momentum_in_the_quotient_and_copy_nothing_full_size(settings):
     """A centred map sees only Pi M, so the step stores Pi M (exact: Pi is linear) and
     maps it without forming a centred copy of the matrix."""

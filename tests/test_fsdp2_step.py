@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from map_work import check_work_divided, counting_map_work
-from sharded_steps import global_grads, give_grads, in_quotient, rel
+from sharded_steps import give_grads, global_grads, in_quotient, rel
 
 from equiopt.optim.sharded import WAVES
 
@@ -38,16 +38,26 @@ def _pair(family, recipe, world, overrides, **model_kw):
 
 
 def _check_equal_steps(world):
-    from equiopt.recipes import list_recipes
     from torch.distributed.tensor import DTensor
+
+    from equiopt.recipes import list_recipes
 
     cases = [(f, r, EXACT) for f in FAMILIES for r in list_recipes() if r.startswith(f"paper:{f}:")]
     if world > 2:  # uneven last shards: one recipe per family, every layout and plan among them
-        cases = [(f, r, EXACT) for f, r in (("qwen3", "paper:qwen3:b-ii"), ("gemma3", "paper:gemma3:a-iii"),
-                                            ("olmoe", "paper:olmoe:ii"), ("gpt_oss", "paper:gpt_oss:router-hybrid"))]
+        cases = [
+            (f, r, EXACT)
+            for f, r in (
+                ("qwen3", "paper:qwen3:b-ii"),
+                ("gemma3", "paper:gemma3:a-iii"),
+                ("olmoe", "paper:olmoe:ii"),
+                ("gpt_oss", "paper:gpt_oss:router-hybrid"),
+            )
+        ]
     # the recipes' own solvers (Polar Express in float32 on the reduced Gram) on the reduce path
-    cases += [("qwen3", "paper:qwen3:b-ii", {"*": {"polar_dtype": "float32"}}),
-              ("olmoe", "paper:olmoe:iii", {"*": {"polar_dtype": "float32"}})]
+    cases += [
+        ("qwen3", "paper:qwen3:b-ii", {"*": {"polar_dtype": "float32"}}),
+        ("olmoe", "paper:olmoe:iii", {"*": {"polar_dtype": "float32"}}),
+    ]
     for family, recipe, overrides in cases:
         ref, sharded, opt_ref, opt = _pair(family, recipe, world, overrides)
         for step in range(STEPS):
@@ -81,13 +91,16 @@ def _check_communication(world):
         give_grads(global_grads(ref, 0, seed=1000), sharded)
         with record_collectives() as log:
             opt.step()
-        assert all(r.bytes < vocab_bytes / world for r in log), [(r.op, r.shape) for r in log if r.bytes >= vocab_bytes / world]
+        assert all(r.bytes < vocab_bytes / world for r in log), [
+            (r.op, r.shape) for r in log if r.bytes >= vocab_bytes / world
+        ]
         totals[recipe] = log.total_bytes()
         assert log.total_bytes() < vocab_bytes / 4, (recipe, log.summary())
     # per map, on one row-sharded vocabulary-shaped matrix: exactly what is planned
-    from equiopt.optim import EquivariantOptimizer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    from equiopt.optim import EquivariantOptimizer
 
     mesh = init_device_mesh("cpu", (world,))
     m = 1001  # uneven over 2 and 3 ranks
@@ -104,22 +117,30 @@ def _check_communication(world):
     for (rule, center), shapes in planned.items():
         w = torch.nn.Parameter(distribute_tensor(base.clone(), mesh, [Shard(0)]))
         w.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
-        opt = EquivariantOptimizer([{"params": [w], "names": ["lm_head.weight"]}], lr=0.1, rule=rule, center=center,
-                                   method="exact")
+        opt = EquivariantOptimizer(
+            [{"params": [w], "names": ["lm_head.weight"]}], lr=0.1, rule=rule, center=center, method="exact"
+        )
         with record_collectives() as log:
             opt.step()
         assert [r.op for r in log] == ["all_reduce"] * (len(shapes) + 1), (rule, center, log.summary())
         # the first is the finite flag of the parameter (one float per parameter of the group)
-        assert [tuple(r.shape[-len(s):]) if s else () for r, s in zip(log.records[1:], shapes)] == shapes, \
-            (rule, center, [r.shape for r in log])
+        assert [tuple(r.shape[-len(s) :]) if s else () for r, s in zip(log.records[1:], shapes)] == shapes, (
+            rule,
+            center,
+            [r.shape for r in log],
+        )
         assert log.records[0].bytes == 4
         ref = torch.nn.Parameter(base.clone())
         ref.grad = grad.clone()
         EquivariantOptimizer([ref], lr=0.1, rule=rule, center=center, method="exact").step()
         assert rel(w.full_tensor(), ref.detach()) <= 1e-5, (rule, center)
     # the scale-transferable size (its soft row count is a sum over rows too), every hybrid order
-    for rule, order, center in (("right", "row_then_right", True), ("hybrid", "row_then_right", True),
-                                ("hybrid", "right_then_row", False), ("hybrid", "right_then_row", True)):
+    for rule, order, center in (
+        ("right", "row_then_right", True),
+        ("hybrid", "row_then_right", True),
+        ("hybrid", "right_then_row", False),
+        ("hybrid", "right_then_row", True),
+    ):
         kw = dict(lr=0.1, rule=rule, order=order, center=center, method="exact", scale="rms")
         w = torch.nn.Parameter(distribute_tensor(base.clone(), mesh, [Shard(0)]))
         w.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
@@ -154,11 +175,12 @@ def _check_communication(world):
 def _check_owner_based(world):
     """Muon on row-sharded matrices: each is mapped whole on one owner rank (the work split
     among the ranks), with exactly two all-to-alls (rows to owners, update rows back)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
     from equiopt.optim.owners import map_cost
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(7)
@@ -205,10 +227,11 @@ def test_fsdp2_step_equals_one_process_and_sends_what_is_planned(world, gloo):
 
 
 def test_unsupported_placements_fail_at_construction(tmp_path):
-    from equiopt.distributed import UnsupportedShardingError
-    from equiopt.optim import EquivariantOptimizer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
+
+    from equiopt.distributed import UnsupportedShardingError
+    from equiopt.optim import EquivariantOptimizer
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

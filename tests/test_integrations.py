@@ -39,8 +39,17 @@ def _hf_trainer(out, how, steps=6, **extra):
     from equiopt.integrations import hf
 
     model = eo.models.build("qwen3", "tiny", seed=0)
-    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, save_steps=3,
-                             logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        save_steps=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
     if how == "optimizers":
         kw = {"optimizers": eo.build_optimizer(model, total_steps=steps)}
     elif how == "factory":
@@ -65,7 +74,9 @@ def test_hf_trainer_recipe_groups_schedules_and_exact_resume(tmp_path, how, one_
     first = opt.param_groups[0]
     multiplier = make_lr_lambda(first["schedule"], 6)
     logged = [e["learning_rate"] for e in full.state.log_history if "learning_rate" in e]
-    expected = [first["initial_lr"] * multiplier(k) for k in range(6)]  # the lr of each step: the recipe's, not "linear"
+    expected = [
+        first["initial_lr"] * multiplier(k) for k in range(6)
+    ]  # the lr of each step: the recipe's, not "linear"
     assert logged == pytest.approx(expected)
 
     resumed = _hf_trainer(tmp_path / "resumed", how)
@@ -119,8 +130,16 @@ def _lightning_fit(tmp_path, ckpt_path=None, name="run"):
     module = Lit()
     data = torch.utils.data.DataLoader(_progressions(module.model.config.vocab_size, 4), batch_size=4)  # 1 batch/epoch
     ckpt = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=3, save_top_k=-1)
-    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, callbacks=[ckpt],
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[ckpt],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, data, ckpt_path=ckpt_path)

@@ -28,11 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-from equiopt.train import Trainer, check_checkpoint, from_dict, latest_checkpoint, read_checkpoint
-from equiopt.study.plots import read_run
 from _launch import torchrun_command
 from test_train import data_dir, make_cfg  # noqa: F401  (data_dir is a fixture)
+
+from equiopt.study.plots import read_run
+from equiopt.train import Trainer, check_checkpoint, from_dict, latest_checkpoint, read_checkpoint
 
 pytestmark = [
     pytest.mark.soak,
@@ -47,8 +47,9 @@ RECIPE = {"recipe": "paper:olmoe:ii", "overrides": {"*": {"method": "exact"}}, "
 
 
 def _cfg(data_dir, out):
-    cfg = make_cfg(data_dir, out, steps=STEPS, log_every=1, val_every=8, checkpoint_every=1,
-                   keep_checkpoints=2).to_dict()
+    cfg = make_cfg(
+        data_dir, out, steps=STEPS, log_every=1, val_every=8, checkpoint_every=1, keep_checkpoints=2
+    ).to_dict()
     cfg["optim"] = json.loads(json.dumps(RECIPE))
     cfg["run"]["strategy"] = "fsdp2"
     return cfg
@@ -114,8 +115,9 @@ def test_kill_9_at_random_moments_then_resume_loses_nothing(data_dir, tmp_path):
     reference = tmp_path / "reference"
     start = time.monotonic()
     with open(tmp_path / "reference.log", "w") as log:
-        assert _launch(_write_toml(_cfg(data_dir, reference), tmp_path / "reference.toml"), log).wait(600) == 0, \
-            (tmp_path / "reference.log").read_text()[-3000:]
+        assert _launch(_write_toml(_cfg(data_dir, reference), tmp_path / "reference.toml"), log).wait(600) == 0, (
+            tmp_path / "reference.log"
+        ).read_text()[-3000:]
     took = time.monotonic() - start
     times = [r["time"] for r in read_run(reference).records["train"]]
     window = times[-1] - times[0]  # training and checkpointing, without the start-up
@@ -160,8 +162,9 @@ def test_kill_9_at_random_moments_then_resume_loses_nothing(data_dir, tmp_path):
             finally:
                 _kill(_descendants(proc.pid) + [proc.pid])
                 proc.wait()
-            kills.append((what, "from launch" if anywhere else "while training", round(delay, 2),
-                          _train_records(run) - before))
+            kills.append(
+                (what, "from launch" if anywhere else "while training", round(delay, 2), _train_records(run) - before)
+            )
         found = latest_checkpoint(run / "checkpoints")
         at.append(found.name if found else None)
         # every visible checkpoint a kill left is intact (atomic writes; the manifest agrees)
@@ -223,8 +226,9 @@ def test_kill_9_at_random_moments_then_resume_loses_nothing(data_dir, tmp_path):
         torch.testing.assert_close(c["model"][name], want, rtol=2e-4, atol=2e-5, msg=f"{name} {info}")
     for name, state in b["optimizer"]["state"].items():
         for key, want in state.items():
-            torch.testing.assert_close(c["optimizer"]["state"][name][key], want, rtol=2e-4, atol=2e-5,
-                                       msg=f"{name}.{key} {info}")
+            torch.testing.assert_close(
+                c["optimizer"]["state"][name][key], want, rtol=2e-4, atol=2e-5, msg=f"{name}.{key} {info}"
+            )
     assert c["scheduler"] == b["scheduler"] and c["loader"] == b["loader"]
     want = _losses(reference)
     for step, loss in _losses(copied).items():

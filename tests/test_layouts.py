@@ -306,8 +306,15 @@ def test_gpt_oss_and_olmoe_expert_storage():
 
 @pytest.mark.parametrize(
     "inner, shape",
-    [(Row(), (3, 4)), (Col(), (3, 4)), (Heads(2), (4, 3)), (Heads(2, "cols"), (3, 4)),
-     (GateUp("interleave"), (4, 3)), (GateUp(split=False, axis=1), (3, 4)), (Fused((1, 3), Col()), (4, 2))],
+    [
+        (Row(), (3, 4)),
+        (Col(), (3, 4)),
+        (Heads(2), (4, 3)),
+        (Heads(2, "cols"), (3, 4)),
+        (GateUp("interleave"), (4, 3)),
+        (GateUp(split=False, axis=1), (3, 4)),
+        (Fused((1, 3), Col()), (4, 2)),
+    ],
 )
 def test_experts_apply_inner_per_expert(inner, shape):
     E = 3
@@ -496,9 +503,28 @@ def test_parse_layout_nested_round_trips():
 
 @pytest.mark.parametrize(
     "spec",
-    ["", "rows", "heads", "heads:x", "heads:0", "heads_cols:8:rows", "gate_up:zigzag", "gate_up:cols:rows",
-     "fused", "fused:4,x", "fused:4,4:row/col/row", "experts:nope", "col>", "(row", "row:1", "flatten",
-     "flatten:3x", "flatten:0", "flatten:3:groups", "flatten:3:g=2"],
+    [
+        "",
+        "rows",
+        "heads",
+        "heads:x",
+        "heads:0",
+        "heads_cols:8:rows",
+        "gate_up:zigzag",
+        "gate_up:cols:rows",
+        "fused",
+        "fused:4,x",
+        "fused:4,4:row/col/row",
+        "experts:nope",
+        "col>",
+        "(row",
+        "row:1",
+        "flatten",
+        "flatten:3x",
+        "flatten:0",
+        "flatten:3:groups",
+        "flatten:3:g=2",
+    ],
 )
 def test_parse_layout_errors_list_valid_forms(spec):
     with pytest.raises(ValueError, match=r"(?s)invalid layout spec.*heads:HD.*gate_up"):
@@ -582,6 +608,6 @@ def test_flatten_is_a_convolution_weight_as_its_patch_matrix():
     x = torch.randn(1, 4, 3, 2)  # one patch: the output is each group's block times its flattened inputs
     y = conv(x).reshape(6)
     for g in range(2):
-        patch = x[0, 2 * g: 2 * g + 2].reshape(12)
-        torch.testing.assert_close(y[3 * g: 3 * g + 3], grouped[g] @ patch)
-        torch.testing.assert_close(grouped[g], whole[3 * g: 3 * g + 3])
+        patch = x[0, 2 * g : 2 * g + 2].reshape(12)
+        torch.testing.assert_close(y[3 * g : 3 * g + 3], grouped[g] @ patch)
+        torch.testing.assert_close(grouped[g], whole[3 * g : 3 * g + 3])

@@ -1,13 +1,12 @@
 """``lazy=True``: only the rows with a nonzero gradient in this step are updated."""
 
 import pytest
+import reference as ref
 import torch
 
 import equiopt as eo
 from equiopt.optim import EquivariantOptimizer
 from equiopt.recipes import get_recipe
-
-import reference as ref
 
 VOCAB, D = 40, 6
 
@@ -32,8 +31,16 @@ def _run(grads, w0, **kw):
     return w.detach(), opt.state[w]["momentum_buffer"]
 
 
-@pytest.mark.parametrize("rule,extra", [("row", {}), ("hybrid", {"scale": "rms"}), ("hybrid", {"scale": "nu"}),
-                                        ("hybrid", {"order": "right_then_row"}), ("right", {"alpha": 1.0})])
+@pytest.mark.parametrize(
+    "rule,extra",
+    [
+        ("row", {}),
+        ("hybrid", {"scale": "rms"}),
+        ("hybrid", {"scale": "nu"}),
+        ("hybrid", {"order": "right_then_row"}),
+        ("right", {"alpha": 1.0}),
+    ],
+)
 def test_lazy_step_equals_the_float64_algorithm(rule, extra):
     """Weights: W <- W - lr U(mask * M) with M the (dense) EMA momentum and mask the rows
     with a nonzero gradient this step, written out with the float64 reference maps."""

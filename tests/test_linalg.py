@@ -2,12 +2,11 @@ import math
 
 import numpy as np
 import pytest
+import reference as ref
 import torch
 
 from equiopt import linalg
 from equiopt.linalg.coefficients import QUINTIC_LIMIT, greedy_schedule, minimax_quintic, schedule_bounds
-
-import reference as ref
 
 
 def spd(n, cond, seed=0, dtype=torch.float64):
@@ -28,7 +27,7 @@ def tall(m, n, cond, scale, seed=0):
 @pytest.mark.parametrize("lo,hi", [(1e-3, 1.0), (0.05, 1.3), (0.5, 1.5)])
 def test_minimax_quintic_equioscillates(lo, hi):
     a, b, c, err = minimax_quintic(lo, hi)
-    p = lambda x: a * x + b * x**3 + c * x**5  # noqa: E731
+    p = lambda x: a * x + b * x**3 + c * x**5
     xs = np.linspace(lo, hi, 200001)
     dev = 1 - p(xs)
     assert abs(np.abs(dev).max() - err) < 1e-9

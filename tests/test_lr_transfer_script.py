@@ -29,8 +29,16 @@ def _rows(optima: dict, noise: float, seeds: int, label="rms-lazy"):
             for lr in grid:
                 loss = 5.0 + 0.01 * (math.log2(lr) - math.log2(best)) ** 2 + offset
                 loss += noise * float(torch.randn(1, generator=g))
-                rows.append({"vocab": str(vocab), "width": str(width), "scale": label, "lr": str(lr), "seed": str(seed),
-                             "val_loss": str(loss)})
+                rows.append(
+                    {
+                        "vocab": str(vocab),
+                        "width": str(width),
+                        "scale": label,
+                        "lr": str(lr),
+                        "seed": str(seed),
+                        "val_loss": str(loss),
+                    }
+                )
     return rows
 
 
@@ -75,10 +83,20 @@ def test_head_lr_scales_inversely_with_width_and_the_config_builds():
     from equiopt.train.config import from_dict
 
     lt = _script()
-    args = SimpleNamespace(runs="runs/x", data="data/poetry-bpe{vocab}", seq_len=64, batch_size=16, steps=60,
-                           val_batches=8, head_lr=1e-3, head_lr_base_width=64)
-    lrs = {w: from_dict(lt.run_config(args, 1024, w, "rms-lazy", 0.032, 0), source="t").optim.overrides["lm_head"]["lr"]
-           for w in (32, 64, 256)}
+    args = SimpleNamespace(
+        runs="runs/x",
+        data="data/poetry-bpe{vocab}",
+        seq_len=64,
+        batch_size=16,
+        steps=60,
+        val_batches=8,
+        head_lr=1e-3,
+        head_lr_base_width=64,
+    )
+    lrs = {
+        w: from_dict(lt.run_config(args, 1024, w, "rms-lazy", 0.032, 0), source="t").optim.overrides["lm_head"]["lr"]
+        for w in (32, 64, 256)
+    }
     assert lrs == {32: pytest.approx(2e-3), 64: pytest.approx(1e-3), 256: pytest.approx(2.5e-4)}
     args.head_lr_base_width, args.head_lr = None, 4e-3
     assert lt.run_config(args, 1024, 256, "rms", 0.032, 0)["optim"]["overrides"]["lm_head"]["lr"] == 4e-3
@@ -90,7 +108,9 @@ def test_noise_only_ratio_tells_a_moved_optimum_from_seed_scatter():
     lo, mid, hi = same["fit_lr_noise_only_ratio_2.5_50_97.5"]
     assert 1.0 <= lo <= mid <= hi
     assert lo <= same["fit_lr_ratio_max_over_min"] <= hi  # no optimum moved: the observed spread is noise
-    moved = lt.summarise(_rows({(1024, 32): 0.02, (1024, 64): 0.03, (4096, 32): 0.06}, noise=0.001, seeds=6))["rms-lazy"]
+    moved = lt.summarise(_rows({(1024, 32): 0.02, (1024, 64): 0.03, (4096, 32): 0.06}, noise=0.001, seeds=6))[
+        "rms-lazy"
+    ]
     assert moved["fit_lr_noise_only_ratio_2.5_50_97.5"][2] < 2.0 < moved["fit_lr_ratio_bootstrap_2.5_50_97.5"][0]
     for (vocab, width), best in {(1024, 32): 0.02, (1024, 64): 0.03, (4096, 32): 0.06}.items():
         q = moved["best"][f"v{vocab}-d{width}"]["fit_lr_bootstrap_2.5_50_97.5"]
@@ -108,8 +128,17 @@ def test_muon_lr_reaches_every_attention_and_mlp_matrix_and_nothing_else():
     from equiopt.train.config import from_dict
 
     lt = _script()
-    args = SimpleNamespace(runs="runs/x", data="data/poetry-bpe{vocab}", seq_len=64, batch_size=16, steps=60,
-                           val_batches=8, head_lr=1e-3, head_lr_base_width=None, muon_lr=0.0123)
+    args = SimpleNamespace(
+        runs="runs/x",
+        data="data/poetry-bpe{vocab}",
+        seq_len=64,
+        batch_size=16,
+        steps=60,
+        val_batches=8,
+        head_lr=1e-3,
+        head_lr_base_width=None,
+        muon_lr=0.0123,
+    )
     cfg = from_dict(lt.run_config(args, 256, 32, "rms-lazy", 0.032, 0), source="t")
     model = models.build("qwen3", "tiny", **cfg.model.overrides)
     opt, _ = build_optimizer(model, cfg.optim.recipe, total_steps=60, overrides=cfg.optim.overrides)
@@ -123,7 +152,10 @@ def test_muon_lr_reaches_every_attention_and_mlp_matrix_and_nothing_else():
     assert by_role["embedding"] == {0.032}
     assert cfg.model.overrides.get("initializer_range") is None
     args.init_base_width = 64
-    stds = {w: lt.run_config(args, 256, w, "rms-lazy", 0.032, 0)["model"]["overrides"]["initializer_range"] for w in (32, 256)}
+    stds = {
+        w: lt.run_config(args, 256, w, "rms-lazy", 0.032, 0)["model"]["overrides"]["initializer_range"]
+        for w in (32, 256)
+    }
     assert stds == {32: pytest.approx(0.02 * 2**0.5), 256: pytest.approx(0.01)}
     wide = models.build("qwen3", "tiny", **lt.run_config(args, 256, 256, "rms-lazy", 0.032, 0)["model"]["overrides"])
     assert wide.model.layers[0].mlp.down_proj.weight.std().item() == pytest.approx(0.01, rel=0.05)
@@ -137,8 +169,17 @@ def test_residual_probe_counts_the_rows_a_step_touches(data_dir, tmp_path, one_t
     from equiopt.data.loader import TokenLoader
 
     lt = _script()
-    args = SimpleNamespace(runs=str(tmp_path / "runs"), data=str(data_dir), seq_len=16, batch_size=8, steps=4,
-                           val_batches=2, head_lr=1e-3, head_lr_base_width=None, muon_lr=None)
+    args = SimpleNamespace(
+        runs=str(tmp_path / "runs"),
+        data=str(data_dir),
+        seq_len=16,
+        batch_size=8,
+        steps=4,
+        val_batches=2,
+        head_lr=1e-3,
+        head_lr_base_width=None,
+        muon_lr=None,
+    )
     before, after = lt.residual_scales(args, 384, 32, "rms-lazy", 0.05)
     loader = iter(TokenLoader(str(data_dir), 8, 16, split="train", seed=0))
     expected = sum(next(loader)[0].unique().numel() for _ in range(4)) / 4
@@ -152,7 +193,14 @@ def test_setting_table_means_over_seeds_and_names_the_best_setting():
     lt = _script()
 
     def row(width, lr, seed, loss, scale="rms-lazy"):
-        return {"vocab": "1024", "width": str(width), "scale": scale, "lr": str(lr), "seed": str(seed), "val_loss": str(loss)}
+        return {
+            "vocab": "1024",
+            "width": str(width),
+            "scale": scale,
+            "lr": str(lr),
+            "seed": str(seed),
+            "val_loss": str(loss),
+        }
 
     a = [row(32, 0.0453, 0, 5.0), row(32, 0.0453, 1, 5.2), row(64, 0.0453, 0, 4.0), row(32, 0.0453, 0, 1.0, "nu")]
     b = [row(32, 0.0453, 0, 5.05), row(32, 0.0453, 1, 5.05), row(64, 0.0453, 0, float("nan")), row(64, 0.032, 0, 1.0)]

@@ -1,12 +1,11 @@
 import pytest
+import reference as ref
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equiopt import maps
 from equiopt.diagnostics import check_equivariance
-
-import reference as ref
 
 EPS = 1e-8
 
@@ -104,7 +103,7 @@ def test_spectral_is_biorthogonally_equivariant():
 
 
 def test_checker_reports_maps_that_are_not_equivariant():
-    adam_like = lambda D: D / (D.abs() + 1e-8)  # noqa: E731  (first Adam step: coordinate-wise)
+    adam_like = lambda D: D / (D.abs() + 1e-8)
     assert check_equivariance(adam_like, "lpro", (2, 20, 8)) > 0.1
     assert check_equivariance(maps.row_norm, "biorthogonal", (2, 20, 8)) > 0.1  # not left-rotation equivariant
     # uncentred left-polar is not shift invariant / horizontal
@@ -112,7 +111,7 @@ def test_checker_reports_maps_that_are_not_equivariant():
     # uncentred row norm fails the router group but not lpro
     assert check_equivariance(maps.row_norm, "router", (2, 8, 40)) > 0.1
     # a map that leaks reductions across the batch fails the per-matrix group test
-    leaky = lambda D: D / torch.linalg.vector_norm(D, dim=-1, keepdim=True).mean(dim=0, keepdim=True)  # noqa: E731
+    leaky = lambda D: D / torch.linalg.vector_norm(D, dim=-1, keepdim=True).mean(dim=0, keepdim=True)
     assert check_equivariance(leaky, "lpro", (3, 20, 8)) > 0.1
 
 
@@ -122,26 +121,35 @@ def test_checker_rejects_unknown_group():
 
 
 # ------------------------------------------------------- structural properties
-@pytest.mark.parametrize("fn", [
-    lambda D: maps.row_norm(D, center=True),
-    lambda D: maps.right_spectral(D, center=True),
-    lambda D: maps.left_spectral(D, center=True),
-    lambda D: maps.hybrid(D, "row_then_right", center=True),
-    lambda D: maps.hybrid(D, "right_then_row", center=True),
-    lambda D: maps.hybrid(D, "left_then_row", center=True),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda D: maps.row_norm(D, center=True),
+        lambda D: maps.right_spectral(D, center=True),
+        lambda D: maps.left_spectral(D, center=True),
+        lambda D: maps.hybrid(D, "row_then_right", center=True),
+        lambda D: maps.hybrid(D, "right_then_row", center=True),
+        lambda D: maps.hybrid(D, "left_then_row", center=True),
+    ],
+)
 def test_centred_maps_are_horizontal(fn):
     D = randn(3, 16, 24, seed=5, dtype=torch.float32) + 3.0  # a large shared-row component
     U = fn(D)
     assert (U.sum(dim=-2).abs().max() / U.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("fn", [
-    maps.row_norm, maps.right_spectral, maps.left_spectral, maps.spectral,
-    lambda D: maps.right_spectral(D, alpha=1.0, center=True),
-    lambda D: maps.hybrid(D, "row_then_right", center=True),
-    lambda D: maps.hybrid(D, "left_then_row", center=True),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        maps.row_norm,
+        maps.right_spectral,
+        maps.left_spectral,
+        maps.spectral,
+        lambda D: maps.right_spectral(D, alpha=1.0, center=True),
+        lambda D: maps.hybrid(D, "row_then_right", center=True),
+        lambda D: maps.hybrid(D, "left_then_row", center=True),
+    ],
+)
 def test_batched_equals_loop(fn):
     D = randn(5, 24, 10, seed=6, dtype=torch.float32)
     batched = fn(D)
@@ -152,12 +160,16 @@ def test_batched_equals_loop(fn):
     torch.testing.assert_close(bigger, batched, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [
-    maps.row_norm, maps.right_spectral,
-    lambda D: maps.row_norm(D, center=True),
-    lambda D: maps.hybrid(D, "row_then_right"),
-    lambda D: maps.hybrid(D, "right_then_row", alpha=1.0),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        maps.row_norm,
+        maps.right_spectral,
+        lambda D: maps.row_norm(D, center=True),
+        lambda D: maps.hybrid(D, "row_then_right"),
+        lambda D: maps.hybrid(D, "right_then_row", alpha=1.0),
+    ],
+)
 def test_zero_rows_give_zero_update_never_nan(fn):
     D = randn(32, 8, seed=8, dtype=torch.float32)
     D[[3, 7, 20]] = 0.0

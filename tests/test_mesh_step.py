@@ -18,10 +18,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from sharded_steps import global_grads, give_grads, in_quotient, rel
+from sharded_steps import give_grads, global_grads, in_quotient, rel
 
-pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.slow,
+]
 
 FLOAT32 = {"*": {"polar_dtype": "float32"}}
 STEPS = 2
@@ -30,11 +32,13 @@ WORLD = 4
 
 def _tensor_parallel(model, tp_mesh):
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(),
-            "model.norm": SequenceParallel()}
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(),
+        "model.norm": SequenceParallel(),
+    }
     for i in range(len(model.model.layers)):
         pre = f"model.layers.{i}."
         for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
@@ -69,8 +73,8 @@ def _by_hand(model, mesh, placements_of):
 
 
 def _layouts(case, ref):
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
 
     if case == "fsdp+tp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -96,12 +100,27 @@ def _layouts(case, ref):
 # (recipe, cost model): "reduce" runs every map that can on the shards; "auto" lets the
 # cost model send the tiny test matrices to owners where that is cheaper
 CASES = [
-    ("fsdp+tp", "qwen3", (("paper:qwen3:a-i", "auto"), ("paper:qwen3:b-ii", "reduce"), ("paper:qwen3:b-ii", "auto"),
-                          ("paper:qwen3:b-iii", "reduce"))),
+    (
+        "fsdp+tp",
+        "qwen3",
+        (
+            ("paper:qwen3:a-i", "auto"),
+            ("paper:qwen3:b-ii", "reduce"),
+            ("paper:qwen3:b-ii", "auto"),
+            ("paper:qwen3:b-iii", "reduce"),
+        ),
+    ),
     ("tp", "qwen3", (("paper:qwen3:a-i", "auto"), ("paper:qwen3:b-ii", "reduce"))),
     ("hsdp", "qwen3", (("paper:qwen3:a-i", "auto"), ("paper:qwen3:b-ii", "auto"))),
-    ("ep-whole", "gpt_oss", (("paper:gpt_oss:i", "auto"), ("paper:gpt_oss:router-hybrid", "reduce"),
-                             ("paper:gpt_oss:router-left-centered", "auto"))),
+    (
+        "ep-whole",
+        "gpt_oss",
+        (
+            ("paper:gpt_oss:i", "auto"),
+            ("paper:gpt_oss:router-hybrid", "reduce"),
+            ("paper:gpt_oss:router-left-centered", "auto"),
+        ),
+    ),
     ("ep-s1", "olmoe", (("paper:olmoe:ii", "reduce"), ("paper:olmoe:iii", "reduce"), ("paper:olmoe:iv", "auto"))),
 ]
 
@@ -111,11 +130,12 @@ OVERLAP_CHECKED = {("fsdp+tp", "paper:qwen3:b-ii", "reduce"), ("ep-s1", "paper:o
 
 
 def _check_case(case, family, recipe, costs, rank):
+    from torch.distributed.tensor import DTensor
+
     import equiopt
     from equiopt.distributed import record_collectives
     from equiopt.models import build
     from equiopt.optim.planner import plan_step
-    from torch.distributed.tensor import DTensor
 
     ref = build(family, "tiny", seed=0)
     sharded = _layouts(case, ref)
@@ -141,8 +161,11 @@ def _check_case(case, family, recipe, costs, rank):
         assert planned > 0 and log.total_bytes() == planned, (case, recipe, log.summary(), planned)
         # nothing vocabulary-sized is all-reduced or gathered (owner work all-to-alls carry
         # the blocks of every owner-mapped matrix at once; the plans below keep vocabularies off them)
-        big = [(r.op, r.shape) for r in log
-               if r.op != "all_to_all" and math.prod(r.shape[-2:]) * r.dtype.itemsize >= vocab_bytes / 2]
+        big = [
+            (r.op, r.shape)
+            for r in log
+            if r.op != "all_to_all" and math.prod(r.shape[-2:]) * r.dtype.itemsize >= vocab_bytes / 2
+        ]
         assert not big, (case, recipe, big)
     if waited is not None:
         assert any(how.how == "owner" for how in _plans(opt).values())
@@ -200,12 +223,13 @@ def _check_reshard(rank, directory):
     """DCP: save the model and optimizer on the 2 x 2 FSDP + TP mesh, load them into the
     model sharded by FSDP alone over 4 ranks (4 x 1), and the next step still equals one
     process (as the trainer saves and restores: get_state_dict / set_state_dict)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
     import equiopt
     from equiopt.models import build
     from equiopt.train.checkpoint import load_checkpoint, save_checkpoint
     from equiopt.train.parallel import apply_fsdp2
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.tensor import DTensor
 
     recipe = "paper:qwen3:b-ii"
     ref = build("qwen3", "tiny", seed=0)
@@ -222,8 +246,12 @@ def _check_reshard(rank, directory):
     model_sd, optim_sd = get_state_dict(second, opt2)
     tensors = {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
     assert load_checkpoint(directory, tensors) is not None
-    set_state_dict(second, opt2, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": optim_sd["param_groups"]})
+    set_state_dict(
+        second,
+        opt2,
+        model_state_dict=tensors["model"],
+        optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": optim_sd["param_groups"]},
+    )
     give_grads(global_grads(ref, 1, seed=2000), ref, second)
     opt_ref.step()
     opt2.step()

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-import equiopt.models as M  # noqa: E402
+import equiopt.models as M
 
 PAPER = {
     "qwen3": 625_784_832,

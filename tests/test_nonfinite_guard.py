@@ -22,7 +22,9 @@ RULES = [
 
 def _opt(settings, shape=(64, 16), **extra):
     p = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
-    opt = EquivariantOptimizer([{"params": [p], "lr": 0.01, "weight_decay": 0.1, **settings, **extra}], eager_state=True)
+    opt = EquivariantOptimizer(
+        [{"params": [p], "lr": 0.01, "weight_decay": 0.1, **settings, **extra}], eager_state=True
+    )
     return p, opt
 
 
@@ -67,8 +69,11 @@ def test_raise_names_the_parameter_for_a_gradient_beyond_the_limit():
         opt.step()
 
 
-@pytest.mark.parametrize("settings", [{"rule": "right"}, {"rule": "hybrid"}, {"rule": "row"}, {"rule": "spectral"}],
-                         ids=["right", "hybrid", "row", "spectral"])
+@pytest.mark.parametrize(
+    "settings",
+    [{"rule": "right"}, {"rule": "hybrid"}, {"rule": "row"}, {"rule": "spectral"}],
+    ids=["right", "hybrid", "row", "spectral"],
+)
 def test_a_non_finite_update_from_a_usable_gradient_is_not_added(settings, monkeypatch):
     """The last guard: a map that returns NaN (here forced) adds nothing to the weights,
     writes no NaN anywhere, and is counted; the next healthy step proceeds."""

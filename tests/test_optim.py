@@ -2,13 +2,12 @@ import copy
 import io
 
 import pytest
+import reference as ref
 import torch
 
 import equiopt as eo
 from equiopt.layouts import Col, parse_layout
 from equiopt.optim import EquivariantOptimizer, NonFiniteGradientError
-
-import reference as ref
 
 EPS = 1e-8
 
@@ -58,8 +57,9 @@ def test_steps_match_hand_written_algorithm(rule, opts, shape, damping):
     """Algorithms 1-2: EMA momentum, the map, decoupled weight decay, exactly."""
     (p,) = make_params(shape)
     lr, beta, wd = 0.05, 0.9, 0.1
-    opt = EquivariantOptimizer([p], lr=lr, rule=rule, beta=beta, weight_decay=wd, method="exact", damping=damping,
-                               **opts)
+    opt = EquivariantOptimizer(
+        [p], lr=lr, rule=rule, beta=beta, weight_decay=wd, method="exact", damping=damping, **opts
+    )
     W = p.detach().clone()
     M = torch.zeros_like(W)
     for k in range(3):
@@ -67,8 +67,14 @@ def test_steps_match_hand_written_algorithm(rule, opts, shape, damping):
         p.grad = G.clone()
         opt.step()
         M = beta * M + (1 - beta) * G
-        U = map_ref(rule, M, opts.get("order", "row_then_right"), opts.get("alpha", 1.0 if rule == "hybrid" else 0.0),
-                    opts.get("center", False), damping)
+        U = map_ref(
+            rule,
+            M,
+            opts.get("order", "row_then_right"),
+            opts.get("alpha", 1.0 if rule == "hybrid" else 0.0),
+            opts.get("center", False),
+            damping,
+        )
         W = (1 - lr * wd) * W - lr * U
         torch.testing.assert_close(p.detach(), W, rtol=1e-10, atol=1e-12)
 
@@ -101,7 +107,11 @@ def test_lr_scale_options():
 def test_sgd_and_adamw_rules():
     p, q = make_params((5, 3), (7,))
     p2, q2 = copy.deepcopy(p), copy.deepcopy(q)
-    opt = EquivariantOptimizer([{"params": [p], "rule": "sgd", "beta": 0.0}, {"params": [q], "rule": "adamw", "weight_decay": 0.1}], lr=0.01, betas=(0.9, 0.95))
+    opt = EquivariantOptimizer(
+        [{"params": [p], "rule": "sgd", "beta": 0.0}, {"params": [q], "rule": "adamw", "weight_decay": 0.1}],
+        lr=0.01,
+        betas=(0.9, 0.95),
+    )
     torch_sgd = torch.optim.SGD([p2], lr=0.01)
     torch_adamw = torch.optim.AdamW([q2], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     for k in range(4):
@@ -139,7 +149,8 @@ def test_per_parameter_layouts_and_batching_across_params(monkeypatch):
     up, down, other = make_params((16, 4), (4, 16), (16, 4), dtype=torch.float32)
     opt = EquivariantOptimizer(
         [{"params": [up, down], "layouts": ["row", Col()], "lr": 0.1}, {"params": [other], "lr": 0.2}],
-        rule="right", beta=0.0,
+        rule="right",
+        beta=0.0,
     )
     W = [t.detach().clone() for t in (up, down, other)]
     G = grads_for([up, down, other], 0)
@@ -172,8 +183,11 @@ def test_state_dict_round_trip_is_exact():
     def build():
         ps = make_params((16, 4), (8, 8), (5,), dtype=torch.float32)
         opt = EquivariantOptimizer(
-            [{"params": ps[:1], "rule": "hybrid", "center": True, "layout": "col"},
-             {"params": ps[1:2], "rule": "spectral", "layout": "heads:4"}, {"params": ps[2:], "rule": "adamw"}],
+            [
+                {"params": ps[:1], "rule": "hybrid", "center": True, "layout": "col"},
+                {"params": ps[1:2], "rule": "spectral", "layout": "heads:4"},
+                {"params": ps[2:], "rule": "adamw"},
+            ],
             lr=0.01,
         )
         return ps, opt
@@ -211,12 +225,15 @@ def test_bfloat16_params_keep_float32_state_through_round_trip():
     assert torch.equal(opt2.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
 
 
-@pytest.mark.parametrize("make_sched", [
-    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
-    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4),
-    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
-    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10, cycle_momentum=False),
-])
+@pytest.mark.parametrize(
+    "make_sched",
+    [
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4),
+        lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10, cycle_momentum=False),
+    ],
+)
 def test_schedulers_drive_the_learning_rate(make_sched):
     (p,) = make_params((8, 4))
     opt = eo.RightPolarGradM([p], lr=0.1, beta=0.0, method="exact")
@@ -315,12 +332,23 @@ def test_eager_state_creates_every_key():
     p, v = make_params((8, 4), (4,))
     opt = EquivariantOptimizer([{"params": [p]}, {"params": [v], "rule": "adamw"}], eager_state=True)
     sd = opt.state_dict()["state"]
-    assert set(sd[0]) == {"momentum_buffer", "nonfinite"} and set(sd[1]) == {"step", "exp_avg", "exp_avg_sq", "nonfinite"}
+    assert set(sd[0]) == {"momentum_buffer", "nonfinite"} and set(sd[1]) == {
+        "step",
+        "exp_avg",
+        "exp_avg_sq",
+        "nonfinite",
+    }
 
 
 def test_presets_fix_their_rule():
     (p,) = make_params((8, 4))
-    for cls, rule in [(eo.Muon, "spectral"), (eo.RightPolarGradM, "right"), (eo.LeftPolarGradM, "left"), (eo.RowNormM, "row"), (eo.HybridPolarGradM, "hybrid")]:
+    for cls, rule in [
+        (eo.Muon, "spectral"),
+        (eo.RightPolarGradM, "right"),
+        (eo.LeftPolarGradM, "left"),
+        (eo.RowNormM, "row"),
+        (eo.HybridPolarGradM, "hybrid"),
+    ]:
         opt = cls([p])
         assert opt.param_groups[0]["rule"] == rule and type(opt).__name__ == cls.__name__
         with pytest.raises(TypeError, match="fixes rule"):

@@ -9,14 +9,24 @@ import pytest
 from equiopt.study.paired import paired_rows, paired_table, sweep, sweep_report, t_quantile
 
 
-def write_run(path: Path, name: str, seed: int, val: float, recipe: str = "paper:qwen3:a-i", status: str = "done",
-              extra: dict | None = None):
+def write_run(
+    path: Path,
+    name: str,
+    seed: int,
+    val: float,
+    recipe: str = "paper:qwen3:a-i",
+    status: str = "done",
+    extra: dict | None = None,
+):
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"run": {"name": name, "seed": seed, "out_dir": str(path)}, "optim": {"recipe": recipe, **(extra or {})}}
     (path / "config.json").write_text(json.dumps(cfg))
-    recs = [{"kind": "meta", "step": 0, "tokens": 0}, {"kind": "train", "step": 10, "tokens": 100, "loss": val + 0.1},
-            {"kind": "val", "step": 10, "tokens": 100, "val/loss": val}, {"kind": "end", "step": 10, "tokens": 100,
-                                                                          "status": status}]
+    recs = [
+        {"kind": "meta", "step": 0, "tokens": 0},
+        {"kind": "train", "step": 10, "tokens": 100, "loss": val + 0.1},
+        {"kind": "val", "step": 10, "tokens": 100, "val/loss": val},
+        {"kind": "end", "step": 10, "tokens": 100, "status": status},
+    ]
     (path / "log.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
 
 
@@ -67,8 +77,10 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
     configs = []
     for arm in ("a", "b"):
         p = tmp_path / f"{arm}.toml"
-        p.write_text(f'[run]\nname = "{arm}"\nout_dir = "{tmp_path / "runs" / arm}"\n[model]\nfamily = "qwen3"\n'
-                     f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n')
+        p.write_text(
+            f'[run]\nname = "{arm}"\nout_dir = "{tmp_path / "runs" / arm}"\n[model]\nfamily = "qwen3"\n'
+            f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n'
+        )
         configs.append(str(p))
     calls = []
 
@@ -104,8 +116,10 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
 def test_sweep_tunes_on_the_first_seeds_then_runs_the_rest_at_the_chosen_multiplier(tmp_path):
     # arm 'a' is best at 0.02 (multiplier 1); seed 0 alone decides, seeds 1-2 run only there
     p = tmp_path / "a.toml"
-    p.write_text(f'[run]\nname = "a"\nout_dir = "{tmp_path / "runs" / "a"}"\n[model]\nfamily = "qwen3"\n'
-                 f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n')
+    p.write_text(
+        f'[run]\nname = "a"\nout_dir = "{tmp_path / "runs" / "a"}"\n[model]\nfamily = "qwen3"\n'
+        f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n'
+    )
     calls = []
 
     def fake_train(cfg, progress=False):
@@ -115,8 +129,15 @@ def test_sweep_tunes_on_the_first_seeds_then_runs_the_rest_at_the_chosen_multipl
         val = 5.0 + math.log2(lr / 0.02) ** 2 / 10 - (1.0 if cfg.run.seed and lr > 0.05 else 0.0)
         write_run(cfg.out_path, cfg.run.name, cfg.run.seed, val)
 
-    arms = sweep([str(p)], [0.25, 1.0, 4.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train,
-                 progress=False, tune_seeds=1)
+    arms = sweep(
+        [str(p)],
+        [0.25, 1.0, 4.0],
+        seeds=[0, 1, 2],
+        roles=["attention"],
+        train_fn=fake_train,
+        progress=False,
+        tune_seeds=1,
+    )
     assert calls == [(0.25, 0), (1.0, 0), (4.0, 0), (1.0, 1), (1.0, 2)]
     assert sorted(arms[0].runs[1.0]) == [0, 1, 2] and sorted(arms[0].runs[4.0]) == [0]
     text = sweep_report(arms, baseline="a")
@@ -139,8 +160,21 @@ def test_cli_compare_with_baseline_writes_a_paired_report(tmp_path, monkeypatch,
 
     monkeypatch.setattr(cli, "_run_seed", fake_run_seed)
     report = tmp_path / "cmp" / "report.md"
-    cli.main(["compare", "cfg/a.toml", "cfg/b.toml", "--seeds", "3", "--baseline", "cfg/a.toml",
-              "--report", str(report), "--out", str(tmp_path / "plots")])
+    cli.main(
+        [
+            "compare",
+            "cfg/a.toml",
+            "cfg/b.toml",
+            "--seeds",
+            "3",
+            "--baseline",
+            "cfg/a.toml",
+            "--report",
+            str(report),
+            "--out",
+            str(tmp_path / "plots"),
+        ]
+    )
     out = capsys.readouterr().out
     assert "2 of 3" in out and "mean diff in val/loss vs a" in out
     text = report.read_text()
@@ -170,12 +204,22 @@ def test_run_progress_counts_runs_and_estimates_from_trained_runs_only(monkeypat
     out = io.StringIO()
     runs = RunProgress(5, stream=out, clock=lambda: now[0])
     lines = []
-    for name, seconds, reused in (("a", 60, False), ("b", 1, True), ("c", 60, False), ("d", 180, False), ("e", 60, False)):
+    for name, seconds, reused in (
+        ("a", 60, False),
+        ("b", 1, True),
+        ("c", 60, False),
+        ("d", 180, False),
+        ("e", 60, False),
+    ):
         now[0] += seconds
         lines.append(runs.done(name, reused))
-    assert lines == ["[1/5 runs] done: a (60 s); ~4 min left", "[2/5 runs] reused: b (already finished); ~3 min left",
-                     "[3/5 runs] done: c (60 s); ~2 min left", "[4/5 runs] done: d (3 min); ~2 min left",
-                     "[5/5 runs] done: e (60 s)"]
+    assert lines == [
+        "[1/5 runs] done: a (60 s); ~4 min left",
+        "[2/5 runs] reused: b (already finished); ~3 min left",
+        "[3/5 runs] done: c (60 s); ~2 min left",
+        "[4/5 runs] done: d (3 min); ~2 min left",
+        "[5/5 runs] done: e (60 s)",
+    ]
     assert out.getvalue().splitlines() == lines
     # nothing trained yet: no estimate
     assert RunProgress(2, stream=io.StringIO()).done("x", reused=True) == "[1/2 runs] reused: x (already finished)"
@@ -212,8 +256,10 @@ def test_sweep_shows_runs_done_of_total_and_resumes_as_reused(tmp_path, capsys, 
     configs = []
     for arm in ("a", "b"):
         p = tmp_path / f"{arm}.toml"
-        p.write_text(f'[run]\nname = "{arm}"\nout_dir = "{tmp_path / "runs" / arm}"\n[model]\nfamily = "qwen3"\n'
-                     f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n')
+        p.write_text(
+            f'[run]\nname = "{arm}"\nout_dir = "{tmp_path / "runs" / arm}"\n[model]\nfamily = "qwen3"\n'
+            f'[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n'
+        )
         configs.append(str(p))
 
     def fake_train(cfg, progress=False):
@@ -223,16 +269,25 @@ def test_sweep_shows_runs_done_of_total_and_resumes_as_reused(tmp_path, capsys, 
     names = [f"{arm}-{tag}" for arm in ("a", "b") for tag in ("lrx0.5-s0", "lrx2-s0", "lrx0.5-s1", "lrx0.5-s2")]
     sweep(configs, [0.5, 2.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=1)
     lines = _run_lines(capsys.readouterr().err)
-    assert [(i, n, kind, name) for i, n, kind, name, _ in lines] == [(i + 1, 8, "done", nm) for i, nm in enumerate(names)]
+    assert [(i, n, kind, name) for i, n, kind, name, _ in lines] == [
+        (i + 1, 8, "done", nm) for i, nm in enumerate(names)
+    ]
     assert all(left for *_, left in lines[:-1]) and lines[-1][4] is None
     # resumed: every run is reused, and with nothing trained there is no estimate
     (tmp_path / "runs" / "b" / "lrx2-s0" / "log.jsonl").unlink()
     sweep(configs, [0.5, 2.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=1)
     lines = _run_lines(capsys.readouterr().err)
     kinds = [(i, kind, name, left is not None) for i, _, kind, name, left in lines]
-    assert kinds == [(1, "reused", names[0], False), (2, "reused", names[1], False), (3, "reused", names[2], False),
-                     (4, "reused", names[3], False), (5, "reused", names[4], False), (6, "done", names[5], True),
-                     (7, "reused", names[6], True), (8, "reused", names[7], False)]
+    assert kinds == [
+        (1, "reused", names[0], False),
+        (2, "reused", names[1], False),
+        (3, "reused", names[2], False),
+        (4, "reused", names[3], False),
+        (5, "reused", names[4], False),
+        (6, "done", names[5], True),
+        (7, "reused", names[6], True),
+        (8, "reused", names[7], False),
+    ]
 
 
 def test_cli_compare_shows_runs_done_of_total(tmp_path, monkeypatch, capsys):
@@ -256,5 +311,8 @@ def test_cli_compare_shows_runs_done_of_total(tmp_path, monkeypatch, capsys):
     cli.main(["compare", "cfg/a.toml", "cfg/b.toml", "--seeds", "2", "--out", str(tmp_path / "plots")])
     lines = _run_lines(capsys.readouterr().err)
     assert [(i, n, kind, name, left is not None) for i, n, kind, name, left in lines] == [
-        (1, 4, "reused", "a-s0", False), (2, 4, "reused", "a-s1", False), (3, 4, "done", "b-s0", True),
-        (4, 4, "done", "b-s1", False)]
+        (1, 4, "reused", "a-s0", False),
+        (2, 4, "reused", "a-s1", False),
+        (3, 4, "done", "b-s0", True),
+        (4, 4, "done", "b-s1", False),
+    ]

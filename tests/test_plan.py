@@ -25,8 +25,19 @@ def _rows_split(shape, n, dim=0, mesh=None):
     """A Sharding whose dimension ``dim`` is split like torch.chunk over one mesh axis of ``n``."""
     ranges = {(i,): row_range(shape[dim], n, i) for i in range(n)}
     block = tuple(ranges[(0,)] if d == dim else (0, s) for d, s in enumerate(shape))
-    return Sharding("w", "sharded", tuple(shape), block, mesh, (n,), ("dp_shard",), (0,), (dim,),
-                    {dim: Split((0,), ranges)}, "(Shard(dim=%d),)" % dim)
+    return Sharding(
+        "w",
+        "sharded",
+        tuple(shape),
+        block,
+        mesh,
+        (n,),
+        ("dp_shard",),
+        (0,),
+        (dim,),
+        {dim: Split((0,), ranges)},
+        f"(Shard(dim={dim}),)",
+    )
 
 
 def test_placements_decide_the_plan():
@@ -40,8 +51,19 @@ def test_placements_decide_the_plan():
     assert plan(HYBRID, row, _rows_split((512, 64), 4, dim=1)) == Plan("owner", cols=(0,))
     assert plan(HYBRID, col, _rows_split((64, 512), 4, dim=1)).how == "reduce"  # Rowwise TP: neurons split
     # HSDP: the replica axis divides the Gram (each replica sums a slice of its shard's rows)
-    hsdp = Sharding("w", "sharded", (512, 64), ((0, 256), (0, 64)), None, (2, 2), ("dp_replicate", "dp_shard"), (0, 0),
-                    (None, 0), {0: Split((1,), {(i,): row_range(512, 2, i) for i in range(2)})}, "")
+    hsdp = Sharding(
+        "w",
+        "sharded",
+        (512, 64),
+        ((0, 256), (0, 64)),
+        None,
+        (2, 2),
+        ("dp_replicate", "dp_shard"),
+        (0, 0),
+        (None, 0),
+        {0: Split((1,), {(i,): row_range(512, 2, i) for i in range(2)})},
+        "",
+    )
     assert plan(HYBRID, row, hsdp) == Plan("reduce", rows=(1,), replicas=(0,))
     assert plan(ROW, row, hsdp) == Plan("reduce", rows=(1,))  # nothing to divide
     # heads the split keeps whole need nothing; heads it cuts go to owners
@@ -50,7 +72,10 @@ def test_placements_decide_the_plan():
     # expert stacks split by whole experts are local; inside experts, as their inner layout
     assert plan(MUON, parse_layout("experts:row"), _rows_split((8, 96, 64), 4)).how == "local"
     assert plan(HYBRID, parse_layout("experts:row"), _rows_split((8, 96, 64), 2, dim=1)).how == "reduce"
-    assert plan(HYBRID, parse_layout("experts:gate_up:interleave:cols"), _rows_split((8, 64, 192), 2, dim=2)).how == "owner"
+    assert (
+        plan(HYBRID, parse_layout("experts:gate_up:interleave:cols"), _rows_split((8, 64, 192), 2, dim=2)).how
+        == "owner"
+    )
 
 
 def test_cost_model_chooses_gram_while_c_below_r_over_n():
@@ -70,7 +95,9 @@ def test_cost_model_chooses_gram_while_c_below_r_over_n():
     assert plan(HYBRID, parse_layout("row"), _rows_split((151936, 1024), 512), h100).how == "reduce"
     # uncentred row-norm on split rows sends nothing: always reduce
     assert plan(ROW, parse_layout("row"), _rows_split((3072, 1024), 512), h100).how == "reduce"
-    assert plan(HYBRID, parse_layout("row"), _rows_split((3072, 1024), 512), resolve_cost_model("reduce")).how == "reduce"
+    assert (
+        plan(HYBRID, parse_layout("row"), _rows_split((3072, 1024), 512), resolve_cost_model("reduce")).how == "reduce"
+    )
     with pytest.raises(ValueError, match="unknown cost_model 'fast'"):
         resolve_cost_model("fast")
 
@@ -79,18 +106,45 @@ def test_equiopt_plan_on_a_fake_512_rank_mesh(tmp_path, capsys):
     from equiopt.cli import main
 
     out = tmp_path / "plan.json"
-    assert main(["plan", "qwen3:tiny", "--recipe", "paper:qwen3:b-ii", "--mesh", "dp_shard=64,tp=8",
-                 "--json", str(out), "--ranks", "0,1,511", "--cost-model", "reduce"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "qwen3:tiny",
+                "--recipe",
+                "paper:qwen3:b-ii",
+                "--mesh",
+                "dp_shard=64,tp=8",
+                "--json",
+                str(out),
+                "--ranks",
+                "0,1,511",
+                "--cost-model",
+                "reduce",
+            ]
+        )
+        == 0
+    )
     assert not dist.is_initialized()
     doc = json.loads(out.read_text())
     assert doc["world"] == 512 and doc["mesh"] == {"dp_shard": 64, "tp": 8} and doc["totals"]["ranks_planned"] == 3
     assert set(doc["totals"]) >= {"bytes_sent_per_rank_max", "flops_per_rank_max", "state_bytes_per_rank_max"}
     by_name = {p["name"]: p for p in doc["parameters"]}
     for p in doc["parameters"]:
-        assert set(p) >= {"name", "shape", "placements", "role", "rule", "plan", "bytes_sent_per_rank",
-                          "flops_per_rank"}
+        assert set(p) >= {
+            "name",
+            "shape",
+            "placements",
+            "role",
+            "rule",
+            "plan",
+            "bytes_sent_per_rank",
+            "flops_per_rank",
+        }
     emb = by_name["model.embed_tokens.weight"]
-    assert emb["placements"].startswith("(_StridedShard(dim=0") and emb["role"] == "embedding" and emb["plan"] == "reduce"
+    assert (
+        emb["placements"].startswith("(_StridedShard(dim=0") and emb["role"] == "embedding" and emb["plan"] == "reduce"
+    )
     assert by_name["model.layers.0.mlp.down_proj.weight"]["placements"] == "(Shard(dim=0), Shard(dim=1))"
     assert by_name["model.layers.0.input_layernorm.weight"]["plan"] == "local"
     # a Gram all-reduce of the embedding's d x d (and d-vectors): at least d^2 float32 bytes
@@ -163,8 +217,11 @@ def test_a_split_that_is_not_one_block_fails_by_name():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         mesh = init_device_mesh("cpu", (2, 2))
-        w = torch.nn.Parameter(distribute_tensor(torch.empty(8, 4, device="meta"), mesh,
-                                                 [Shard(0), _StridedShard(0, split_factor=2)], src_data_rank=None))
+        w = torch.nn.Parameter(
+            distribute_tensor(
+                torch.empty(8, 4, device="meta"), mesh, [Shard(0), _StridedShard(0, split_factor=2)], src_data_rank=None
+            )
+        )
         with pytest.raises(UnsupportedShardingError, match=r"'mlp\.up_proj\.weight'.*_StridedShard.*not contiguous"):
             EquivariantOptimizer([{"params": [w], "names": ["mlp.up_proj.weight"]}], rule="hybrid")
     finally:

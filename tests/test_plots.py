@@ -16,37 +16,80 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROUTER = ("lb", "z", "entropy", "cv", "dead", "max_load", "logit_rms")
 
 
-def make_run(root, dirname, *, name=None, seed=0, recipe="paper:qwen3:b-i", moe=False, val_losses=None,
-             steps=(10, 20, 30, 40), lr=0.02, extra_lines=(), end="done", config=True):
+def make_run(
+    root,
+    dirname,
+    *,
+    name=None,
+    seed=0,
+    recipe="paper:qwen3:b-i",
+    moe=False,
+    val_losses=None,
+    steps=(10, 20, 30, 40),
+    lr=0.02,
+    extra_lines=(),
+    end="done",
+    config=True,
+):
     """A run directory in the training loop's format: config.json and log.jsonl."""
     run = root / dirname
     run.mkdir(parents=True)
     if config:
-        cfg = {"run": {"name": name or dirname, "seed": seed, "out_dir": str(run), "device": "cpu"},
-               "model": {"family": "olmoe" if moe else "qwen3", "size": "tiny", "overrides": {}},
-               "data": {"seq_len": 64, "batch_size": 4},
-               "optim": {"recipe": recipe, "overrides": {"embedding": {"lr": lr}}, "clip_grad_norm": 0.0},
-               "train": {"steps": steps[-1], "log_every": 10, "val_every": 20}}
+        cfg = {
+            "run": {"name": name or dirname, "seed": seed, "out_dir": str(run), "device": "cpu"},
+            "model": {"family": "olmoe" if moe else "qwen3", "size": "tiny", "overrides": {}},
+            "data": {"seq_len": 64, "batch_size": 4},
+            "optim": {"recipe": recipe, "overrides": {"embedding": {"lr": lr}}, "clip_grad_norm": 0.0},
+            "train": {"steps": steps[-1], "log_every": 10, "val_every": 20},
+        }
         (run / "config.json").write_text(json.dumps(cfg))
     tokens_per_step = 256
-    lines = [{"kind": "meta", "step": 0, "tokens": 0, "time": 0.0, "params": 1000, "device": "cpu",
-              "recipe": recipe, "world_size": 1}]
+    lines = [
+        {
+            "kind": "meta",
+            "step": 0,
+            "tokens": 0,
+            "time": 0.0,
+            "params": 1000,
+            "device": "cpu",
+            "recipe": recipe,
+            "world_size": 1,
+        }
+    ]
     val_steps = [s for s in steps if s % 20 == 0]
     val_losses = list(val_losses) if val_losses is not None else [6.0 - 0.01 * s for s in val_steps]
     for i, step in enumerate(steps):
-        rec = {"kind": "train", "step": step, "tokens": step * tokens_per_step, "time": 0.1 * step,
-               "loss": 7.0 - 0.02 * step + 0.01 * seed, "tokens_per_s": 1e4, "time/fwd_bwd": 0.01,
-               "time/opt": 0.005, "time/step": 0.015, "nonfinite_steps": 0}
+        rec = {
+            "kind": "train",
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "time": 0.1 * step,
+            "loss": 7.0 - 0.02 * step + 0.01 * seed,
+            "tokens_per_s": 1e4,
+            "time/fwd_bwd": 0.01,
+            "time/opt": 0.005,
+            "time/step": 0.015,
+            "nonfinite_steps": 0,
+        }
         for role in ("embedding", "lm_head", "attention", "mlp_in", "vector") + (("router",) if moe else ()):
             rec[f"lr/{role}"] = lr
             rec[f"weight_rms/{role}"] = 0.02 + 0.001 * step
             rec[f"update_rms/{role}"] = 1e-3 / (1 + i)
         lines.append(rec)
         if step in val_steps:
-            v = {"kind": "val", "step": step, "tokens": step * tokens_per_step, "time": 0.1 * step,
-                 "val/loss": val_losses[val_steps.index(step)], "ood/loss": 7.5 - 0.01 * step,
-                 "logits/rms": 1.0 + 0.01 * step, "logits/centred_rms": 0.8 + 0.01 * step,
-                 "logits/max_lse": 12.0 + 0.02 * step, "logits/mean_lse": 11.0, "logits/max_abs": 5.0}
+            v = {
+                "kind": "val",
+                "step": step,
+                "tokens": step * tokens_per_step,
+                "time": 0.1 * step,
+                "val/loss": val_losses[val_steps.index(step)],
+                "ood/loss": 7.5 - 0.01 * step,
+                "logits/rms": 1.0 + 0.01 * step,
+                "logits/centred_rms": 0.8 + 0.01 * step,
+                "logits/max_lse": 12.0 + 0.02 * step,
+                "logits/mean_lse": 11.0,
+                "logits/max_abs": 5.0,
+            }
             if moe:
                 v.update({f"router/{m}": 0.5 + 0.01 * step for m in ROUTER})
                 v.update({f"router/L{layer}/{m}": 0.5 for layer in range(2) for m in ROUTER})
@@ -55,8 +98,19 @@ def make_run(root, dirname, *, name=None, seed=0, recipe="paper:qwen3:b-i", moe=
     text = "".join(json.dumps(rec) + "\n" for rec in lines)
     text += "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in extra_lines)
     if end:
-        text += json.dumps({"kind": "end", "step": steps[-1], "tokens": steps[-1] * tokens_per_step,
-                            "time": 5.0, "status": end, "message": ""}) + "\n"
+        text += (
+            json.dumps(
+                {
+                    "kind": "end",
+                    "step": steps[-1],
+                    "tokens": steps[-1] * tokens_per_step,
+                    "time": 5.0,
+                    "status": end,
+                    "message": "",
+                }
+            )
+            + "\n"
+        )
     (run / "log.jsonl").write_text(text)
     return run
 
@@ -99,8 +153,10 @@ def test_resume_later_records_win(tmp_path):
 
 def test_resume_drops_abandoned_timeline(tmp_path):
     # the old timeline logged step 40; after resuming from step 20 the run crashed at 30 without an end record
-    extra = [{"kind": "meta", "step": 20, "tokens": 20 * 256, "time": 0.0, "resumed_from": "ckpt"},
-             {"kind": "train", "step": 30, "tokens": 30 * 256, "time": 1.0, "loss": 1.0}]
+    extra = [
+        {"kind": "meta", "step": 20, "tokens": 20 * 256, "time": 0.0, "resumed_from": "ckpt"},
+        {"kind": "train", "step": 30, "tokens": 30 * 256, "time": 1.0, "loss": 1.0},
+    ]
     run = read_run(make_run(tmp_path, "r", extra_lines=extra, end=None))
     assert [r["step"] for r in run.train] == [10, 20, 30]
     assert [r["step"] for r in run.val] == [20]
@@ -185,8 +241,9 @@ def _seed_runs(tmp_path):
     dirs = []
     for cfg, vals in SEED_VALS.items():
         for seed, v in enumerate(vals):
-            dirs.append(make_run(tmp_path, f"{cfg}-s{seed}", seed=seed, recipe=f"paper:gemma3:b-{cfg}",
-                                 val_losses=[5.0, v]))
+            dirs.append(
+                make_run(tmp_path, f"{cfg}-s{seed}", seed=seed, recipe=f"paper:gemma3:b-{cfg}", val_losses=[5.0, v])
+            )
     return dirs
 
 

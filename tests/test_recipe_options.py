@@ -29,8 +29,7 @@ def test_hand_built_groups_and_recipes_give_a_rule_the_same_defaults():
 
     for rule in eo.optim.RULES:
         shape = (4, 3) if rule in eo.optim.MATRIX_RULES else (3,)
-        opt = eo.EquivariantOptimizer([{"params": [torch.zeros(shape, requires_grad=True)], "rule": rule,
-                                        "lr": 0.1}])
+        opt = eo.EquivariantOptimizer([{"params": [torch.zeros(shape, requires_grad=True)], "rule": rule, "lr": 0.1}])
         group = opt.param_groups[0]
         recipe = normalize_settings({"rule": rule, "lr": 0.1}, "matrix")
         for key, value in recipe.items():
@@ -64,7 +63,8 @@ def test_polar_dtype_from_python_reaches_the_engine(one_thread):
 
 def test_polar_dtype_and_nonfinite_from_toml_round_trip():
     recipe = loads_recipe_toml(
-        'base = "muon"\nname = "mine"\n[roles.attention]\npolar_dtype = "float32"\n[roles."*"]\nnonfinite = "raise"\n')
+        'base = "muon"\nname = "mine"\n[roles.attention]\npolar_dtype = "float32"\n[roles."*"]\nnonfinite = "raise"\n'
+    )
     assert recipe.settings("attention")["polar_dtype"] is torch.float32
     assert recipe.settings("mlp_in").get("polar_dtype") is None
     assert {recipe.settings(r)["nonfinite"] for r in eo.recipes.ROLES} == {"raise"}
@@ -73,12 +73,15 @@ def test_polar_dtype_and_nonfinite_from_toml_round_trip():
     assert "polar_dtype" not in get_recipe("paper:qwen3:a-i").to_toml()  # the paper's recipes are unchanged
 
 
-@pytest.mark.parametrize("patch, message", [
-    ({"attention": {"polar_dtype": "int8"}}, r"role 'attention', field 'polar_dtype': expected a floating dtype"),
-    ({"embedding": {"polar_dtype": "float32"}}, r"role 'embedding', field 'polar_dtype': does not apply to rule"),
-    ({"*": {"nonfinite": "ignore"}}, r"field 'nonfinite': unknown nonfinite policy 'ignore'; valid: skip, raise"),
-    ({"*": {"polar_dtyp": "float32"}}, r"unknown field 'polar_dtyp'; valid fields: .*polar_dtype"),
-])
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"attention": {"polar_dtype": "int8"}}, r"role 'attention', field 'polar_dtype': expected a floating dtype"),
+        ({"embedding": {"polar_dtype": "float32"}}, r"role 'embedding', field 'polar_dtype': does not apply to rule"),
+        ({"*": {"nonfinite": "ignore"}}, r"field 'nonfinite': unknown nonfinite policy 'ignore'; valid: skip, raise"),
+        ({"*": {"polar_dtyp": "float32"}}, r"unknown field 'polar_dtyp'; valid fields: .*polar_dtype"),
+    ],
+)
 def test_engine_options_are_validated_naming_the_field(patch, message):
     with pytest.raises(ValueError, match=message):
         get_recipe("muon").with_overrides(patch)
@@ -108,8 +111,11 @@ def test_missing_or_empty_data_directory_names_the_field_and_the_command(tmp_pat
     from equiopt.train.loop import Trainer
 
     path = _config(tmp_path)
-    with pytest.raises(SystemExit, match=r"\[data\]\.train: .*data does not exist; make it with: equiopt data prepare "
-                                          r".*--out .*data"):
+    with pytest.raises(
+        SystemExit,
+        match=r"\[data\]\.train: .*data does not exist; make it with: equiopt data prepare "
+        r".*--out .*data",
+    ):
         main(["train", str(path)])
     (tmp_path / "data").mkdir()
     with pytest.raises(ConfigError, match=r"\[data\]\.train: .*data is empty; make it with: equiopt data prepare"):
@@ -174,6 +180,8 @@ def test_engine_options_are_checked_by_the_one_table():
         eo.EquivariantOptimizer([torch.zeros(2, 2, requires_grad=True)], nonfinite="bad")
     with pytest.raises(ValueError, match=r"role 'matrix', field 'nonfinite': unknown nonfinite policy 'bad'"):
         schema.normalize_settings({"rule": "spectral", "lr": 0.1, "nonfinite": "bad"}, "matrix")
-    assert check_settings({"rule": "spectral", "lr": 0.1, "polar_dtype": "bf16"}, "ctx")["polar_dtype"] is torch.bfloat16
+    assert (
+        check_settings({"rule": "spectral", "lr": 0.1, "polar_dtype": "bf16"}, "ctx")["polar_dtype"] is torch.bfloat16
+    )
     with pytest.raises(ValueError, match="field 'polar_dtype': expected a floating dtype"):
         check_settings({"rule": "spectral", "lr": 0.1, "polar_dtype": "int64"}, "ctx")

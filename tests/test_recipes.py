@@ -136,14 +136,17 @@ def test_paper_structural_choices():
     assert get_recipe("paper:olmoe:i").settings("lm_head")["center"] is True
     assert get_recipe("paper:olmoe:i").settings("embedding")["center"] is False
     # table:optim_hyperparams_qwen3 (a)(ii)/(b): HybridPolarGradM (row-norm/right-spectral; alpha = 1)
-    for name, role in [("paper:qwen3:a-ii", "embedding"), ("paper:qwen3:b-i", "mlp_in"), ("paper:gemma3:b-ii", "lm_head")]:
+    for name, role in [
+        ("paper:qwen3:a-ii", "embedding"),
+        ("paper:qwen3:b-i", "mlp_in"),
+        ("paper:gemma3:b-ii", "lm_head"),
+    ]:
         s = get_recipe(name).settings(role)
         assert (s["order"], s["alpha"], s["method"]) == ("row_then_right", 1.0, "polar_express")
     assert get_recipe("paper:qwen3:b-ii").settings("mlp_in")["center"] is False
     # Muon with Polar Express everywhere the tables say Muon
     muon = get_recipe("paper:gemma3:a-i").settings("attention")
-    assert (muon["method"], muon["steps"], muon["nesterov"], muon["lr_scale"]) == (
-        "polar_express", 5, True, "spectral")
+    assert (muon["method"], muon["steps"], muon["nesterov"], muon["lr_scale"]) == ("polar_express", 5, True, "spectral")
     # appendix text: eps = 1e-8 and eta(t) = 1/(t + eps) for RowNormM
     row = get_recipe("paper:gpt_oss:i").settings("embedding")
     assert (row["eps"], row["eta"], row["nesterov"]) == (1e-8, "inverse", False)
@@ -237,7 +240,9 @@ def test_star_override_applies_where_the_rule_accepts_it():
 
 
 def test_rule_change_drops_foreign_fields_and_fills_defaults():
-    new = get_recipe("paper:gpt_oss:iii").with_overrides({"router": {"rule": "hybrid", "order": "left_then_row", "center": True}})
+    new = get_recipe("paper:gpt_oss:iii").with_overrides(
+        {"router": {"rule": "hybrid", "order": "left_then_row", "center": True}}
+    )
     router = new.settings("router")
     assert "betas" not in router and "adam_eps" not in router
     assert router["lr"] == 0.00075  # kept
@@ -249,9 +254,12 @@ def test_rule_change_drops_foreign_fields_and_fills_defaults():
 def test_schedule_override_merges_or_replaces():
     r = get_recipe("paper:qwen3:a-i")
     assert r.with_overrides({"vector": {"schedule": {"warmup_steps": 10}}}).settings("vector")["schedule"] == {
-        "kind": "warmup_cosine", "warmup_steps": 10}
+        "kind": "warmup_cosine",
+        "warmup_steps": 10,
+    }
     assert r.with_overrides({"vector": {"schedule": {"kind": "constant"}}}).settings("vector")["schedule"] == {
-        "kind": "constant"}
+        "kind": "constant"
+    }
 
 
 def test_recipe_is_immutable():
@@ -298,7 +306,11 @@ def test_unknown_role_and_field_errors():
         ("vector", {"adam_eps": 0.0}, r"field 'adam_eps': must be > 0"),
         ("router", {"rule": "lion"}, r"role 'router', field 'rule': unknown rule 'lion'; valid: spectral, right"),
         ("mlp_in", {"order": "right_then_left"}, r"field 'order': unknown hybrid order .*row_then_right"),
-        ("attention", {"method": "svd"}, r"role 'attention', field 'method': unknown method 'svd' for rule 'spectral'; valid: polar_express"),
+        (
+            "attention",
+            {"method": "svd"},
+            r"role 'attention', field 'method': unknown method 'svd' for rule 'spectral'; valid: polar_express",
+        ),
         ("attention", {"steps": 0}, r"field 'steps': must be >= 1"),
         ("attention", {"steps": 2.5}, r"field 'steps': expected an integer"),
         ("attention", {"nesterov": "yes"}, r"field 'nesterov': expected true or false"),
@@ -525,7 +537,9 @@ def test_recipe_param_groups_drive_a_scheduler():
     assert opt.param_groups[2]["lr"] == pytest.approx(0.01 * WarmupCosine(100, 1000)(700))
 
 
-@pytest.mark.parametrize("name", ["muon", "adamw", "paper:qwen3:b-ii", "paper:gemma3:a-iii", "paper:olmoe:ii", "paper:gpt_oss:router-hybrid"])
+@pytest.mark.parametrize(
+    "name", ["muon", "adamw", "paper:qwen3:b-ii", "paper:gemma3:a-iii", "paper:olmoe:ii", "paper:gpt_oss:router-hybrid"]
+)
 def test_recipe_groups_step_the_optimizer(name):
     EquivariantOptimizer = getattr(equiopt, "EquivariantOptimizer", None)
     if EquivariantOptimizer is None:

@@ -13,8 +13,10 @@ from equiopt.distributed import record_collectives
 if dist.is_available():  # imported by name before any recorder runs: a recorder that patched would miss it
     from torch.distributed import all_reduce as imported_by_name
 
-pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-              pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")]  # torch 2.13 renames; 2.6 has only these
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning"),
+]  # torch 2.13 renames; 2.6 has only these
 
 
 def _rows(log):
@@ -38,11 +40,17 @@ def _check(rank: int, world: int) -> None:
         dist.scatter(torch.empty(3), [torch.ones(3) for _ in range(w)] if rank == 0 else None, src=0)
         dist.broadcast(torch.zeros(3, dtype=torch.int32), src=0)
         dist.barrier()
-    assert _rows(log) == [("all_reduce", 40, torch.float64, (5,), w), ("all_reduce", 8, f32, (2,), w),
-                          ("all_gather", 24 * w, f32, (2 * w, 3), w), ("reduce_scatter", 8 * w, f32, (2 * w,), w),
-                          ("all_to_all", 8 * w, f32, (2 * w,), w), ("gather", 8 * w, f32, (2,), w),
-                          ("scatter", 12 * w, f32, (3,), w), ("broadcast", 12, torch.int32, (3,), w),
-                          ("barrier", 0, None, (), w)], _rows(log)
+    assert _rows(log) == [
+        ("all_reduce", 40, torch.float64, (5,), w),
+        ("all_reduce", 8, f32, (2,), w),
+        ("all_gather", 24 * w, f32, (2 * w, 3), w),
+        ("reduce_scatter", 8 * w, f32, (2 * w,), w),
+        ("all_to_all", 8 * w, f32, (2 * w,), w),
+        ("gather", 8 * w, f32, (2,), w),
+        ("scatter", 12 * w, f32, (3,), w),
+        ("broadcast", 12, torch.int32, (3,), w),
+        ("barrier", 0, None, (), w),
+    ], _rows(log)
     assert [r.api for r in log][:3] == ["c10d.allreduce_", "c10d.allreduce_", "c10d._allgather_base_"]
     # nothing is patched, and nothing is recorded once the block has ended
     assert dist.all_reduce.__module__ == "torch.distributed.distributed_c10d"
@@ -78,8 +86,10 @@ def _check(rank: int, world: int) -> None:
                 dist.send(torch.ones(4), 1)
             else:
                 dist.recv(torch.empty(4), 0)
-            ops = [dist.P2POp(dist.isend, torch.ones(3, dtype=torch.float16), peer),
-                   dist.P2POp(dist.irecv, torch.empty(3, dtype=torch.float16), peer)]
+            ops = [
+                dist.P2POp(dist.isend, torch.ones(3, dtype=torch.float16), peer),
+                dist.P2POp(dist.irecv, torch.empty(3, dtype=torch.float16), peer),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         first = ("send", 16, f32, (4,), 2) if rank == 0 else ("recv", 16, f32, (4,), 2)
@@ -87,11 +97,17 @@ def _check(rank: int, world: int) -> None:
         assert _rows(p2p) == [first, ("send", 6, half, (3,), 2), ("recv", 6, half, (3,), 2)], _rows(p2p)
         if hasattr(funcol, "batch_p2p_ops_inplace"):  # functional point-to-point (torch >= 2.13)
             with record_collectives() as p2p:
-                sent, got = (t + 0 for t in funcol.batch_p2p_ops_inplace(  # + 0 waits
-                    ["isend", "irecv"], [peer, peer], [0, 0], [torch.full((3,), float(rank)), torch.empty(3)], None))
+                sent, got = (
+                    t + 0
+                    for t in funcol.batch_p2p_ops_inplace(  # + 0 waits
+                        ["isend", "irecv"], [peer, peer], [0, 0], [torch.full((3,), float(rank)), torch.empty(3)], None
+                    )
+                )
             assert torch.equal(got, torch.full((3,), float(peer)))
-            assert [(r.op, r.bytes, r.api) for r in p2p] == [("send", 12, "_c10d_functional.batch_p2p_ops"),
-                                                             ("recv", 12, "_c10d_functional.batch_p2p_ops")]
+            assert [(r.op, r.bytes, r.api) for r in p2p] == [
+                ("send", 12, "_c10d_functional.batch_p2p_ops"),
+                ("recv", 12, "_c10d_functional.batch_p2p_ops"),
+            ]
     # a DDP reducer's bucket all-reduce, issued from C++ during backward
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 6, bias=False))
     with record_collectives() as ddp:
@@ -141,8 +157,10 @@ def test_compiled_collectives_are_recorded(tmp_path):
             assert torch.equal(out, torch.full((4,), 3.0))
             assert [(r.op, r.bytes, r.group_size) for r in log] == [("all_reduce", 16, 1), ("all_gather", 16, 1)]
         with record_collectives() as log:  # a higher-order operator passes through
-            assert torch.equal(torch.cond(torch.tensor(True), lambda t: t + 1, lambda t: t - 1, (torch.ones(2),)),
-                               torch.full((2,), 2.0))
+            assert torch.equal(
+                torch.cond(torch.tensor(True), lambda t: t + 1, lambda t: t - 1, (torch.ones(2),)),
+                torch.full((2,), 2.0),
+            )
         assert len(log) == 0
     finally:
         dist.destroy_process_group()

@@ -98,16 +98,39 @@ def _transformers_models():
     import transformers as T
 
     return {
-        "gpt2": T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=32,
-                                               bos_token_id=0, eos_token_id=0)),
-        "phi3": T.Phi3ForCausalLM(T.Phi3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                                               bos_token_id=0, eos_token_id=0)),
-        "neox": T.GPTNeoXForCausalLM(T.GPTNeoXConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                                                     num_hidden_layers=1, num_attention_heads=4)),
-        "mixtral": T.MixtralForCausalLM(T.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=48,
-                                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                        num_local_experts=4, num_experts_per_tok=2)),
+        "gpt2": T.GPT2LMHeadModel(
+            T.GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)
+        ),
+        "phi3": T.Phi3ForCausalLM(
+            T.Phi3Config(
+                vocab_size=300,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "neox": T.GPTNeoXForCausalLM(
+            T.GPTNeoXConfig(
+                vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4
+            )
+        ),
+        "mixtral": T.MixtralForCausalLM(
+            T.MixtralConfig(
+                vocab_size=300,
+                hidden_size=64,
+                intermediate_size=48,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+            )
+        ),
     }
 
 
@@ -304,9 +327,20 @@ def test_rules_matching_vectors_and_scalar_gates():
     assert table.row("model.layers.0.self_attn.q_proj.weight").role == "matrix"
     assert table.row("model.layers.0.self_attn.q_proj.bias").role == "vector"
     assert any("stays a vector" in n for n in table.notes)
-    moe = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
+    moe = T.Qwen2MoeForCausalLM(
+        T.Qwen2MoeConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     table = assign_roles(moe)
     assert table.row("model.layers.0.mlp.shared_expert_gate.weight").role == "matrix"
     assert table.row("model.layers.0.mlp.shared_expert.down_proj.weight").role == "mlp_out"

@@ -83,7 +83,9 @@ def test_axis_named_fused_gate_up_needs_its_pairing_and_biases_are_vectors():
     rows = _rows(model, rules={r"mlp1_weight_EGD$": ("mlp_in", "experts:gate_up:interleave")})
     assert rows["block.experts.mlp1_weight_EGD"].layout == Experts(GateUp("interleave"))
     assert (rows["block.experts.mlp2_weight_EDF"].role, rows["block.experts.mlp2_weight_EDF"].layout) == (
-        "mlp_out", Experts(Col()))
+        "mlp_out",
+        Experts(Col()),
+    )
     assert rows["block.experts.mlp1_bias_EG"].role == "vector"
     assert rows["block.experts.mlp2_bias_ED"].role == "vector"
 

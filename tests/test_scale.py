@@ -1,6 +1,7 @@
 """The scale-transferable update size ``scale="rms"`` of the one-sided and hybrid maps."""
 
 import pytest
+import reference as ref
 import torch
 
 import equiopt as eo
@@ -8,8 +9,6 @@ from equiopt import maps
 from equiopt.diagnostics import check_equivariance
 from equiopt.optim import EquivariantOptimizer
 from equiopt.recipes import get_recipe
-
-import reference as ref
 
 EPS = 1e-8
 
@@ -70,8 +69,9 @@ def test_exact_hybrid_rms_matches_formula(centered, alpha):
     # the eps of eta(t) = 1 / (t + eps), which sees a differently scaled first stage
     for order, E in (("right_then_row", D), ("left_then_row", randn(6, 20, seed=4))):
         got = maps.hybrid(E, order, EPS, alpha, centered, method="exact", scale="rms")
-        torch.testing.assert_close(got, ref.hybrid(E, order, EPS, alpha, centered) * E.shape[1] ** 0.5,
-                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            got, ref.hybrid(E, order, EPS, alpha, centered) * E.shape[1] ** 0.5, rtol=1e-5, atol=1e-7
+        )
 
 
 def test_nu_is_the_default_and_unknown_scale_is_rejected():

@@ -67,7 +67,8 @@ def test_every_gradient_scale_gives_a_finite_nonzero_step(name, settings, scale_
         for scale in SCALE_FREE:
             ratio = rms[scale] / ref
             assert ((ratio > 0.5) & (ratio < 2.0)).all(), (
-                f"{name}: update RMS at gradient scale {scale:g} is {ratio.tolist()} x the one at scale 1")
+                f"{name}: update RMS at gradient scale {scale:g} is {ratio.tolist()} x the one at scale 1"
+            )
 
 
 @pytest.mark.parametrize("name,settings,scale_free", CONFIGS[:14], ids=[c[0] for c in CONFIGS[:14]])
@@ -95,8 +96,9 @@ def test_absolute_damping_is_the_papers_and_shrinks_tiny_gradients():
     settings = {"rule": "right", "scale": "rms", "alpha": 1.0}
     big = _step(settings, SHAPES["vocabulary"], False, torch.float32, 1.0).norm()
     tiny_rel = _step(settings, SHAPES["vocabulary"], False, torch.float32, 1e-6).norm()
-    tiny_abs = _step({**settings, "damping": "absolute", "eps": 1e-6}, SHAPES["vocabulary"], False, torch.float32,
-                     1e-6).norm()
+    tiny_abs = _step(
+        {**settings, "damping": "absolute", "eps": 1e-6}, SHAPES["vocabulary"], False, torch.float32, 1e-6
+    ).norm()
     assert abs(tiny_rel / big - 1) < 0.05
     assert tiny_abs / big < 0.5
 

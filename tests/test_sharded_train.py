@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from test_train import data_dir, make_cfg, records  # noqa: F401  (data_dir is a fixture)
 
 from equiopt.train import ConfigError, Trainer, from_dict, read_checkpoint
-from test_train import data_dir, make_cfg, records  # noqa: F401  (data_dir is a fixture)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -49,10 +49,14 @@ def _assert_same_run(run, reference, rtol=2e-4, atol=2e-5):
     for name, want in b["model"].items():
         torch.testing.assert_close(a["model"][name], want, rtol=rtol, atol=atol, msg=name)
     # every state key of every parameter, counters included
-    assert {k: set(v) for k, v in a["optimizer"]["state"].items()} == {k: set(v) for k, v in b["optimizer"]["state"].items()}
+    assert {k: set(v) for k, v in a["optimizer"]["state"].items()} == {
+        k: set(v) for k, v in b["optimizer"]["state"].items()
+    }
     for name, state in b["optimizer"]["state"].items():
         for key, want in state.items():
-            torch.testing.assert_close(a["optimizer"]["state"][name][key], want, rtol=rtol, atol=atol, msg=f"{name}.{key}")
+            torch.testing.assert_close(
+                a["optimizer"]["state"][name][key], want, rtol=rtol, atol=atol, msg=f"{name}.{key}"
+            )
     assert a["scheduler"] == b["scheduler"] and a["loader"] == b["loader"]
     losses = {r["step"]: r["loss"] for r in records(run, "train")}
     want = {r["step"]: r["loss"] for r in records(reference, "train")}
@@ -65,7 +69,9 @@ def _assert_same_run(run, reference, rtol=2e-4, atol=2e-5):
 def _write_toml(cfg, path):
     from equiopt._tomlw import toml_tables
 
-    path.write_text(toml_tables({section: {k: v for k, v in table.items() if v is not None} for section, table in cfg.items()}))
+    path.write_text(
+        toml_tables({section: {k: v for k, v in table.items() if v is not None} for section, table in cfg.items()})
+    )
     return path
 
 
@@ -85,8 +91,10 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_resume_at_another_world_s
     _copy_checkpoint(fsdp, 4, two_to_one)
     saved = json.loads((two_to_one / "checkpoints" / "step_00000004" / "checkpoint.json").read_text())
     assert (saved["world_size"], saved["strategy"]) == (2, "fsdp2")
-    assert sorted(p.name for p in (two_to_one / "checkpoints" / "step_00000004").glob("rank_*.json")) == \
-        ["rank_00000.json", "rank_00001.json"]
+    assert sorted(p.name for p in (two_to_one / "checkpoints" / "step_00000004").glob("rank_*.json")) == [
+        "rank_00000.json",
+        "rank_00001.json",
+    ]
     Trainer(from_dict(_cfg(data_dir, two_to_one)), resume=True, progress=False).run()
     _assert_same_run(two_to_one, single)
     # 1 -> 2, as a user runs it: `equiopt train --resume` under torchrun
@@ -96,7 +104,12 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_resume_at_another_world_s
     torchrun("-m", "equiopt", "train", toml, "--resume", timeout=300)
     meta = records(one_to_two, "meta")[0]
     assert meta["resumed_from"].endswith("step_00000004")
-    assert (meta["saved_world_size"], meta["saved_strategy"], meta["world_size"], meta["strategy"]) == (1, "single", 2, "fsdp2")
+    assert (meta["saved_world_size"], meta["saved_strategy"], meta["world_size"], meta["strategy"]) == (
+        1,
+        "single",
+        2,
+        "fsdp2",
+    )
     assert records(one_to_two, "end")[-1]["status"] == "done"
     _assert_same_run(one_to_two, single)
 

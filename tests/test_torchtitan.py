@@ -28,14 +28,14 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'equiopt[titan]')")
 
-import torch.distributed as dist  # noqa: E402
-from sharded_steps import global_grads, give_grads, in_quotient, rel  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig  # noqa: E402
+import torch.distributed as dist
+from sharded_steps import give_grads, global_grads, in_quotient, rel
+from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
 
-import equiopt  # noqa: E402
-from equiopt.integrations import torchtitan as tt  # noqa: E402
-from equiopt.layouts import Col, Experts, GateUp, Heads, Row  # noqa: E402
-from equiopt.optim import EquivariantOptimizer  # noqa: E402
+import equiopt
+from equiopt.integrations import torchtitan as tt
+from equiopt.layouts import Col, Experts, GateUp, Heads, Row
+from equiopt.optim import EquivariantOptimizer
 
 pytestmark = pytest.mark.torchtitan
 
@@ -46,28 +46,50 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchtitan_config.
 
 # ------------------------------------------------------------------ tiny models
 
+
 def _tiny(kind: str, vocab: int = 128, dim: int = 32):
     """A small config of torchtitan's own Llama 3 / Qwen3 MoE, built by its own layer builders."""
     if kind == "llama3":
         from torchtitan.models import llama3 as L
 
         return L.Llama3Model.Config(
-            dim=dim, vocab_size=vocab,
+            dim=dim,
+            vocab_size=vocab,
             tok_embeddings=L.Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=L._EMBEDDING_INIT),
             norm=L.RMSNorm.Config(normalized_shape=dim, param_init=L._NORM_INIT),
             lm_head=L.Linear.Config(in_features=dim, out_features=vocab, param_init=L._LINEAR_INIT),
-            layers=L._build_llama3_layers(n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=64,
-                                          rope=L.ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=1e4),
-                                          attn_backend="flex"))
+            layers=L._build_llama3_layers(
+                n_layers=2,
+                dim=dim,
+                n_heads=4,
+                n_kv_heads=2,
+                hidden_dim=64,
+                rope=L.ComplexRoPE.Config(dim=dim // 4, max_seq_len=64, theta=1e4),
+                attn_backend="flex",
+            ),
+        )
     from torchtitan.models import qwen3 as Q
 
     return Q.Qwen3Model.Config(
-        vocab_size=vocab, dim=dim, norm=Q._qwen3_norm(dim),
+        vocab_size=vocab,
+        dim=dim,
+        norm=Q._qwen3_norm(dim),
         tok_embeddings=Q.Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=Q._EMBEDDING_INIT),
         lm_head=Q.Linear.Config(in_features=dim, out_features=vocab, param_init=Q._LINEAR_INIT),
-        layers=Q._build_qwen3_moe_layers(n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=8, moe_hidden_dim=24,
-                                         num_experts=4, top_k=2, attn_backend="flex", moe_comm_backend="standard",
-                                         rope=Q.CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4)))
+        layers=Q._build_qwen3_moe_layers(
+            n_layers=2,
+            dim=dim,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=8,
+            moe_hidden_dim=24,
+            num_experts=4,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=Q.CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4),
+        ),
+    )
 
 
 def _plain(kind: str, seed: int = 0):
@@ -79,8 +101,13 @@ def _plain(kind: str, seed: int = 0):
 
 
 def _names(container):
-    return {n: (g["role"], g["rule"], layout) for o in container.optimizers if isinstance(o, EquivariantOptimizer)
-            for g in o.param_groups for n, layout in zip(g["param_names"], g["layouts"])}
+    return {
+        n: (g["role"], g["rule"], layout)
+        for o in container.optimizers
+        if isinstance(o, EquivariantOptimizer)
+        for g in o.param_groups
+        for n, layout in zip(g["param_names"], g["layouts"])
+    }
 
 
 # ------------------------------------------------------------ roles of models
@@ -164,6 +191,7 @@ def test_equiopt_roles_prints_torchtitan_models(capsys):
 
 # ---------------------------------------------------------- factory and groups
 
+
 def test_container_groups_one_per_role_with_canonical_names():
     model = _plain("moe")
     cfg = tt.equiopt_config(recipe="paper:olmoe:ii", lr_multiplier=2.0, overrides={"router": {"lr": 1e-3}})
@@ -188,12 +216,18 @@ def test_container_groups_one_per_role_with_canonical_names():
 
 def test_pattern_groups_mix_with_torchtitans_own_optimizers():
     model = _plain("llama3")
-    cfg = tt.equiopt_config(param_groups=[
-        ParamGroupConfig(pattern=r"norm\.weight$", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}),
-        ParamGroupConfig(pattern=r"^layers\.0\.", optimizer_name=tt.OPTIMIZER_NAME,
-                         optimizer_kwargs={"weight_decay": 0.25, "attention": {"lr": 0.5}}),
-        ParamGroupConfig(pattern=r".*", optimizer_name=tt.OPTIMIZER_NAME),
-    ], recipe="equiopt:default")
+    cfg = tt.equiopt_config(
+        param_groups=[
+            ParamGroupConfig(pattern=r"norm\.weight$", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}),
+            ParamGroupConfig(
+                pattern=r"^layers\.0\.",
+                optimizer_name=tt.OPTIMIZER_NAME,
+                optimizer_kwargs={"weight_decay": 0.25, "attention": {"lr": 0.5}},
+            ),
+            ParamGroupConfig(pattern=r".*", optimizer_name=tt.OPTIMIZER_NAME),
+        ],
+        recipe="equiopt:default",
+    )
     container = cfg.build(model_parts=[model])
     adamw = [o for o in container.optimizers if isinstance(o, torch.optim.AdamW)]
     assert len(adamw) == 1 and all(n.endswith("norm.weight") for n in adamw[0].param_groups[0]["param_names"])
@@ -270,15 +304,23 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="names the optimizer 'equiopt'"):
         tt.equiopt_config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW")])
     model = _plain("llama3")
-    bad = tt.equiopt_config(param_groups=[ParamGroupConfig(pattern=r"^layers\.1\.", optimizer_name=tt.OPTIMIZER_NAME,
-                                                           optimizer_kwargs={"betaz": 0.9}),
-                                          ParamGroupConfig(pattern=".*", optimizer_name=tt.OPTIMIZER_NAME)])
+    bad = tt.equiopt_config(
+        param_groups=[
+            ParamGroupConfig(
+                pattern=r"^layers\.1\.", optimizer_name=tt.OPTIMIZER_NAME, optimizer_kwargs={"betaz": 0.9}
+            ),
+            ParamGroupConfig(pattern=".*", optimizer_name=tt.OPTIMIZER_NAME),
+        ]
+    )
     with pytest.raises(ValueError, match=r"equiopt param group 0 \(parameters 'layers\.1\..*'betaz'"):
         bad.build(model_parts=[model])
     with pytest.raises(NotImplementedError, match="Lion.*'equiopt'"):
-        tt.equiopt_config(param_groups=[ParamGroupConfig(pattern="norm", optimizer_name="Lion"),
-                                        ParamGroupConfig(pattern=".*", optimizer_name="equiopt")]).build(
-            model_parts=[model])
+        tt.equiopt_config(
+            param_groups=[
+                ParamGroupConfig(pattern="norm", optimizer_name="Lion"),
+                ParamGroupConfig(pattern=".*", optimizer_name="equiopt"),
+            ]
+        ).build(model_parts=[model])
     stranger = torch.nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match="'x.weight' is in none of the model parts"):
         tt.build_optimizer_from_groups([{"params": [stranger], "param_names": ["x.weight"]}], model=model)
@@ -298,6 +340,7 @@ def test_example_config():
 
 # ----------------------------------------------------------- 4 gloo processes
 
+
 def _parallelised(kind, seed, par, dims):
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama
@@ -308,8 +351,15 @@ def _parallelised(kind, seed, par, dims):
     with torch.device("meta"):
         model = config.build()
     parallelize = parallelize_llama if kind == "llama3" else parallelize_qwen3
-    model = parallelize(model, parallel_dims=dims, training=TrainingConfig(), parallelism=par,
-                        compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    model = parallelize(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(),
+        parallelism=par,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -318,8 +368,10 @@ def _parallelised(kind, seed, par, dims):
 
 
 def _placements(model):
-    return {n: (tuple(p.device_mesh.mesh_dim_names), tuple(repr(q) for q in p.placements))
-            for n, p in model.named_parameters()}
+    return {
+        n: (tuple(p.device_mesh.mesh_dim_names), tuple(repr(q) for q in p.placements))
+        for n, p in model.named_parameters()
+    }
 
 
 def _check_placements(kind, model):
@@ -356,8 +408,12 @@ def _check_mesh(kind, recipe, rank, world, directory):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    par = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=2, tensor_parallel_degree=2,
-                            expert_parallel_degree=2 if kind == "moe" else 1)
+    par = ParallelismConfig(
+        spmd_backend="partial_dtensor",
+        data_parallel_shard_degree=2,
+        tensor_parallel_degree=2,
+        expert_parallel_degree=2 if kind == "moe" else 1,
+    )
     with mock.patch("torchtitan.distributed.parallel_dims.device_type", "cpu"):
         dims = ParallelDims.from_config(par, world)
         dims.build_mesh()
@@ -370,21 +426,34 @@ def _check_mesh(kind, recipe, rank, world, directory):
 
     def optimizers(model, **options):
         container = tt.equiopt_config(recipe=recipe, overrides=FLOAT32, **options).build(model_parts=[model])
-        schedule = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5).build(optimizers=container,
-                                                                                        training_steps=6)
+        schedule = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5).build(
+            optimizers=container, training_steps=6
+        )
         return container, schedule
 
     def checkpointer(model, container, schedule):
-        config = CheckpointManager.Config(enable=True, folder=f"{kind}-checkpoint", interval=1, keep_latest_k=0,
-                                          exclude_from_loading=["dataloader"])
-        return config.build(dataloader=None, model_parts=[model], optimizers=container, lr_schedulers=schedule,
-                            states={}, sd_adapter=None, base_folder=directory)
+        config = CheckpointManager.Config(
+            enable=True, folder=f"{kind}-checkpoint", interval=1, keep_latest_k=0, exclude_from_loading=["dataloader"]
+        )
+        return config.build(
+            dataloader=None,
+            model_parts=[model],
+            optimizers=container,
+            lr_schedulers=schedule,
+            states={},
+            sd_adapter=None,
+            base_folder=directory,
+        )
 
     container, schedule = optimizers(sharded)
     container_ref, schedule_ref = optimizers(ref)
     opt, opt_ref = container.optimizers[0], container_ref.optimizers[0]
-    plans = {opt.plan_of(g, lay, opt._sharding(p)).how for g in opt.param_groups if g["rule"] not in ("adamw",)
-             for p, lay in zip(g["params"], g["layouts"])}
+    plans = {
+        opt.plan_of(g, lay, opt._sharding(p)).how
+        for g in opt.param_groups
+        if g["rule"] not in ("adamw",)
+        for p, lay in zip(g["params"], g["layouts"])
+    }
     assert "local" in plans and plans & {"reduce", "owner"}, plans  # some maps send, some do not
     give_grads(global_grads(ref, 0, seed=3000), ref, sharded)
     for c, s in ((container, schedule), (container_ref, schedule_ref)):

@@ -8,8 +8,17 @@ import torch
 from equiopt.data.prepare import prepare
 from equiopt.data.tokenizers import train_bpe
 from equiopt.train import (
-    CheckpointError, CheckpointWarning, ConfigError, NonFiniteLossError, Trainer, from_dict, latest_checkpoint, load_checkpoint, read_checkpoint,
-    save_checkpoint, train,
+    CheckpointError,
+    CheckpointWarning,
+    ConfigError,
+    NonFiniteLossError,
+    Trainer,
+    from_dict,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+    train,
 )
 
 
@@ -25,14 +34,23 @@ def data_dir(tmp_path_factory):
 
 
 def make_cfg(data_dir, out, family="qwen3", steps=8, **train_kw):
-    return from_dict({
-        "run": {"name": f"t-{family}", "out_dir": str(out), "seed": 0},
-        "model": {"family": family, "size": "tiny", "overrides": {"vocab_size": 384}},
-        "data": {"train": str(data_dir), "seq_len": 16, "batch_size": 8, "grad_accum": 2},
-        "optim": {"recipe": "paper:olmoe:ii" if family in ("olmoe", "gpt_oss") else "paper:qwen3:b-i"},
-        "train": {"steps": steps, "log_every": 2, "val_every": 4, "val_batches": 2, "checkpoint_every": 4,
-                  "tensorboard": False, **train_kw},
-    })
+    return from_dict(
+        {
+            "run": {"name": f"t-{family}", "out_dir": str(out), "seed": 0},
+            "model": {"family": family, "size": "tiny", "overrides": {"vocab_size": 384}},
+            "data": {"train": str(data_dir), "seq_len": 16, "batch_size": 8, "grad_accum": 2},
+            "optim": {"recipe": "paper:olmoe:ii" if family in ("olmoe", "gpt_oss") else "paper:qwen3:b-i"},
+            "train": {
+                "steps": steps,
+                "log_every": 2,
+                "val_every": 4,
+                "val_batches": 2,
+                "checkpoint_every": 4,
+                "tensorboard": False,
+                **train_kw,
+            },
+        }
+    )
 
 
 def records(out, kind):
@@ -47,7 +65,9 @@ def test_short_end_to_end_run_per_family(data_dir, tmp_path, family):
     assert [r["step"] for r in val] == [4, 8] and all(r["val/loss"] < 7 for r in val)
     assert {"logits/rms", "logits/centred_rms", "logits/max_lse"} <= set(val[-1])
     if family in ("olmoe", "gpt_oss"):
-        assert {"router/lb", "router/z", "router/entropy", "router/cv", "router/dead", "router/max_load"} <= set(val[-1])
+        assert {"router/lb", "router/z", "router/entropy", "router/cv", "router/dead", "router/max_load"} <= set(
+            val[-1]
+        )
     trains = records(tmp_path / family, "train")
     assert "update_rms/embedding" in trains[-1] and trains[-1]["tokens_per_s"] > 0
     assert records(tmp_path / family, "end")[-1]["status"] == "done"
@@ -101,7 +121,9 @@ def test_checkpoint_write_is_atomic_under_a_crash(tmp_path, monkeypatch):
     assert torch.equal(template["x"], torch.ones(3)) and torch.equal(template["opt"]["m"], torch.arange(4.0))
     # the next save clears what the crashed ones left; keep=2 keeps the newest two
     for step in (4, 5):
-        save_checkpoint(tmp_path, step, {"x": torch.full((3,), float(step)), "opt": {"m": torch.zeros(4)}}, {"step": step})
+        save_checkpoint(
+            tmp_path, step, {"x": torch.full((3,), float(step)), "opt": {"m": torch.zeros(4)}}, {"step": step}
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000005"]
     assert read_checkpoint(tmp_path)["x"].tolist() == [5.0] * 3
     # a damaged newest checkpoint (e.g. copied half-way by hand) is skipped, with a warning
@@ -133,7 +155,9 @@ def test_checkpoints_unpickle_nothing_but_dcp_metadata(tmp_path):
     with pytest.raises(CheckpointError, match=r"refusing to unpickle"):
         read_checkpoint(ckpt)
     assert latest_checkpoint(tmp_path) is None
-    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*step_00000001 is damaged.*refusing to unpickle"):
+    with pytest.raises(
+        CheckpointError, match=r"no intact checkpoint in .*step_00000001 is damaged.*refusing to unpickle"
+    ):
         load_checkpoint(tmp_path, {"x": torch.empty(2)})
     # the single-file checkpoints of earlier versions are not silently ignored by a resume
     legacy = tmp_path / "legacy"
@@ -152,7 +176,9 @@ def test_nonfinite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(data
         return output * float("nan") if calls["n"] > 12 else output  # 2 micro-batches per step, 2 val batches
 
     trainer.model.lm_head.register_forward_hook(poison)
-    with pytest.raises(NonFiniteLossError, match=r"non-finite training loss.*step 6.*last good checkpoint.*step_00000004"):
+    with pytest.raises(
+        NonFiniteLossError, match=r"non-finite training loss.*step 6.*last good checkpoint.*step_00000004"
+    ):
         trainer.run()
     end = records(tmp_path / "nan", "end")[-1]
     assert end["status"] == "nonfinite"
@@ -230,13 +256,31 @@ def test_data_vocabulary_larger_than_the_model_is_a_config_error(data_dir, tmp_p
 def test_optimizer_hyperparameters_round_trip_through_json():
     from equiopt.train.checkpoint import CheckpointError, param_groups_from_json, param_groups_to_json
 
-    eta = lambda t: 1 / (t + 1)  # noqa: E731  (a callable: not data, comes from the optimizer loaded into)
-    saved = [{"params": ["a", "b"], "lr": 0.25, "betas": (0.8, 0.9), "polar_dtype": torch.bfloat16,
-              "schedule": {"kind": "constant"}, "eta": eta, "lr_t": torch.tensor(0.5, dtype=torch.float64)}]
+    eta = lambda t: 1 / (t + 1)
+    saved = [
+        {
+            "params": ["a", "b"],
+            "lr": 0.25,
+            "betas": (0.8, 0.9),
+            "polar_dtype": torch.bfloat16,
+            "schedule": {"kind": "constant"},
+            "eta": eta,
+            "lr_t": torch.tensor(0.5, dtype=torch.float64),
+        }
+    ]
     data = json.loads(json.dumps(param_groups_to_json(saved)))
     assert "eta" not in data[0]
-    template = [{"params": ["a", "b"], "lr": 1.0, "betas": (0.9, 0.99), "polar_dtype": None, "schedule": {},
-                 "eta": "inverse", "lr_t": torch.tensor(1.0, dtype=torch.float64)}]
+    template = [
+        {
+            "params": ["a", "b"],
+            "lr": 1.0,
+            "betas": (0.9, 0.99),
+            "polar_dtype": None,
+            "schedule": {},
+            "eta": "inverse",
+            "lr_t": torch.tensor(1.0, dtype=torch.float64),
+        }
+    ]
     back = param_groups_from_json(data, template)[0]
     assert back["lr"] == 0.25 and back["betas"] == (0.8, 0.9) and back["polar_dtype"] is torch.bfloat16
     assert back["schedule"] == {"kind": "constant"} and back["eta"] == "inverse"

@@ -141,8 +141,11 @@ def test_interleave_layout_forced_on_concatenated_experts_fails():
 
 
 def test_concat_layout_forced_on_interleaved_experts_fails():
-    report = verify_roles(tiny("gpt_oss"), checks=["neuron"],
-                          rules={r"layers\.1\.mlp\.experts\.gate_up_proj$": ("mlp_in", "experts:gate_up:concat:cols")})
+    report = verify_roles(
+        tiny("gpt_oss"),
+        checks=["neuron"],
+        rules={r"layers\.1\.mlp\.experts\.gate_up_proj$": ("mlp_in", "experts:gate_up:concat:cols")},
+    )
     (bad,) = report.failures
     assert bad.kind == "neuron" and "model.layers.1.mlp.experts.gate_up_proj" in bad.names
 
@@ -187,8 +190,11 @@ def test_weights_and_training_flags_restored(family):
     model.train()
     model.model.layers[0].eval()  # a mixed pattern of flags must come back as it was
     flags = {n: m.training for n, m in model.named_modules()}
-    for rules in (None, {r"gate_up_proj$": ("mlp_in", "experts:gate_up:interleave:cols")},
-                  {r"layers\.0\..*q_proj\.weight": "lm_head"}):
+    for rules in (
+        None,
+        {r"gate_up_proj$": ("mlp_in", "experts:gate_up:interleave:cols")},
+        {r"layers\.0\..*q_proj\.weight": "lm_head"},
+    ):
         if family == "olmoe" and rules is not None and "gate_up_proj$" in rules:
             rules = {r"gate_up_proj$": ("mlp_in", "experts:gate_up:interleave")}
         verify_roles(model, rules=rules)
@@ -281,14 +287,18 @@ def test_plain_module_with_rules_and_forward_fn():
     torch.manual_seed(0)
     model = Toy()
     saved = snapshot(model)
-    report = verify_roles(model, rules=TOY_RULES, forward_fn=toy_forward,
-                          input_ids=torch.randint(0, 40, (3, 7)))
+    report = verify_roles(model, rules=TOY_RULES, forward_fn=toy_forward, input_ids=torch.randint(0, 40, (3, 7)))
     assert report.ok, str(report)
     assert report.kinds() == {"neuron", "shift", "vocab"}
     (neuron,) = [c for c in report if c.kind == "neuron"]
     # dense biases: gate/up biases index the neurons and move, the down bias indexes d
-    assert set(neuron.names) == {"ffn.w_gate.weight", "ffn.w_gate.bias", "ffn.w_up.weight", "ffn.w_up.bias",
-                                 "ffn.w_down.weight"}
+    assert set(neuron.names) == {
+        "ffn.w_gate.weight",
+        "ffn.w_gate.bias",
+        "ffn.w_up.weight",
+        "ffn.w_up.bias",
+        "ffn.w_down.weight",
+    }
     assert report.input_shape == (3, 7)
     assert_bitwise_equal(model, saved)
     # a wrong layout on the down projection (work rows = hidden, not neurons) is caught

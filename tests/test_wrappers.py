@@ -28,7 +28,7 @@ def _by_name(table, prefix=""):
     out = {}
     for r in table:
         assert r.name.startswith(prefix), r.name
-        out[r.name[len(prefix):]] = (r.role, r.layout, r.shape)
+        out[r.name[len(prefix) :]] = (r.role, r.layout, r.shape)
     return out
 
 
@@ -94,7 +94,7 @@ def test_hf_base_model_nested(bare):
     """The decoder alone (``model.model``): no head, the same roles for every other parameter."""
     model, roles = bare
     inner = _by_name(assign_roles(model.model))
-    assert inner == {k[len("model."):]: v for k, v in roles.items() if k.startswith("model.")}
+    assert inner == {k[len("model.") :]: v for k, v in roles.items() if k.startswith("model.")}
 
 
 def test_lightning_module(bare):
@@ -198,9 +198,19 @@ def test_hf_model_without_a_known_convention_names_its_type():
     import transformers as T
 
     with torch.device("meta"):
-        phi3 = T.Phi3ForCausalLM(T.Phi3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                              num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                                              bos_token_id=0, eos_token_id=0))
+        phi3 = T.Phi3ForCausalLM(
+            T.Phi3Config(
+                vocab_size=300,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     with pytest.raises(RoleInferenceError, match=r"gate_up_proj.*in a 'phi3' model.*rules="):
         assign_roles(Holder(phi3))
 

@@ -12,10 +12,17 @@ from equiopt.optim import EquivariantOptimizer
 SHAPES = {"row": (64, 16), "col": (16, 64), "heads:8": (32, 16), "experts:row": (4, 24, 8)}
 
 
-@pytest.mark.parametrize("rule,center,scale", [
-    (rule, center, scale) for rule, center, scale in itertools.product(
-        ("spectral", "right", "left", "row", "hybrid", "sgd"), (False, True), ("nu", "rms"))
-    if not (center and rule in ("spectral", "sgd"))] + [("adamw", False, "nu")])
+@pytest.mark.parametrize(
+    "rule,center,scale",
+    [
+        (rule, center, scale)
+        for rule, center, scale in itertools.product(
+            ("spectral", "right", "left", "row", "hybrid", "sgd"), (False, True), ("nu", "rms")
+        )
+        if not (center and rule in ("spectral", "sgd"))
+    ]
+    + [("adamw", False, "nu")],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_gradient_step_at_lr_zero_changes_nothing(rule, center, scale, dtype):
     gen = torch.Generator().manual_seed(0)

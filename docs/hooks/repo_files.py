@@ -58,8 +58,14 @@ def on_files(files: Files, config) -> Files:
             if target is not None:
                 wanted.add(target)
     for target in sorted(wanted):
-        files.append(RepoFile(f"{COPIES}/{target}", src_dir=None, dest_dir=config["site_dir"],
-                              use_directory_urls=config["use_directory_urls"]))
+        files.append(
+            RepoFile(
+                f"{COPIES}/{target}",
+                src_dir=None,
+                dest_dir=config["site_dir"],
+                use_directory_urls=config["use_directory_urls"],
+            )
+        )
         files.get_file_from_path(f"{COPIES}/{target}").abs_src_path = str(repo / target)
     return files
 

@@ -16,7 +16,7 @@ from typing import Any
 import griffe
 
 ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj|const):`([^`]+)`")
-LITERAL_BLOCK = re.compile(r"(\S)::[ \t]*$", re.M)   # "text::" -> "text:"
+LITERAL_BLOCK = re.compile(r"(\S)::[ \t]*$", re.M)  # "text::" -> "text:"
 BARE_LITERAL = re.compile(r"^([ \t]*)::[ \t]*$", re.M)  # a line of "::" alone -> empty
 
 
@@ -43,7 +43,7 @@ class SphinxRoles(griffe.Extension):
         if not path.startswith(root + "."):
             return None
         try:
-            return self.root[path[len(root) + 1:]]
+            return self.root[path[len(root) + 1 :]]
         except Exception:  # KeyError, alias resolution errors: not ours to link
             return None
 

@@ -31,7 +31,22 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "linalg", "maps", "layouts", "optim", "diagnostics", "recipes", "models",
-    "assign_roles", "print_roles", "build_optimizer", "verify_roles", "roles",
-    "EquivariantOptimizer", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM",
+    "linalg",
+    "maps",
+    "layouts",
+    "optim",
+    "diagnostics",
+    "recipes",
+    "models",
+    "assign_roles",
+    "print_roles",
+    "build_optimizer",
+    "verify_roles",
+    "roles",
+    "EquivariantOptimizer",
+    "Muon",
+    "RightPolarGradM",
+    "LeftPolarGradM",
+    "RowNormM",
+    "HybridPolarGradM",
 ]

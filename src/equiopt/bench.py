@@ -48,10 +48,30 @@ RULES = [
 
 # name, stored shape, layout, rules that fit the parameter class
 CASES = [
-    ("embedding 151936x1024", (151936, 1024), "row", ["row", "row centred", "right", "right centred", "hybrid row->right"]),
-    ("SwiGLU up 3072x1024 x20 layers", (20, 3072, 1024), "experts:row", ["row", "right", "hybrid row->right", "spectral (Muon)"]),
-    ("router 32x2048 x12 layers", (12, 32, 2048), "experts:row", ["row centred", "left centred (router)", "hybrid left->row centred"]),
-    ("experts 32x(1024x2048) x2 layers", (64, 1024, 2048), "experts:row", ["row", "right", "hybrid row->right", "spectral (Muon)"]),
+    (
+        "embedding 151936x1024",
+        (151936, 1024),
+        "row",
+        ["row", "row centred", "right", "right centred", "hybrid row->right"],
+    ),
+    (
+        "SwiGLU up 3072x1024 x20 layers",
+        (20, 3072, 1024),
+        "experts:row",
+        ["row", "right", "hybrid row->right", "spectral (Muon)"],
+    ),
+    (
+        "router 32x2048 x12 layers",
+        (12, 32, 2048),
+        "experts:row",
+        ["row centred", "left centred (router)", "hybrid left->row centred"],
+    ),
+    (
+        "experts 32x(1024x2048) x2 layers",
+        (64, 1024, 2048),
+        "experts:row",
+        ["row", "right", "hybrid row->right", "spectral (Muon)"],
+    ),
 ]
 
 
@@ -82,7 +102,9 @@ def _shrunk(shape, shrink: int):
 
 def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -> None:
     fused = device.type == "cuda"
-    print(f"(a) optimizer step time / torch AdamW ({'fused' if fused else 'foreach'}), device {device}, dtype {dtype}, shapes / {shrink}")
+    print(
+        f"(a) optimizer step time / torch AdamW ({'fused' if fused else 'foreach'}), device {device}, dtype {dtype}, shapes / {shrink}"
+    )
     print(f"{'parameter':36s} {'rule':26s} {'ms':>9s} {'AdamW ms':>9s} {'ratio':>7s}")
     settings = dict(RULES)
     for name, shape, layout, rules in CASES:
@@ -99,7 +121,14 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -
             print(f"{label:36s} {rule:26s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
 
 
-STACK_RECIPES = ["paper:qwen3:a-i", "paper:qwen3:a-ii", "paper:qwen3:a-iii", "paper:qwen3:b-i", "paper:qwen3:b-ii", "paper:qwen3:b-iii"]
+STACK_RECIPES = [
+    "paper:qwen3:a-i",
+    "paper:qwen3:a-ii",
+    "paper:qwen3:a-iii",
+    "paper:qwen3:b-i",
+    "paper:qwen3:b-ii",
+    "paper:qwen3:b-iii",
+]
 
 
 def _stack_model(device: torch.device, shape: str | None = None):
@@ -108,16 +137,35 @@ def _stack_model(device: torch.device, shape: str | None = None):
 
     if shape:
         vocab, hidden = (int(v) for v in shape.lower().split("x"))
-        return models.build("qwen3", "small", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4,
-                            intermediate_size=3 * hidden, seed=0, device=device)
+        return models.build(
+            "qwen3",
+            "small",
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=4,
+            intermediate_size=3 * hidden,
+            seed=0,
+            device=device,
+        )
     if device.type == "cuda":
         return models.build("qwen3", "paper", device=device, seed=0)
-    return models.build("qwen3", "small", vocab_size=32768, hidden_size=256, num_hidden_layers=4,
-                        intermediate_size=768, seed=0, device=device)
+    return models.build(
+        "qwen3",
+        "small",
+        vocab_size=32768,
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        seed=0,
+        device=device,
+    )
 
 
 def _state_mib(opt) -> float:
-    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)) / 2**20
+    return (
+        sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        / 2**20
+    )
 
 
 def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, compile_step: bool | None) -> None:
@@ -148,9 +196,11 @@ def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, com
     base = _time_steps(adamw, params, grads, device, repeats)
     base_state = _state_mib(adamw)
     del adamw
-    print(f"(c) whole optimizer stack, Qwen3-style model, {n / 1e6:.1f} M parameters, device {device}, "
-          f"torch {torch.__version__}; forward+backward B={batch} T={seq}: {1e3 * fb:.1f} ms; "
-          f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB")
+    print(
+        f"(c) whole optimizer stack, Qwen3-style model, {n / 1e6:.1f} M parameters, device {device}, "
+        f"torch {torch.__version__}; forward+backward B={batch} T={seq}: {1e3 * fb:.1f} ms; "
+        f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB"
+    )
     print(f"{'recipe':20s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}")
     for recipe in recipes:
         opt, _ = build_optimizer(model, recipe, eager_state=True)
@@ -202,8 +252,9 @@ def _save_results(results: dict, rank: int, out: str) -> None:
     dist.barrier()
 
 
-def _divided_worker(rank: int, world: int, rendezvous: str, out: str, device_type: str, recipes, repeats: int,
-                    shape: str | None) -> None:
+def _divided_worker(
+    rank: int, world: int, rendezvous: str, out: str, device_type: str, recipes, repeats: int, shape: str | None
+) -> None:
     import torch.distributed as dist
 
     from .roles import build_optimizer
@@ -212,8 +263,9 @@ def _divided_worker(rank: int, world: int, rendezvous: str, out: str, device_typ
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world
+    )
     try:
         model = _stack_model(device, shape)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -221,7 +273,7 @@ def _divided_worker(rank: int, world: int, rendezvous: str, out: str, device_typ
         grads = [1e-3 * torch.randn(p.shape, generator=gen, device=device) for p in params]
         results = {"parameters": sum(p.numel() for p in params)}
         for recipe in recipes:
-            for divide in ((False, True) if world > 1 else (False,)):
+            for divide in (False, True) if world > 1 else (False,):
                 opt, _ = build_optimizer(model, recipe, eager_state=True, divide_work=divide, compile=False)
                 dist.barrier()
                 results[(recipe, divide)] = _slowest(_time_steps(opt, params, grads, device, repeats), device)
@@ -234,11 +286,15 @@ def _divided_worker(rank: int, world: int, rendezvous: str, out: str, device_typ
 def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | None = None) -> None:
     table = _per_world(_divided_worker, worlds, device.type, recipes, repeats, shape)
     n = table[worlds[0]]["parameters"]
-    print(f"(d) per-rank optimizer step time (ms, slowest rank) of the whole stack under replication, "
-          f"Qwen3-style model {shape or 'of --stack'} ({n / 1e6:.1f} M trained parameters), "
-          f"{'one thread' if device.type == 'cpu' else 'one GPU'} per process, torch {torch.__version__}")
+    print(
+        f"(d) per-rank optimizer step time (ms, slowest rank) of the whole stack under replication, "
+        f"Qwen3-style model {shape or 'of --stack'} ({n / 1e6:.1f} M trained parameters), "
+        f"{'one thread' if device.type == 'cpu' else 'one GPU'} per process, torch {torch.__version__}"
+    )
     one = min(worlds)
-    cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [f"{w} proc divided" for w in worlds if w != one]
+    cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [
+        f"{w} proc divided" for w in worlds if w != one
+    ]
     print(f"{'recipe':20s} " + " ".join(f"{c:>20s}" for c in cols) + "   divided / 1 proc")
     for recipe in recipes:
         row = [table[w][(recipe, False)] for w in worlds] + [table[w][(recipe, True)] for w in worlds if w != one]
@@ -246,8 +302,9 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
         print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {ratios}")
 
 
-def _overlap_worker(rank: int, world: int, rendezvous: str, out: str, recipes, repeats: int, shape: str | None,
-                    cost_model: str) -> None:
+def _overlap_worker(
+    rank: int, world: int, rendezvous: str, out: str, recipes, repeats: int, shape: str | None, cost_model: str
+) -> None:
     import torch.distributed as dist
 
     from .roles import build_optimizer
@@ -274,6 +331,7 @@ def _overlap_worker(rank: int, world: int, rendezvous: str, out: str, recipes, r
                 work = fn(*args, **kwargs)
                 spent[0] += time.perf_counter() - start
                 return work
+
             return run
 
         for recipe in recipes:
@@ -303,15 +361,19 @@ def _overlap_worker(rank: int, world: int, rendezvous: str, out: str, recipes, r
 def overlap(recipes, repeats: int, worlds, shape: str | None, cost_model: str) -> None:
     """``--overlap``: per-rank step time of FSDP2-sharded stacks with the owner exchanges
     waited for at once and overlapped with the maps, on gloo (one thread per process)."""
-    print(f"(e) per-rank optimizer step time (ms, slowest rank), FSDP2 over all ranks, Qwen3-style model "
-          f"{shape or 'of --stack'}, gloo, one thread per process, cost model {cost_model}, torch {torch.__version__}")
+    print(
+        f"(e) per-rank optimizer step time (ms, slowest rank), FSDP2 over all ranks, Qwen3-style model "
+        f"{shape or 'of --stack'}, gloo, one thread per process, cost model {cost_model}, torch {torch.__version__}"
+    )
     print(f"{'procs':>5s} {'recipe':20s} {'waited':>9s} {'overlap':>9s} {'ratio':>6s} {'comm ms':>8s} {'hidden':>7s}")
     for world, res in _per_world(_overlap_worker, worlds, recipes, repeats, shape, cost_model).items():
         for recipe in recipes:
             waited, over, comm = res[(recipe, False)], res[(recipe, True)], res[(recipe, "comm")]
             hidden = (waited - over) / comm if comm > 0 else float("nan")
-            print(f"{world:5d} {recipe:20s} {1e3 * waited:9.2f} {1e3 * over:9.2f} {over / waited:6.2f} "
-                  f"{1e3 * comm:8.2f} {100 * hidden:6.0f}%")
+            print(
+                f"{world:5d} {recipe:20s} {1e3 * waited:9.2f} {1e3 * over:9.2f} {over / waited:6.2f} "
+                f"{1e3 * comm:8.2f} {100 * hidden:6.0f}%"
+            )
 
 
 def _tall(m: int, n: int, cond: float, scale: float, gen: torch.Generator) -> torch.Tensor:
@@ -337,8 +399,10 @@ def algorithm3_as_published(A: torch.Tensor, eps: float, steps: int = 5) -> torc
 
 
 def accuracy(m: int, n: int, eps: float = 1e-8) -> None:
-    print(f"(b) right-spectral map vs float64, tall {m} x {n}, eps {eps:g}: relative Frobenius error of "
-          "D R and relative error of nu = tr(C R)")
+    print(
+        f"(b) right-spectral map vs float64, tall {m} x {n}, eps {eps:g}: relative Frobenius error of "
+        "D R and relative error of nu = tr(C R)"
+    )
     print(f"{'cond':>6s} {'scale':>6s} | {'default U':>10s} {'default nu':>10s} | {'Alg.3 U':>10s} {'Alg.3 nu':>10s}")
     gen = torch.Generator().manual_seed(0)
     for cond in (1e1, 1e3, 1e5):
@@ -353,7 +417,9 @@ def accuracy(m: int, n: int, eps: float = 1e-8) -> None:
             for Rf in (inv_sqrt(Cf, eps, "polar_express", 5), algorithm3_as_published(Cf, eps)):
                 Uf, nuf = (Df @ Rf).double(), (Cf * Rf).sum().double()
                 row += [float((Uf - U).norm() / U.norm()), float(abs(nuf / nu - 1))]
-            print(f"{cond:6.0e} {scale:6.0e} | {100 * row[0]:9.2f}% {100 * row[1]:9.2f}% | {100 * row[2]:9.2f}% {100 * row[3]:9.2f}%")
+            print(
+                f"{cond:6.0e} {scale:6.0e} | {100 * row[0]:9.2f}% {100 * row[1]:9.2f}% | {100 * row[2]:9.2f}% {100 * row[3]:9.2f}%"
+            )
     print("matrix products on the n x n Gram: default 4*steps+1 = 21, Algorithm 3 4*steps = 20 (steps = 5)")
 
 
@@ -370,27 +436,49 @@ def main(argv=None) -> None:
     parser.add_argument("--recipes", default=",".join(STACK_RECIPES), help="comma-separated recipes for --stack")
     parser.add_argument("--batch", type=int, default=None, help="--stack batch size (default 8)")
     parser.add_argument("--seq", type=int, default=None, help="--stack sequence length (CPU 256, CUDA 1024)")
-    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack")
+    parser.add_argument(
+        "--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack"
+    )
     parser.add_argument("--divided", action="store_true", help="only the per-rank DDP table (1 vs 2 processes)")
     parser.add_argument("--worlds", default="1,2", help="process counts for --divided")
-    parser.add_argument("--model", default=None, help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided / --overlap")
-    parser.add_argument("--overlap", action="store_true", help="only the FSDP2 overlap table (waited vs overlapped exchanges)")
+    parser.add_argument(
+        "--model", default=None, help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided / --overlap"
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="only the FSDP2 overlap table (waited vs overlapped exchanges)"
+    )
     parser.add_argument("--cost-model", default="owner", help="--overlap: the optimizer's cost model (default owner)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.overlap:
         worlds = [int(w) for w in (args.worlds if args.worlds != "1,2" else "2,4").split(",")]
-        overlap(args.recipes.split(",") if args.recipes != ",".join(STACK_RECIPES) else ["paper:qwen3:a-i", "paper:qwen3:b-ii"],
-                args.repeats or 5, worlds, args.model, args.cost_model)
+        overlap(
+            args.recipes.split(",")
+            if args.recipes != ",".join(STACK_RECIPES)
+            else ["paper:qwen3:a-i", "paper:qwen3:b-ii"],
+            args.repeats or 5,
+            worlds,
+            args.model,
+            args.cost_model,
+        )
         return
     if args.divided:
         worlds = [int(w) for w in args.worlds.split(",")]
-        divided(device, args.recipes.split(","), args.repeats or (20 if device.type == "cuda" else 5), worlds, args.model)
+        divided(
+            device, args.recipes.split(","), args.repeats or (20 if device.type == "cuda" else 5), worlds, args.model
+        )
         return
     if args.stack:
         seq = args.seq or (1024 if device.type == "cuda" else 256)
         comp = {"auto": None, "on": True, "off": False}[args.compile]
-        stack(device, args.recipes.split(","), args.repeats or (20 if device.type == "cuda" else 7), args.batch or 8, seq, comp)
+        stack(
+            device,
+            args.recipes.split(","),
+            args.repeats or (20 if device.type == "cuda" else 7),
+            args.batch or 8,
+            seq,
+            comp,
+        )
         return
     both = not (args.speed or args.accuracy)
     if args.speed or both:

@@ -31,8 +31,10 @@ def _load_model(spec: str):
         module, _, attr = spec.partition(":")
         obj = getattr(importlib.import_module(module), attr)
         return obj() if callable(obj) else obj
-    raise SystemExit(f"unknown model {spec!r}: use one of {', '.join(models.FAMILIES)} (optionally :SIZE), "
-                     "torchtitan:MODEL[:FLAVOR], or module:attribute")
+    raise SystemExit(
+        f"unknown model {spec!r}: use one of {', '.join(models.FAMILIES)} (optionally :SIZE), "
+        "torchtitan:MODEL[:FLAVOR], or module:attribute"
+    )
 
 
 def _parse_sets(items: list[str]) -> dict:
@@ -51,8 +53,9 @@ def _parse_sets(items: list[str]) -> dict:
     return out
 
 
-def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True,
-                 resume_from: str | None = None) -> list[str]:
+def _run_configs(
+    paths: list[str], sets: dict, resume: bool, force: bool = True, resume_from: str | None = None
+) -> list[str]:
     from .roles import RoleInferenceError
     from .train import CheckpointError, load_config, train
     from .train.config import ConfigError
@@ -82,22 +85,33 @@ def _run_configs(paths: list[str], sets: dict, resume: bool, force: bool = True,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="equiopt", description="Symmetry-compatible optimizers for LM pre-training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="prepare data offline, train a small Qwen3-style model with two recipes, compare")
+    demo = sub.add_parser(
+        "demo", help="prepare data offline, train a small Qwen3-style model with two recipes, compare"
+    )
     demo.add_argument("--quick", action="store_true", help="the optimizer-only demo on a synthetic problem (a minute)")
     demo.add_argument("--steps", type=int, default=None)
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--seed", type=int, default=0)
-    sub.add_parser("data", help="prepare token shards: equiopt data prepare --corpus poetry --tokenizer gpt2 --out DIR",
-                   add_help=False)
+    sub.add_parser(
+        "data",
+        help="prepare token shards: equiopt data prepare --corpus poetry --tokenizer gpt2 --out DIR",
+        add_help=False,
+    )
     tr = sub.add_parser("train", help="train from a TOML config (single process or under torchrun)")
     tr.add_argument("config")
     resume = tr.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true",
-                        help="continue from the run's newest intact checkpoint (a damaged newer one is skipped "
-                             "with a warning)")
-    resume.add_argument("--resume-from", default=None, metavar="DIR",
-                        help="continue from exactly this checkpoint directory (e.g. RUN/checkpoints/step_00001000); "
-                             "fails if it is damaged, naming the intact ones")
+    resume.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the run's newest intact checkpoint (a damaged newer one is skipped with a warning)",
+    )
+    resume.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="DIR",
+        help="continue from exactly this checkpoint directory (e.g. RUN/checkpoints/step_00001000); "
+        "fails if it is damaged, naming the intact ones",
+    )
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
     cmp = sub.add_parser("compare", help="train several configs (or seeds) and print the final-loss table and figures")
     cmp.add_argument("configs", nargs="+")
@@ -105,40 +119,70 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--seeds", type=int, default=1, help="run each config with seeds 0..N-1")
     cmp.add_argument("--force", action="store_true", help="retrain runs that are already done")
     cmp.add_argument("--out", default=None, help="directory for the figures")
-    cmp.add_argument("--baseline", default=None, metavar="NAME",
-                     help="run name (or config path) of the baseline: adds paired per-seed differences with mean, "
-                          "95%% Student-t CI and sign counts")
+    cmp.add_argument(
+        "--baseline",
+        default=None,
+        metavar="NAME",
+        help="run name (or config path) of the baseline: adds paired per-seed differences with mean, "
+        "95%% Student-t CI and sign counts",
+    )
     cmp.add_argument("--metric", default="val/loss", help="logged key compared (default %(default)s)")
-    cmp.add_argument("--sweep-lr", default=None, metavar="M1,M2,...",
-                     help="tune each config's lrs on this grid of multipliers (resumable; seeds paired), then "
-                          "compare best against best (needs --baseline)")
-    cmp.add_argument("--tune-seeds", type=int, default=None, metavar="K",
-                     help="with --sweep-lr: run the grid on seeds 0..K-1 only, then the other seeds at each "
-                          "arm's chosen multiplier")
-    cmp.add_argument("--sweep-roles", default=None, metavar="ROLE,...",
-                     help="roles whose lr the sweep multiplies (default: all)")
+    cmp.add_argument(
+        "--sweep-lr",
+        default=None,
+        metavar="M1,M2,...",
+        help="tune each config's lrs on this grid of multipliers (resumable; seeds paired), then "
+        "compare best against best (needs --baseline)",
+    )
+    cmp.add_argument(
+        "--tune-seeds",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --sweep-lr: run the grid on seeds 0..K-1 only, then the other seeds at each arm's chosen multiplier",
+    )
+    cmp.add_argument(
+        "--sweep-roles", default=None, metavar="ROLE,...", help="roles whose lr the sweep multiplies (default: all)"
+    )
     cmp.add_argument("--report", default=None, metavar="PATH.md", help="write a markdown report (and figures) here")
-    sub.add_parser("plot", help="draw the paper's figures from run directories: equiopt plot RUN... [--out DIR]",
-                   add_help=False)
-    sub.add_parser("table", help="final validation losses of run directories, mean and std over seeds",
-                   add_help=False)
+    sub.add_parser(
+        "plot", help="draw the paper's figures from run directories: equiopt plot RUN... [--out DIR]", add_help=False
+    )
+    sub.add_parser("table", help="final validation losses of run directories, mean and std over seeds", add_help=False)
     roles = sub.add_parser("roles", help="print the role table of a model: name, shape, role, work shape, rule, lr")
-    roles.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (e.g. qwen3:paper, olmoe:tiny), a torchtitan model "
-                                     "torchtitan:MODEL[:FLAVOR] (e.g. torchtitan:llama3:8B, torchtitan:deepseek_v3:16B), "
-                                     "or module:attribute of a callable returning an nn.Module")
-    roles.add_argument("--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)")
+    roles.add_argument(
+        "model",
+        help="FAMILY[:SIZE] of equiopt.models (e.g. qwen3:paper, olmoe:tiny), a torchtitan model "
+        "torchtitan:MODEL[:FLAVOR] (e.g. torchtitan:llama3:8B, torchtitan:deepseek_v3:16B), "
+        "or module:attribute of a callable returning an nn.Module",
+    )
+    roles.add_argument(
+        "--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)"
+    )
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
-    plan = sub.add_parser("plan", help="what an optimizer step sends and computes per rank on a device mesh of any size")
-    plan.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (default size paper, e.g. qwen3:paper, "
-                                    "gpt_oss:paper), or a transformers config name or local path")
+    plan = sub.add_parser(
+        "plan", help="what an optimizer step sends and computes per rank on a device mesh of any size"
+    )
+    plan.add_argument(
+        "model",
+        help="FAMILY[:SIZE] of equiopt.models (default size paper, e.g. qwen3:paper, "
+        "gpt_oss:paper), or a transformers config name or local path",
+    )
     plan.add_argument("--recipe", default="equiopt:default", help="recipe (default %(default)s)")
-    plan.add_argument("--mesh", required=True, metavar="dp_shard=64,tp=8[,ep=..,dp_replicate=..]",
-                      help="mesh dimension sizes; the world is their product")
-    plan.add_argument("--ranks", default=None, metavar="R,...",
-                      help="ranks to plan (default: every rank; the busiest is reported)")
-    plan.add_argument("--cost-model", default="nccl-h100",
-                      help="constants that choose between reduce and owner plans: nccl-h100 (default), gloo-cpu, "
-                           "reduce, owner")
+    plan.add_argument(
+        "--mesh",
+        required=True,
+        metavar="dp_shard=64,tp=8[,ep=..,dp_replicate=..]",
+        help="mesh dimension sizes; the world is their product",
+    )
+    plan.add_argument(
+        "--ranks", default=None, metavar="R,...", help="ranks to plan (default: every rank; the busiest is reported)"
+    )
+    plan.add_argument(
+        "--cost-model",
+        default="nccl-h100",
+        help="constants that choose between reduce and owner plans: nccl-h100 (default), gloo-cpu, reduce, owner",
+    )
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     sub.add_parser("fields", help="every rule's settings: the rules that read each one, its defaults, its meaning")
     sub.add_parser("bench", help="step-time and accuracy benchmarks (python -m equiopt.bench --help)", add_help=False)
@@ -220,8 +264,16 @@ def _compare(args, argv) -> int:
         mults = [float(m) for m in args.sweep_lr.split(",") if m.strip()]
         roles = [r.strip() for r in args.sweep_roles.split(",")] if args.sweep_roles else None
         try:
-            arms = sweep(args.configs, mults, seeds, roles=roles, sets=sets, force=args.force,
-                         tune_seeds=args.tune_seeds, metric=args.metric)
+            arms = sweep(
+                args.configs,
+                mults,
+                seeds,
+                roles=roles,
+                sets=sets,
+                force=args.force,
+                tune_seeds=args.tune_seeds,
+                metric=args.metric,
+            )
             baseline = _baseline_label(args.baseline, args.configs, arms)
             print(sweep_report(arms, baseline, args.metric, out=args.report, command=command))
         except ValueError as err:
@@ -257,11 +309,17 @@ def _compare(args, argv) -> int:
         report = Path(args.report)
         report.parent.mkdir(parents=True, exist_ok=True)
         runs = "\n".join(f"- `{d}`" for d in out_dirs)
-        figs = "\n".join(f"![{Path(p).stem}]({Path(os.path.relpath(Path(p).resolve(), report.parent.resolve())).as_posix()})"
-                         for p in figures)
-        report.write_text(f"# Comparison\n\nCommand:\n\n```bash\n{command}\n```\n\n" + "\n".join(text)
-                          + f"\n\nRuns (each value is the last record of the metric in its `log.jsonl`):\n\n{runs}\n\n"
-                          + figs + "\n")
+        figs = "\n".join(
+            f"![{Path(p).stem}]({Path(os.path.relpath(Path(p).resolve(), report.parent.resolve())).as_posix()})"
+            for p in figures
+        )
+        report.write_text(
+            f"# Comparison\n\nCommand:\n\n```bash\n{command}\n```\n\n"
+            + "\n".join(text)
+            + f"\n\nRuns (each value is the last record of the metric in its `log.jsonl`):\n\n{runs}\n\n"
+            + figs
+            + "\n"
+        )
         print(f"report: {report}")
     return 0
 
@@ -297,7 +355,9 @@ def _run_seed(config: str, sets: dict, seed: int | None, force: bool) -> list[st
     seeded = dict(sets)
     if seed is not None:
         cfg = load_config(config, sets)
-        seeded.update({"run.seed": seed, "run.out_dir": f"{cfg.out_path}-s{seed}", "run.name": f"{cfg.run.name}-s{seed}"})
+        seeded.update(
+            {"run.seed": seed, "run.out_dir": f"{cfg.out_path}-s{seed}", "run.name": f"{cfg.run.name}-s{seed}"}
+        )
     return _run_configs([config], seeded, resume=False, force=force)
 
 

@@ -55,7 +55,6 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -141,7 +140,7 @@ class Layout:
         if reason is not None:
             raise ValueError(f"{name}: layout {self!r} does not fit shape {shape}: {reason}")
 
-    def to_work(self, t: Tensor, *, name: str = "parameter") -> Union[Tensor, list[Tensor]]:
+    def to_work(self, t: Tensor, *, name: str = "parameter") -> Tensor | list[Tensor]:
         """Work view(s) of ``t``: a Tensor if ``num_blocks == 1``, else a list."""
         work = self.to_work_list(t, name=name)
         return work[0] if len(work) == 1 else work
@@ -151,7 +150,7 @@ class Layout:
         self.check(t.shape, name)
         return self._to_work(t)
 
-    def from_work(self, work: Union[Tensor, Sequence[Tensor]]) -> Tensor:
+    def from_work(self, work: Tensor | Sequence[Tensor]) -> Tensor:
         """Exact inverse of :meth:`to_work`; accepts a Tensor or a list of Tensors.
 
         Work tensors may be non-contiguous (e.g. outputs of a map); only their shapes
@@ -809,7 +808,7 @@ def _parse(s: str) -> Layout:
     raise ValueError(f"unknown layout {head!r}")
 
 
-def parse_layout(spec: Union[str, Layout]) -> Layout:
+def parse_layout(spec: str | Layout) -> Layout:
     """Build a layout from a short string (see ``SPEC_FORMS``); layouts pass through.
 
     Examples: ``"row"``, ``"col"``, ``"heads:128"``, ``"heads_cols:128"``,
@@ -893,4 +892,3 @@ def stack_by_shape(works: Sequence[Tensor]) -> tuple[list[Tensor], Unstack]:
     groups = [f[0] if len(f) == 1 else torch.cat(f) for f in flats]
     restore = Unstack(tuple(index), tuple(tuple(m) for m in members), len(works))
     return groups, restore
-

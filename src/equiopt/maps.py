@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, NamedTuple, Optional, Protocol, Union
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
 from .linalg import inv_sqrt, polar
 
-EtaRule = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+EtaRule = str | Callable[[torch.Tensor], torch.Tensor]
 ETA_RULES = ("inverse", "normalize", "rms")
 HYBRID_ORDERS = ("row_then_right", "right_then_row", "left_then_row")
 SCALES = ("nu", "rms")
@@ -79,20 +80,20 @@ class RowReducer(Protocol):
         ...
 
 
-def _take(reducer: Optional[RowReducer], t: torch.Tensor, dim: int = -2) -> torch.Tensor:
+def _take(reducer: RowReducer | None, t: torch.Tensor, dim: int = -2) -> torch.Tensor:
     """The rows of ``t`` that ``reducer``'s sums take from this rank (all, unless it divides them)."""
     take = getattr(reducer, "take", None)
     return t if take is None else take(t, dim)
 
 
-def _col_mean(x: torch.Tensor, reducer: Optional[RowReducer]) -> torch.Tensor:
+def _col_mean(x: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:
     """Column means over the rows, ``(..., 1, n)``: local, or completed by ``reducer``."""
     if reducer is None:
         return x.mean(dim=-2, keepdim=True)
     return reducer.sum(_take(reducer, x).sum(dim=-2, keepdim=True)) / reducer.count
 
 
-def _row_sum(t: torch.Tensor, reducer: Optional[RowReducer]) -> torch.Tensor:
+def _row_sum(t: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:
     """``t.sum(-1)`` of per-row values ``t`` (``(..., m)``), completed by ``reducer``."""
     return t.sum(-1) if reducer is None else reducer.sum(_take(reducer, t, -1).sum(-1))
 
@@ -106,10 +107,10 @@ class Factored(NamedTuple):
     """
 
     x: torch.Tensor
-    row: Optional[torch.Tensor] = None
-    left: Optional[torch.Tensor] = None
-    right: Optional[torch.Tensor] = None
-    shift: Optional[torch.Tensor] = None
+    row: torch.Tensor | None = None
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
 
 
 def materialize(f: Factored) -> torch.Tensor:
@@ -195,8 +196,14 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
-def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, reducer: Optional[RowReducer] = None,
-                 col_reducer: Optional[RowReducer] = None) -> Factored:
+def _row_factors(
+    x: torch.Tensor,
+    eta: EtaRule,
+    eps: float,
+    centered: bool,
+    reducer: RowReducer | None = None,
+    col_reducer: RowReducer | None = None,
+) -> Factored:
     """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
 
     The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
@@ -213,13 +220,17 @@ def _row_factors(x: torch.Tensor, eta: EtaRule, eps: float, centered: bool, redu
     s = torch.where(norms.isfinite(), eta_scale(norms, eta, eps, n), norms.new_full((), float("nan")))
     shift = None
     if centered:
-        shift = (s.mT @ x) / x.shape[-2] if reducer is None else \
-            reducer.sum(_take(reducer, s).mT @ _take(reducer, x)) / reducer.count
+        shift = (
+            (s.mT @ x) / x.shape[-2]
+            if reducer is None
+            else reducer.sum(_take(reducer, s).mT @ _take(reducer, x)) / reducer.count
+        )
     return Factored(x, row=s, shift=shift)
 
 
-def _maybe_center(D: torch.Tensor, flag: bool, reducer: Optional[RowReducer] = None,
-                  centered_input: bool = False) -> torch.Tensor:
+def _maybe_center(
+    D: torch.Tensor, flag: bool, reducer: RowReducer | None = None, centered_input: bool = False
+) -> torch.Tensor:
     """``Pi D`` when ``flag`` (a new tensor), else ``D``; ``centered_input``: ``D`` is already
     ``Pi D`` (its owner centred it in place), so it is used as it is."""
     return D - _col_mean(D, reducer) if flag and not centered_input else D
@@ -231,18 +242,23 @@ def _renamed_keyword(old: str, new: str):
     ``old=`` still works and emits a :class:`DeprecationWarning` naming ``new``; passing
     both raises :class:`TypeError`. Calls that use ``new`` go straight through.
     """
+
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
             if old in kwargs:
                 if new in kwargs:
-                    raise TypeError(f"{fn.__name__}() got both {new!r} and its deprecated spelling {old!r}; "
-                                    f"pass only {new!r}")
-                warnings.warn(f"{fn.__name__}(): the keyword {old!r} is deprecated, use {new!r}",
-                              DeprecationWarning, stacklevel=2)
+                    raise TypeError(
+                        f"{fn.__name__}() got both {new!r} and its deprecated spelling {old!r}; pass only {new!r}"
+                    )
+                warnings.warn(
+                    f"{fn.__name__}(): the keyword {old!r} is deprecated, use {new!r}", DeprecationWarning, stacklevel=2
+                )
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
+
         return inner
+
     return wrap
 
 
@@ -268,8 +284,13 @@ def row_norm(D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaR
 
 @_renamed_keyword("centred_input", "centered_input")
 def row_norm_factored(
-    D: torch.Tensor, eps: float = 1e-8, center: bool = False, eta: EtaRule = "inverse",
-    reducer: Optional[RowReducer] = None, centered_input: bool = False, col_reducer: Optional[RowReducer] = None,
+    D: torch.Tensor,
+    eps: float = 1e-8,
+    center: bool = False,
+    eta: EtaRule = "inverse",
+    reducer: RowReducer | None = None,
+    centered_input: bool = False,
+    col_reducer: RowReducer | None = None,
 ) -> Factored:
     """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
 
@@ -331,7 +352,9 @@ def _normalized_gram(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mean = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / C.shape[-1]
     _, e = torch.frexp(mean)
     k = e + (e & 1)
-    return C * torch.exp2(-k.to(C.dtype))[..., None, None], torch.exp2(torch.div(-k, 2, rounding_mode="floor").to(C.dtype))
+    return C * torch.exp2(-k.to(C.dtype))[..., None, None], torch.exp2(
+        torch.div(-k, 2, rounding_mode="floor").to(C.dtype)
+    )
 
 
 def _damping(trace: torch.Tensor, eps: float, half: torch.Tensor, damping: str, r: int) -> torch.Tensor:
@@ -354,9 +377,19 @@ def _damping(trace: torch.Tensor, eps: float, half: torch.Tensor, damping: str, 
 DAMPINGS = ("relative", "absolute")
 
 
-def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: int, centered: bool, gram: str,
-               scale: str = "nu", rows: torch.Tensor | None = None, reducer: Optional[RowReducer] = None,
-               damping: str = "relative") -> Factored:
+def _one_sided(
+    x: torch.Tensor,
+    eps: float,
+    alpha: float,
+    method: str,
+    steps: int,
+    centered: bool,
+    gram: str,
+    scale: str = "nu",
+    rows: torch.Tensor | None = None,
+    reducer: RowReducer | None = None,
+    damping: str = "relative",
+) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
     The two one-sided maps are the same function of ``D`` (push-through identity
@@ -383,8 +416,10 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
     left = gram_side(m, n, gram) == "left"
     if reducer is not None and (left or method == "gram_newton_schulz"):
-        raise ValueError("a row-sharded work matrix takes only the right Gram with a damped inverse square root; "
-                         "gather it to one rank for the left Gram or the Gram Newton-Schulz polar factor")
+        raise ValueError(
+            "a row-sharded work matrix takes only the right Gram with a damped inverse square root; "
+            "gather it to one rank for the left Gram or the Gram Newton-Schulz polar factor"
+        )
     if method == "gram_newton_schulz":
         return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows)
     if left:
@@ -417,8 +452,9 @@ def _one_sided(x: torch.Tensor, eps: float, alpha: float, method: str, steps: in
     return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None)
 
 
-def _scale(nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, centered: bool, eps: float,
-           scale: str) -> torch.Tensor:
+def _scale(
+    nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, centered: bool, eps: float, scale: str
+) -> torch.Tensor:
     """The factor multiplying the damped polar factor ``P = D (D^T D + eps I)^(-1/2)``.
 
     ``"nu"`` (the paper's Algorithms 1-2): ``nu^alpha``. ``nu`` estimates the nuclear norm
@@ -448,8 +484,15 @@ def _scale(nu: torch.Tensor, fro2: torch.Tensor, alpha: float, m, n: int, center
     return rho.clamp(max=1.0).pow(alpha) * (m * n / r) ** 0.5
 
 
-def _one_sided_polar(x: torch.Tensor, eps: float, alpha: float, steps: int, centered: bool, scale: str = "nu",
-                     rows: torch.Tensor | None = None) -> Factored:
+def _one_sided_polar(
+    x: torch.Tensor,
+    eps: float,
+    alpha: float,
+    steps: int,
+    centered: bool,
+    scale: str = "nu",
+    rows: torch.Tensor | None = None,
+) -> Factored:
     """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
     directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
     at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
@@ -472,7 +515,7 @@ def one_sided_factored(
     steps: int = 5,
     gram: str = "auto",
     scale: str = "nu",
-    reducer: Optional[RowReducer] = None,
+    reducer: RowReducer | None = None,
     centered_input: bool = False,
     damping: str = "relative",
 ) -> Factored:
@@ -540,8 +583,9 @@ def right_spectral(
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "right_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale,
-                                          damping=damping)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping)).to(
+        D.dtype
+    )
 
 
 def left_spectral(
@@ -579,11 +623,14 @@ def left_spectral(
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "left_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale,
-                                          damping=damping)).to(D.dtype)
+    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping)).to(
+        D.dtype
+    )
 
 
-def spectral(D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
+def spectral(
+    D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
 
     ``dtype`` is the iteration's precision (see :func:`equiopt.linalg.polar`).
@@ -652,8 +699,9 @@ def hybrid(
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "hybrid")
-    return materialize(hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale,
-                                       damping=damping)).to(D.dtype)
+    return materialize(
+        hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale, damping=damping)
+    ).to(D.dtype)
 
 
 def _clean_stage(f: Factored) -> Factored:
@@ -679,7 +727,7 @@ def hybrid_factored(
     eta: EtaRule = "inverse",
     gram: str = "auto",
     scale: str = "nu",
-    reducer: Optional[RowReducer] = None,
+    reducer: RowReducer | None = None,
     centered_input: bool = False,
     damping: str = "relative",
 ) -> Factored:
@@ -715,7 +763,9 @@ def hybrid_factored(
         rows = None
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             sq = _row_norms(z)[..., 0].square()
-            rows = (_row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)).clamp_min(1.0)
+            rows = (
+                _row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)
+            ).clamp_min(1.0)
         return _clean_stage(_one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping))
     z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping))
     f = _clean_stage(_row_factors(z, eta, eps, center, reducer))
@@ -725,4 +775,25 @@ def hybrid_factored(
     return f
 
 
-__all__ = ["Factored", "RowReducer", "gram_side", "materialize", "row_norm_factored", "one_sided_factored", "hybrid_factored", "center", "row_norm", "right_spectral", "left_spectral", "spectral", "hybrid", "eta_scale", "ETA_RULES", "HYBRID_ORDERS", "GRAM_SIDES", "ONE_SIDED_METHODS", "SCALES", "DAMPINGS"]
+__all__ = [
+    "Factored",
+    "RowReducer",
+    "gram_side",
+    "materialize",
+    "row_norm_factored",
+    "one_sided_factored",
+    "hybrid_factored",
+    "center",
+    "row_norm",
+    "right_spectral",
+    "left_spectral",
+    "spectral",
+    "hybrid",
+    "eta_scale",
+    "ETA_RULES",
+    "HYBRID_ORDERS",
+    "GRAM_SIDES",
+    "ONE_SIDED_METHODS",
+    "SCALES",
+    "DAMPINGS",
+]

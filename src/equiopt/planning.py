@@ -38,8 +38,10 @@ def parse_mesh(spec: str) -> dict[str, int]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, sep, value = item.partition("=")
         if not sep or name not in MESH_DIMS or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh {spec!r}: expected NAME=SIZE items with NAME in {', '.join(MESH_DIMS)} "
-                             f"and SIZE >= 1, got {item!r}")
+            raise ValueError(
+                f"--mesh {spec!r}: expected NAME=SIZE items with NAME in {', '.join(MESH_DIMS)} "
+                f"and SIZE >= 1, got {item!r}"
+            )
         sizes[name] = int(value)
     if not sizes:
         raise ValueError(f"--mesh {spec!r}: no mesh dimension given")
@@ -57,8 +59,7 @@ def _fake_world(world: int) -> None:
 
 def _tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     plan: dict[str, Any] = {}
     for name, module in model.named_modules():
@@ -69,8 +70,13 @@ def _tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
             plan[name] = ColwiseParallel()
         elif isinstance(module, torch.nn.Linear) and leaf in ROWWISE:
             plan[name] = RowwiseParallel()
-        elif "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None \
-                and module.weight.ndim == 1 and "q_norm" not in leaf and "k_norm" not in leaf:
+        elif (
+            "norm" in type(module).__name__.lower()
+            and getattr(module, "weight", None) is not None
+            and module.weight.ndim == 1
+            and "q_norm" not in leaf
+            and "k_norm" not in leaf
+        ):
             plan[name] = SequenceParallel()
     parallelize_module(model, tp_mesh, plan)
 
@@ -143,8 +149,9 @@ def _load(spec: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def plan_model(spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] | None = None,
-               cost_model: str = "nccl-h100") -> dict[str, Any]:
+def plan_model(
+    spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] | None = None, cost_model: str = "nccl-h100"
+) -> dict[str, Any]:
     """The plan of ``recipe`` on model ``spec`` over a mesh of ``sizes``, as the JSON document
     ``equiopt plan --json`` writes (keys ``mesh``, ``world``, ``parameters``, ``totals``)."""
     import torch.distributed as dist
@@ -167,17 +174,27 @@ def plan_model(spec: str, recipe: str, sizes: dict[str, int], ranks: list[int] |
     totals = step.totals()
     busiest = step.per_rank[totals["busiest_rank"]]
     params = [dict(p._asdict(), role=roles.get(p.name, "?")) for p in step.parameters]
-    totals.update({
-        "busiest_rank_flops": busiest[1],
-        "finite_flag_bytes_per_rank_max": step.flag_bytes_per_rank,
-        "adamw_state_traffic_bytes_per_rank": busiest[3] * ADAMW_BYTES_PER_ELEMENT,
-        "ranks_planned": len(step.per_rank),
-        "seconds": round(time.perf_counter() - start, 1),
-    })
+    totals.update(
+        {
+            "busiest_rank_flops": busiest[1],
+            "finite_flag_bytes_per_rank_max": step.flag_bytes_per_rank,
+            "adamw_state_traffic_bytes_per_rank": busiest[3] * ADAMW_BYTES_PER_ELEMENT,
+            "ranks_planned": len(step.per_rank),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    )
     for p in params:
         p["shape"] = list(p["shape"])
         p["axes"] = list(p["axes"])
-    return {"model": spec, "recipe": recipe, "cost_model": cost_model, "mesh": sizes, "world": world, "parameters": params, "totals": totals}
+    return {
+        "model": spec,
+        "recipe": recipe,
+        "cost_model": cost_model,
+        "mesh": sizes,
+        "world": world,
+        "parameters": params,
+        "totals": totals,
+    }
 
 
 def _mb(n: float) -> str:
@@ -189,9 +206,20 @@ def format_plan(doc: dict[str, Any]) -> str:
     head = ("name", "shape", "placements", "role", "rule", "plan", "axes", "MiB sent", "GFLOP", "state MiB")
     rows = [head]
     for p in doc["parameters"]:
-        rows.append((p["name"], "x".join(map(str, p["shape"])), p["placements"] or "-", p["role"], p["rule"], p["plan"],
-                     ",".join(p["axes"]) or "-", _mb(p["bytes_sent_per_rank"]), f"{p['flops_per_rank'] / 1e9:.3f}",
-                     _mb(p["state_bytes_per_rank"])))
+        rows.append(
+            (
+                p["name"],
+                "x".join(map(str, p["shape"])),
+                p["placements"] or "-",
+                p["role"],
+                p["rule"],
+                p["plan"],
+                ",".join(p["axes"]) or "-",
+                _mb(p["bytes_sent_per_rank"]),
+                f"{p['flops_per_rank'] / 1e9:.3f}",
+                _mb(p["state_bytes_per_rank"]),
+            )
+        )
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -52,8 +52,9 @@ def prepare_data(out: Path) -> tuple[Path, Path | None]:
 
 
 def run_config(name: str, recipe: str, data: Path, ood: Path | None, out: Path, steps: int, seed: int) -> Path:
+    from ..study.experiments import experiments
+    from ..study.experiments import run_config as scale_config
     from ..train.config import from_dict
-    from ..study.experiments import experiments, run_config as scale_config
     from ..train.loop import train
 
     # the cpu scale of configs/ (configs/cpu/qwen3/<config>.toml) on the demo's own data

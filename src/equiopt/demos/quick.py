@@ -63,8 +63,23 @@ def stacks(model: TinyLM) -> dict[str, list[dict]]:
         ],
         "symmetry-compatible": [
             {"params": emb, "rule": "row", "lr": 0.01, "names": ["embed"]},
-            {"params": head, "rule": "hybrid", "order": "row_then_right", "center": True, "alpha": 0.0, "lr": 0.01, "names": ["head"]},
-            {"params": gate_up, "rule": "hybrid", "order": "row_then_right", "alpha": 0.0, "lr": 0.01, "names": ["gate", "up"]},
+            {
+                "params": head,
+                "rule": "hybrid",
+                "order": "row_then_right",
+                "center": True,
+                "alpha": 0.0,
+                "lr": 0.01,
+                "names": ["head"],
+            },
+            {
+                "params": gate_up,
+                "rule": "hybrid",
+                "order": "row_then_right",
+                "alpha": 0.0,
+                "lr": 0.01,
+                "names": ["gate", "up"],
+            },
             {"params": down, "rule": "right", "layout": "col", "lr": 0.01, "names": ["down"]},
             {"params": vec, "rule": "adamw", "lr": 3e-3, "names": ["norm"]},
         ],
@@ -73,14 +88,21 @@ def stacks(model: TinyLM) -> dict[str, list[dict]]:
 
 MAP_CHECKS = [
     ("embed", "row_norm", lambda D: maps.row_norm(D), "lpro"),
-    ("head", "hybrid row->right, centred", lambda D: maps.hybrid(D, "row_then_right", alpha=0.0, center=True), "router"),
+    (
+        "head",
+        "hybrid row->right, centred",
+        lambda D: maps.hybrid(D, "row_then_right", alpha=0.0, center=True),
+        "router",
+    ),
     ("gate/up", "hybrid row->right", lambda D: maps.hybrid(D, "row_then_right", alpha=0.0), "lpro"),
     ("down (transpose)", "right_spectral", lambda D: maps.right_spectral(D), "lpro"),
 ]
 
 
 def main(steps: int = 300, vocab: int = 256, batch: int = 512, seed: int = 0) -> dict[str, float]:
-    print(f"equiopt demo: TinyLM (vocab {vocab}, d 32, SwiGLU 96), {steps} steps of batch {batch} on a random bigram teacher\n")
+    print(
+        f"equiopt demo: TinyLM (vocab {vocab}, d 32, SwiGLU 96), {steps} steps of batch {batch} on a random bigram teacher\n"
+    )
     results = {}
     for name in stacks(TinyLM(vocab)):
         torch.manual_seed(seed)
@@ -102,8 +124,10 @@ def main(steps: int = 300, vocab: int = 256, batch: int = 512, seed: int = 0) ->
             print("  what each map did (whole run):")
             for key in ("embed.weight", "head.weight", "gate.weight", "up.weight", "down.weight"):
                 delta = last[key] - before[key]
-                print(f"    {key:12s} RMS {before[key].pow(2).mean().sqrt():.4f} -> {last[key].pow(2).mean().sqrt():.4f}, "
-                      f"total update RMS {delta.pow(2).mean().sqrt():.4f}")
+                print(
+                    f"    {key:12s} RMS {before[key].pow(2).mean().sqrt():.4f} -> {last[key].pow(2).mean().sqrt():.4f}, "
+                    f"total update RMS {delta.pow(2).mean().sqrt():.4f}"
+                )
             share = head_update.sum(0).norm() / head_update.norm()
             print(f"    LM-head update is horizontal: |1^T dW| / |dW| = {share:.1e} (a shared logit shift would be 1)")
     print("\n  equivariance error of each map under its group (float32 oracles, worst of 3 draws):")

@@ -14,8 +14,21 @@ from .router import (
 from .weights import WEIGHT_STAT_KEYS, WeightTracker
 
 __all__ = [
-    "check_equivariance", "random_orthogonal", "random_permutation", "GROUPS",
-    "logit_metrics", "softcap", "sample_positions", "LOGIT_METRIC_KEYS",
-    "router_metrics", "expert_load", "load_balancing_loss", "z_loss", "collect_router_logits",
-    "RouterLogitsRecorder", "ROUTER_METRIC_KEYS", "WeightTracker", "WEIGHT_STAT_KEYS",
+    "check_equivariance",
+    "random_orthogonal",
+    "random_permutation",
+    "GROUPS",
+    "logit_metrics",
+    "softcap",
+    "sample_positions",
+    "LOGIT_METRIC_KEYS",
+    "router_metrics",
+    "expert_load",
+    "load_balancing_loss",
+    "z_loss",
+    "collect_router_logits",
+    "RouterLogitsRecorder",
+    "ROUTER_METRIC_KEYS",
+    "WeightTracker",
+    "WEIGHT_STAT_KEYS",
 ]

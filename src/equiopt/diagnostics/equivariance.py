@@ -9,7 +9,7 @@ right rotation) scores O(1).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -135,7 +135,9 @@ def check_equivariance(
                 shift = torch.randn(*batch, 1, n, generator=gen, dtype=dtype) * D.abs().mean()
                 moved, expected = P @ D + shift, P @ U
                 horizontal = U.sum(dim=-2)
-            leak = float(torch.linalg.vector_norm(horizontal) / torch.linalg.vector_norm(U).clamp_min(torch.finfo(U.dtype).tiny))
+            leak = float(
+                torch.linalg.vector_norm(horizontal) / torch.linalg.vector_norm(U).clamp_min(torch.finfo(U.dtype).tiny)
+            )
             err = max(_rel(fn(moved), expected), leak)
         worst = max(worst, err)
     return worst

@@ -22,7 +22,7 @@ soft-capping is on (Gemma 2/3: ``c = 30``).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,7 +163,9 @@ def logit_metrics(
     x = logits.detach().reshape(-1, V)
     if mask is not None:
         if tuple(mask.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not match logits.shape[:-1] {tuple(logits.shape[:-1])}")
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)} does not match logits.shape[:-1] {tuple(logits.shape[:-1])}"
+            )
         x = x[mask.detach().reshape(-1).to(x.device) != 0]
     device = x.device
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # ||z||^2/V, ||zc||^2/V, zbar^2, lse
@@ -185,8 +187,15 @@ def logit_metrics(
     n = s[4]
     if n == 0:
         nan = float("nan")
-        return {"raw_rms": nan, "centered_rms": nan, "shift_rms": nan, "max_lse": nan,
-                "mean_lse": nan, "max_abs": nan, "num_positions": 0.0}
+        return {
+            "raw_rms": nan,
+            "centered_rms": nan,
+            "shift_rms": nan,
+            "max_lse": nan,
+            "mean_lse": nan,
+            "max_abs": nan,
+            "num_positions": 0.0,
+        }
     return {
         "raw_rms": math.sqrt(s[0] / n),
         "centered_rms": math.sqrt(s[1] / n),

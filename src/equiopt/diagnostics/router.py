@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,7 @@ ROUTER_METRIC_KEYS = (
     "num_tokens",
 )
 
+
 def _as_layers(router_logits) -> list[torch.Tensor]:
     """A bare tensor is one layer; a list or tuple holds one tensor per layer."""
     if isinstance(router_logits, torch.Tensor):
@@ -95,9 +96,7 @@ def _flatten(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple
         return x, None
     w = attention_mask.reshape(-1)
     if w.numel() != x.shape[0]:
-        raise ValueError(
-            f"attention_mask has {w.numel()} entries but the router logits have {x.shape[0]} tokens"
-        )
+        raise ValueError(f"attention_mask has {w.numel()} entries but the router logits have {x.shape[0]} tokens")
     return x, (w.to(device=x.device) != 0).float()
 
 
@@ -461,7 +460,7 @@ class RouterLogitsRecorder:
 
         return hook
 
-    def attach(self) -> "RouterLogitsRecorder":
+    def attach(self) -> RouterLogitsRecorder:
         """Register the forward hooks (entering the context does this).
 
         Returns:
@@ -481,7 +480,7 @@ class RouterLogitsRecorder:
         """Forget the recorded outputs (the hooks stay attached)."""
         self._captured = [[] for _ in self.modules]
 
-    def __enter__(self) -> "RouterLogitsRecorder":
+    def __enter__(self) -> RouterLogitsRecorder:
         return self.attach()
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ the copy in CPU memory (plain tensors only) at the cost of a device-to-host copy
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -76,7 +76,9 @@ class WeightTracker:
         offload: keep the snapshot in CPU memory.
     """
 
-    def __init__(self, named_params_by_role: Mapping[str, Iterable[tuple[str, torch.Tensor]]], *, offload: bool = False):
+    def __init__(
+        self, named_params_by_role: Mapping[str, Iterable[tuple[str, torch.Tensor]]], *, offload: bool = False
+    ):
         self.roles: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for role, pairs in named_params_by_role.items():
             seen, kept = set(), []
@@ -89,7 +91,7 @@ class WeightTracker:
         self._snap: dict[str, list[torch.Tensor]] | None = None
 
     @classmethod
-    def from_assignments(cls, model: torch.nn.Module, rows: Iterable, **kwargs) -> "WeightTracker":
+    def from_assignments(cls, model: torch.nn.Module, rows: Iterable, **kwargs) -> WeightTracker:
         """Build from role rows (objects with ``.name`` and ``.role``, e.g. ``equiopt.assign_roles(model)``).
 
         Args:

@@ -15,5 +15,13 @@ Only torch.distributed is used: this package knows nothing of layers, roles or r
 from .placements import Sharding, UnsupportedShardingError, check_shardings, describe_sharding, mesh_group
 from .recorder import CollectiveLog, CollectiveRecord, record_collectives
 
-__all__ = ["Sharding", "UnsupportedShardingError", "describe_sharding", "check_shardings", "mesh_group",
-           "CollectiveLog", "CollectiveRecord", "record_collectives"]
+__all__ = [
+    "Sharding",
+    "UnsupportedShardingError",
+    "describe_sharding",
+    "check_shardings",
+    "mesh_group",
+    "CollectiveLog",
+    "CollectiveRecord",
+    "record_collectives",
+]

@@ -25,13 +25,22 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["Sharding", "UnsupportedShardingError", "describe_sharding", "check_shardings", "is_dtensor", "row_range",
-           "mesh_group", "group_coordinates"]
+__all__ = [
+    "Sharding",
+    "UnsupportedShardingError",
+    "describe_sharding",
+    "check_shardings",
+    "is_dtensor",
+    "row_range",
+    "mesh_group",
+    "group_coordinates",
+]
 
 Range = tuple[int, int]
 
@@ -140,7 +149,7 @@ def _placement_names(placements) -> str:
 
 
 def _kind_of(placement) -> str:
-    """"replicate", "shard", "partial" or "other" (strided shards are shards)."""
+    """ "replicate", "shard", "partial" or "other" (strided shards are shards)."""
     if placement.is_replicate():
         return "replicate"
     if placement.is_partial():
@@ -197,7 +206,8 @@ def _splits_of(shape: tuple[int, ...], placements, mesh_shape: tuple[int, ...], 
             except ValueError as err:
                 raise UnsupportedShardingError(
                     f"{where}: dimension {d} is split into pieces that are not contiguous ({err}); equiopt steps "
-                    "placements whose every rank holds one block of the tensor") from None
+                    "placements whose every rank holds one block of the tensor"
+                ) from None
             _SPLIT_CACHE[key] = ranges
         splits[d] = Split(tuple(a for a, _, _ in levels), ranges)
     return splits, tuple(dims)
@@ -220,15 +230,19 @@ def describe_sharding(param: torch.Tensor, name: str | None = None) -> Sharding:
     where = f"parameter {label!r} of shape {shape} is placed as {text} on a device mesh of shape {mesh_shape}"
     kinds = [_kind_of(p) for p in placements]
     if "partial" in kinds:
-        raise UnsupportedShardingError(f"{where}: a Partial placement holds unreduced partial values, not weights; "
-                                       "redistribute it to Replicate() or Shard(d) first")
+        raise UnsupportedShardingError(
+            f"{where}: a Partial placement holds unreduced partial values, not weights; "
+            "redistribute it to Replicate() or Shard(d) first"
+        )
     if "other" in kinds:
-        raise UnsupportedShardingError(f"{where}: unknown placement; equiopt steps Replicate(), Shard(d) and "
-                                       "_StridedShard(d) placements")
+        raise UnsupportedShardingError(
+            f"{where}: unknown placement; equiopt steps Replicate(), Shard(d) and _StridedShard(d) placements"
+        )
     names = tuple(mesh.mesh_dim_names or ())
     if "shard" not in kinds:
-        return Sharding(label, "replicated", shape, full, mesh, mesh_shape, names, dims=(None,) * len(placements),
-                        placements=text)
+        return Sharding(
+            label, "replicated", shape, full, mesh, mesh_shape, names, dims=(None,) * len(placements), placements=text
+        )
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise UnsupportedShardingError(f"{where}: this rank is not part of its device mesh")
@@ -237,8 +251,10 @@ def describe_sharding(param: torch.Tensor, name: str | None = None) -> Sharding:
     block = s.block_at(coordinate)
     held = tuple(param.to_local().shape)
     if held != tuple(b - a for a, b in block):
-        raise UnsupportedShardingError(f"{where}: this rank holds a {held} block where its placements give "
-                                       f"{tuple(b - a for a, b in block)}; only DTensor's own splits are supported")
+        raise UnsupportedShardingError(
+            f"{where}: this rank holds a {held} block where its placements give "
+            f"{tuple(b - a for a, b in block)}; only DTensor's own splits are supported"
+        )
     return Sharding(label, "sharded", shape, block, mesh, mesh_shape, names, tuple(coordinate), dims, splits, text)
 
 
@@ -255,7 +271,9 @@ def check_shardings(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[Sh
     return out
 
 
-def group_coordinates(mesh_shape: Sequence[int], coordinate: Sequence[int], axes: Sequence[int]) -> list[tuple[int, ...]]:
+def group_coordinates(
+    mesh_shape: Sequence[int], coordinate: Sequence[int], axes: Sequence[int]
+) -> list[tuple[int, ...]]:
     """The mesh coordinates of the ranks that share ``coordinate`` off ``axes``, in the order
     of their ranks in :func:`mesh_group` (row-major over ``axes``)."""
     out = []
@@ -293,9 +311,11 @@ def mesh_group(mesh, axes: Sequence[int]):
     for row in blocks.tolist():
         # group ranks follow the sorted global ranks; keep the mesh's row-major order
         if sorted(row) != row:
-            raise UnsupportedShardingError(f"device mesh {tuple(ranks.shape)}: ranks {row} along mesh dimensions "
-                                           f"{axes} are not in increasing order; equiopt needs a mesh whose ranks "
-                                           "increase along every dimension (init_device_mesh makes such meshes)")
+            raise UnsupportedShardingError(
+                f"device mesh {tuple(ranks.shape)}: ranks {row} along mesh dimensions "
+                f"{axes} are not in increasing order; equiopt needs a mesh whose ranks "
+                "increase along every dimension (init_device_mesh makes such meshes)"
+            )
         pg = dist.new_group(row)
         if me in row:
             mine = pg

@@ -95,29 +95,54 @@ class CollectiveLog:
 # "group" multiplies by the group's size (gather and scatter move one tensor per rank),
 # "group_size" by that argument (a functional all-gather is sized by its input).
 _C10D = {
-    "allreduce_": ("all_reduce", 0, None), "allreduce_coalesced_": ("all_reduce", 0, None),
-    "broadcast_": ("broadcast", 0, None), "reduce_": ("reduce", 0, None),
-    "allgather_": ("all_gather", 0, None), "_allgather_base_": ("all_gather", 0, None),
-    "allgather_coalesced_": ("all_gather", 0, None), "allgather_into_tensor_coalesced_": ("all_gather", 0, None),
-    "reduce_scatter_": ("reduce_scatter", 1, None), "_reduce_scatter_base_": ("reduce_scatter", 1, None),
+    "allreduce_": ("all_reduce", 0, None),
+    "allreduce_coalesced_": ("all_reduce", 0, None),
+    "broadcast_": ("broadcast", 0, None),
+    "reduce_": ("reduce", 0, None),
+    "allgather_": ("all_gather", 0, None),
+    "_allgather_base_": ("all_gather", 0, None),
+    "allgather_coalesced_": ("all_gather", 0, None),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, None),
+    "reduce_scatter_": ("reduce_scatter", 1, None),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, None),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, None),
-    "alltoall_": ("all_to_all", 1, None), "alltoall_base_": ("all_to_all", 1, None),
-    "gather_": ("gather", 1, "group"), "scatter_": ("scatter", 0, "group"),
-    "send": ("send", 0, None), "recv_": ("recv", 0, None), "recv_any_source_": ("recv", 0, None),
-    "barrier": ("barrier", None, None), "monitored_barrier_": ("barrier", None, None),
+    "alltoall_": ("all_to_all", 1, None),
+    "alltoall_base_": ("all_to_all", 1, None),
+    "gather_": ("gather", 1, "group"),
+    "scatter_": ("scatter", 0, "group"),
+    "send": ("send", 0, None),
+    "recv_": ("recv", 0, None),
+    "recv_any_source_": ("recv", 0, None),
+    "barrier": ("barrier", None, None),
+    "monitored_barrier_": ("barrier", None, None),
 }
 _FUNCTIONAL = {
-    **{name: ("all_reduce", 0, None) for name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_")},
-    **{name: ("all_gather", 0, "group_size") for name in ("all_gather_into_tensor", "all_gather_into_tensor_out",
-                                                          "all_gather_into_tensor_coalesced")},
-    **{name: ("reduce_scatter", 0, None) for name in ("reduce_scatter_tensor", "reduce_scatter_tensor_out",
-                                                      "reduce_scatter_tensor_coalesced")},
-    "all_to_all_single": ("all_to_all", 0, None), "broadcast": ("broadcast", 0, None), "broadcast_": ("broadcast", 0, None),
-    "isend": ("send", 0, None), "irecv": ("recv", 0, None),
+    **{
+        name: ("all_reduce", 0, None)
+        for name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_")
+    },
+    **{
+        name: ("all_gather", 0, "group_size")
+        for name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
+    },
+    **{
+        name: ("reduce_scatter", 0, None)
+        for name in ("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced")
+    },
+    "all_to_all_single": ("all_to_all", 0, None),
+    "broadcast": ("broadcast", 0, None),
+    "broadcast_": ("broadcast", 0, None),
+    "isend": ("send", 0, None),
+    "irecv": ("recv", 0, None),
 }
 _OPS = {f"c10d::{name}": spec for name, spec in _C10D.items()}
-_OPS.update({f"{ns}::{name}": spec for ns in ("_c10d_functional", "_c10d_functional_autograd")
-             for name, spec in _FUNCTIONAL.items()})
+_OPS.update(
+    {
+        f"{ns}::{name}": spec
+        for ns in ("_c10d_functional", "_c10d_functional_autograd")
+        for name, spec in _FUNCTIONAL.items()
+    }
+)
 _OPS["_dtensor::shard_dim_alltoall"] = ("all_to_all", 0, None)
 _BATCH_P2P = "_c10d_functional::batch_p2p_ops"  # one record per send or receive it batches
 
@@ -155,8 +180,14 @@ def _group_size(group: Any) -> int | None:
 
 def _record(op: str, tensors: Any, group_size: int | None, times: int, api: str) -> CollectiveRecord:
     first = _first_tensor(tensors)
-    return CollectiveRecord(op, _nbytes(tensors) * times, first.dtype if first is not None else None,
-                            tuple(first.shape) if first is not None else (), group_size, api)
+    return CollectiveRecord(
+        op,
+        _nbytes(tensors) * times,
+        first.dtype if first is not None else None,
+        tuple(first.shape) if first is not None else (),
+        group_size,
+        api,
+    )
 
 
 def _records(name: str, args: tuple, kwargs: dict, schema: Any) -> list[CollectiveRecord]:
@@ -165,13 +196,14 @@ def _records(name: str, args: tuple, kwargs: dict, schema: Any) -> list[Collecti
     size = _group_size(bound.get("process_group", bound.get("group_name")))
     api = name.replace("::", ".")
     if name == _BATCH_P2P:
-        return [_record("send" if kind == "isend" else "recv", t, size, 1, api)
-                for kind, t in zip(bound["op_list"], bound["tensors"])]
+        return [
+            _record("send" if kind == "isend" else "recv", t, size, 1, api)
+            for kind, t in zip(bound["op_list"], bound["tensors"])
+        ]
     op, index, times = _OPS[name]
     if times == "group_size":
         size = int(bound["group_size"])
-    return [_record(op, values[index] if index is not None else None, size,
-                    1 if times is None else (size or 1), api)]
+    return [_record(op, values[index] if index is not None else None, size, 1 if times is None else (size or 1), api)]
 
 
 class _Recorder(TorchDispatchMode):
@@ -192,7 +224,10 @@ class _Recorder(TorchDispatchMode):
             try:
                 self.log.records.extend(_records(schema.name, args, kwargs, schema))
             except Exception as err:  # never let counting break the collective itself; say what was missed
-                warnings.warn(f"record_collectives: could not size {schema.name} ({err!r}); it is recorded with 0 bytes")
+                warnings.warn(
+                    f"record_collectives: could not size {schema.name} ({err!r}); it is recorded with 0 bytes",
+                    stacklevel=2,
+                )
                 op = _OPS[schema.name][0] if schema.name in _OPS else "send"
                 self.log.records.append(CollectiveRecord(op, 0, None, (), None, schema.name.replace("::", ".")))
         elif self.dtensor is not None and any(issubclass(t, self.dtensor) for t in types):

@@ -56,13 +56,21 @@ class TrainerOptimizer(EquivariantOptimizer):
             transformers 5).
     """
 
-    def __init__(self, model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None,
-                 rules: Any = None, eager_state: bool = False, **role_options: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        recipe: str | Recipe = DEFAULT_RECIPE,
+        overrides: Any = None,
+        rules: Any = None,
+        eager_state: bool = False,
+        **role_options: Any,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"expected the model, got {type(model).__name__}: this transformers hands the optimizer its own "
                 "param groups; use a transformers version whose Trainer accepts optimizer factories (>= 5), or "
-                "Trainer(optimizers=equiopt.build_optimizer(model, recipe, total_steps))")
+                "Trainer(optimizers=equiopt.build_optimizer(model, recipe, total_steps))"
+            )
         rec = get_recipe(recipe)
         if overrides:
             rec = rec.with_overrides(overrides)
@@ -87,7 +95,9 @@ class TrainerOptimizer(EquivariantOptimizer):
             warnings.warn(
                 "the Trainer's own learning-rate schedule drives this optimizer, not the recipe's per-role "
                 "schedules: add equiopt.integrations.hf.RecipeSchedule() to the Trainer's callbacks "
-                "(hf.trainer_kwargs(...) does both)", stacklevel=2)
+                "(hf.trainer_kwargs(...) does both)",
+                stacklevel=2,
+            )
         return super().step(closure)
 
 
@@ -107,14 +117,16 @@ class RecipeOptimizerFactory:
         if args or kwargs:  # an older Trainer calling it as an optimizer class with its own param groups
             raise TypeError(
                 "this transformers' Trainer hands optimizer_cls its own param groups instead of the model; use "
-                "transformers >= 5, or Trainer(optimizers=equiopt.build_optimizer(model, recipe, total_steps))")
+                "transformers >= 5, or Trainer(optimizers=equiopt.build_optimizer(model, recipe, total_steps))"
+            )
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> TrainerOptimizer:
         return TrainerOptimizer(model, **kwargs)
 
 
-def optimizer_cls_and_kwargs(recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None, rules: Any = None,
-                             **role_options: Any) -> tuple[type, dict[str, Any]]:
+def optimizer_cls_and_kwargs(
+    recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None, rules: Any = None, **role_options: Any
+) -> tuple[type, dict[str, Any]]:
     """``(factory, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``: the optimizer gets the
     recipe's groups for the Trainer's model. Pair it with :class:`RecipeSchedule` (or use
     :func:`trainer_kwargs`) to keep the recipe's schedules.
@@ -134,8 +146,9 @@ def optimizer_cls_and_kwargs(recipe: str | Recipe = DEFAULT_RECIPE, overrides: A
     return RecipeOptimizerFactory, {"recipe": recipe, "overrides": overrides, "rules": rules, **role_options}
 
 
-def trainer_kwargs(recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None, rules: Any = None,
-                   **role_options: Any) -> dict[str, Any]:
+def trainer_kwargs(
+    recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None, rules: Any = None, **role_options: Any
+) -> dict[str, Any]:
     """``Trainer(..., **trainer_kwargs(...))``: ``optimizer_cls_and_kwargs`` and the ``callbacks``
     that keep the recipe's schedules. (With callbacks of your own, pass
     ``callbacks=[*yours, RecipeSchedule()]`` and ``optimizer_cls_and_kwargs`` yourself.)
@@ -149,8 +162,10 @@ def trainer_kwargs(recipe: str | Recipe = DEFAULT_RECIPE, overrides: Any = None,
     Returns:
         ``{"optimizer_cls_and_kwargs": ..., "callbacks": [RecipeSchedule()]}``.
     """
-    return {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs(recipe, overrides, rules, **role_options),
-            "callbacks": [RecipeSchedule()]}
+    return {
+        "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs(recipe, overrides, rules, **role_options),
+        "callbacks": [RecipeSchedule()],
+    }
 
 
 def _inner(optimizer: Any) -> Any:
@@ -188,8 +203,11 @@ class RecipeSchedule(TrainerCallback):
         if opt is None:
             return
         if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
-            warnings.warn(f"RecipeSchedule: the Trainer's scheduler is a {type(lr_scheduler).__name__}, not a "
-                          "LambdaLR; the recipe's schedules are not applied", stacklevel=2)
+            warnings.warn(
+                f"RecipeSchedule: the Trainer's scheduler is a {type(lr_scheduler).__name__}, not a "
+                "LambdaLR; the recipe's schedules are not applied",
+                stacklevel=2,
+            )
             return
         if not all(isinstance(f, _Multiplier) for f in lr_scheduler.lr_lambdas):
             total = state.max_steps if state.max_steps and state.max_steps > 0 else None

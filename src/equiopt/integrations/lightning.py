@@ -40,8 +40,14 @@ def _estimated_steps(module: nn.Module) -> int | None:
     return int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps > 0 else None
 
 
-def configure_optimizers(module: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, total_steps: int | None = None,
-                         overrides: Any = None, rules: Any = None, **role_options: Any) -> dict[str, Any]:
+def configure_optimizers(
+    module: nn.Module,
+    recipe: str | Recipe = DEFAULT_RECIPE,
+    total_steps: int | None = None,
+    overrides: Any = None,
+    rules: Any = None,
+    **role_options: Any,
+) -> dict[str, Any]:
     """``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step"}}`` for ``module``.
 
     ``total_steps`` defaults to the attached trainer's ``estimated_stepping_batches``
@@ -63,7 +69,10 @@ def configure_optimizers(module: nn.Module, recipe: str | Recipe = DEFAULT_RECIP
     """
     if total_steps is None:
         total_steps = _estimated_steps(module)
-    optimizer, scheduler = build_optimizer(module, recipe, total_steps=total_steps, overrides=overrides, rules=rules,
-                                           **role_options)
-    return {"optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "equiopt"}}
+    optimizer, scheduler = build_optimizer(
+        module, recipe, total_steps=total_steps, overrides=overrides, rules=rules, **role_options
+    )
+    return {
+        "optimizer": optimizer,
+        "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "equiopt"},
+    }

@@ -63,8 +63,15 @@ from ..optim import EquivariantOptimizer
 from ..recipes import DEFAULT_RECIPE, ROLES, Recipe, get_recipe, register_recipe
 from ..roles import RoleTable, assign_roles
 
-__all__ = ["OPTIMIZER_NAME", "EquioptOptimizersContainer", "equiopt_config", "build_optimizer_from_groups",
-           "model_rules", "role_table", "build_model"]
+__all__ = [
+    "OPTIMIZER_NAME",
+    "EquioptOptimizersContainer",
+    "equiopt_config",
+    "build_optimizer_from_groups",
+    "model_rules",
+    "role_table",
+    "build_model",
+]
 
 #: The optimizer name a ``ParamGroupConfig`` gives to hand its parameters to equiopt.
 OPTIMIZER_NAME = "equiopt"
@@ -81,6 +88,7 @@ _ROLE_OPTIONS = ("dims", "gate_up", "per_head")
 
 # ----------------------------------------------------------------------- roles
 
+
 def model_rules(model: nn.Module) -> dict[str, tuple[str, str]]:
     """Role rules for conventions of torchtitan's models that their modules do not declare.
 
@@ -95,8 +103,9 @@ def model_rules(model: nn.Module) -> dict[str, tuple[str, str]]:
     """
     rules = {}
     for name, module in model.named_modules():
-        if type(module).__name__ == "GptOssGroupedExperts" and isinstance(getattr(module, "mlp1_weight_EGD", None),
-                                                                        torch.Tensor):
+        if type(module).__name__ == "GptOssGroupedExperts" and isinstance(
+            getattr(module, "mlp1_weight_EGD", None), torch.Tensor
+        ):
             prefix = f"{name}." if name else ""
             rules[f"^{re.escape(prefix)}mlp1_weight_EGD$"] = ("mlp_in", "experts:gate_up:interleave")
     return rules
@@ -124,6 +133,7 @@ def role_table(model: nn.Module, rules: Any = None, **role_options: Any) -> Role
 
 
 # --------------------------------------------------------------------- factory
+
 
 def _as_overrides(kwargs: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A ``ParamGroupConfig``'s keyword arguments as recipe overrides: a table per role
@@ -206,8 +216,10 @@ def build_optimizer_from_groups(
     """
     unknown = [k for k in role_options if k not in _ROLE_OPTIONS]
     if unknown:
-        raise TypeError(f"equiopt factory: unknown option(s) {', '.join(map(repr, unknown))}; valid: recipe, "
-                        f"lr_multiplier, overrides, rules, {', '.join(_ROLE_OPTIONS + _ENGINE_OPTIONS)}")
+        raise TypeError(
+            f"equiopt factory: unknown option(s) {', '.join(map(repr, unknown))}; valid: recipe, "
+            f"lr_multiplier, overrides, rules, {', '.join(_ROLE_OPTIONS + _ENGINE_OPTIONS)}"
+        )
     if not isinstance(lr_multiplier, (int, float)) or isinstance(lr_multiplier, bool) or not lr_multiplier > 0:
         raise ValueError(f"equiopt factory: lr_multiplier must be a positive number, got {lr_multiplier!r}")
     if isinstance(state_dtype, str):
@@ -252,11 +264,25 @@ def build_optimizer_from_groups(
                 continue
             settings = rec.settings(role)
             settings["lr"] = settings["lr"] * lr_multiplier
-            groups.append({**settings, "params": [m[0] for m in members], "param_names": [m[1] for m in members],
-                           "names": [m[1] for m in members], "layouts": [m[2] for m in members], "role": role})
+            groups.append(
+                {
+                    **settings,
+                    "params": [m[0] for m in members],
+                    "param_names": [m[1] for m in members],
+                    "names": [m[1] for m in members],
+                    "layouts": [m[2] for m in members],
+                    "role": role,
+                }
+            )
             sources.append(index)
-    optimizer = EquivariantOptimizer(groups, eager_state=eager_state, compile=compile, state_dtype=state_dtype,
-                                     divide_work=divide_work, cost_model=cost_model)
+    optimizer = EquivariantOptimizer(
+        groups,
+        eager_state=eager_state,
+        compile=compile,
+        state_dtype=state_dtype,
+        divide_work=divide_work,
+        cost_model=cost_model,
+    )
     optimizer.recipe = base
     optimizer.role_tables = [tables[id(p)][0] for p in parts if id(p) in tables]
     optimizer.source_groups = sources  # which input group each group came from (for logs)
@@ -264,6 +290,7 @@ def build_optimizer_from_groups(
 
 
 # ------------------------------------------------------------------- container
+
 
 class EquioptOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows the optimizer name ``"equiopt"``.
@@ -283,7 +310,8 @@ class EquioptOptimizersContainer(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         param_groups: list[ParamGroupConfig] = field(
-            default_factory=lambda: [ParamGroupConfig(pattern=r".*", optimizer_name=OPTIMIZER_NAME)])
+            default_factory=lambda: [ParamGroupConfig(pattern=r".*", optimizer_name=OPTIMIZER_NAME)]
+        )
         """Per-parameter-group optimizer configurations (first match wins); by default
         every parameter goes to equiopt."""
 
@@ -296,21 +324,31 @@ class EquioptOptimizersContainer(OptimizersContainer):
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         self._role_tables: dict[int, Any] = {}  # one role table per model part, shared by the factory calls
         self._recipe_settings = {"recipe": config.recipe, "lr_multiplier": config.lr_multiplier}
-        clash = [k for k in self._recipe_settings if k in config.optimizer_factory_kwargs_by_name.get(OPTIMIZER_NAME, {})]
+        clash = [
+            k for k in self._recipe_settings if k in config.optimizer_factory_kwargs_by_name.get(OPTIMIZER_NAME, {})
+        ]
         if clash:
-            raise ValueError(f"optimizer_factory_kwargs_by_name[{OPTIMIZER_NAME!r}] sets {', '.join(clash)}: set "
-                             "them on the config's own fields (optimizer.recipe, optimizer.lr_multiplier)")
+            raise ValueError(
+                f"optimizer_factory_kwargs_by_name[{OPTIMIZER_NAME!r}] sets {', '.join(clash)}: set "
+                "them on the config's own fields (optimizer.recipe, optimizer.lr_multiplier)"
+            )
         super().__init__(config, model_parts=model_parts)
 
     def _resolve_optimizer_factory(self, name: str):  # an instance method: the factory needs the model parts
         if name == OPTIMIZER_NAME:
-            return functools.partial(build_optimizer_from_groups, model_parts=self.model_parts,
-                                     _tables=self._role_tables, **self._recipe_settings)
+            return functools.partial(
+                build_optimizer_from_groups,
+                model_parts=self.model_parts,
+                _tables=self._role_tables,
+                **self._recipe_settings,
+            )
         try:
             return OptimizersContainer._resolve_optimizer_factory(name)
         except NotImplementedError:
-            raise NotImplementedError(f"Optimizer {name} not added: this container knows {OPTIMIZER_NAME!r} and "
-                                      "torchtitan's own names (Adam, AdamW, DistMuon)") from None
+            raise NotImplementedError(
+                f"Optimizer {name} not added: this container knows {OPTIMIZER_NAME!r} and "
+                "torchtitan's own names (Adam, AdamW, DistMuon)"
+            ) from None
 
     def _log_optimizer(self, optimizer, part_idx: int, patterns: list[str]) -> None:
         if not isinstance(optimizer, EquivariantOptimizer):
@@ -319,9 +357,11 @@ class EquioptOptimizersContainer(OptimizersContainer):
 
         sources = getattr(optimizer, "source_groups", [0] * len(optimizer.param_groups))
         for group, source in zip(optimizer.param_groups, sources):
-            logger.info(f"Optimizer equiopt (model_part={part_idx}): {len(group['params'])} params "
-                        f"[{patterns[source]}] role={group['role']} rule={group['rule']} lr={group['lr']:g} "
-                        f"weight_decay={group['weight_decay']:g}")
+            logger.info(
+                f"Optimizer equiopt (model_part={part_idx}): {len(group['params'])} params "
+                f"[{patterns[source]}] role={group['role']} rule={group['rule']} lr={group['lr']:g} "
+                f"weight_decay={group['weight_decay']:g}"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """torchtitan's flat, name-keyed state dict, without the per-parameter group lists.
@@ -398,16 +438,20 @@ def equiopt_config(
     """
     unknown = [k for k in options if k not in _ROLE_OPTIONS + _ENGINE_OPTIONS]
     if unknown:
-        raise TypeError(f"equiopt_config: unknown option(s) {', '.join(map(repr, unknown))}; valid: "
-                        f"{', '.join(_ROLE_OPTIONS + _ENGINE_OPTIONS)}")
+        raise TypeError(
+            f"equiopt_config: unknown option(s) {', '.join(map(repr, unknown))}; valid: "
+            f"{', '.join(_ROLE_OPTIONS + _ENGINE_OPTIONS)}"
+        )
     rec = get_recipe(recipe)
     if isinstance(recipe, Recipe):  # the config holds a name: make this recipe findable by it
         known = _registered(recipe.name)
         if known is None:
             register_recipe(recipe)
         elif known != recipe:
-            raise ValueError(f"equiopt_config: another recipe named {recipe.name!r} exists; give yours another name "
-                             "(recipe.with_overrides(name=...))")
+            raise ValueError(
+                f"equiopt_config: another recipe named {recipe.name!r} exists; give yours another name "
+                "(recipe.with_overrides(name=...))"
+            )
         recipe = recipe.name
     elif not isinstance(recipe, str):
         recipe = str(recipe)  # a path
@@ -428,9 +472,13 @@ def equiopt_config(
         factory["overrides"] = {k: dict(v) for k, v in overrides.items()}
     if rules:
         factory["rules"] = dict(rules) if isinstance(rules, Mapping) else list(rules)
-    return EquioptOptimizersContainer.Config(param_groups=list(param_groups), implementation=implementation,
-                                             recipe=recipe, lr_multiplier=float(lr_multiplier),
-                                             optimizer_factory_kwargs_by_name={OPTIMIZER_NAME: factory})
+    return EquioptOptimizersContainer.Config(
+        param_groups=list(param_groups),
+        implementation=implementation,
+        recipe=recipe,
+        lr_multiplier=float(lr_multiplier),
+        optimizer_factory_kwargs_by_name={OPTIMIZER_NAME: factory},
+    )
 
 
 def _registered(name: str) -> Recipe | None:
@@ -454,8 +502,9 @@ class _NeedsTriton(types.ModuleType):
             raise AttributeError(name)
 
         def unavailable(*args: Any, **kwargs: Any):
-            raise RuntimeError(f"{self.__name__}.{name} needs triton, which is not installed (a CUDA build of "
-                               "torch brings it)")
+            raise RuntimeError(
+                f"{self.__name__}.{name} needs triton, which is not installed (a CUDA build of torch brings it)"
+            )
 
         return unavailable
 

@@ -107,8 +107,10 @@ def schedule(lo: float, steps: int, hi: float = 1.0, safety: float = 1.0) -> tup
     return greedy_schedule(lo, steps, hi, safety)
 
 
-@functools.lru_cache(maxsize=None)
-def greedy_schedule(lo: float, steps: int, hi: float = 1.0, safety: float = 1.0) -> tuple[tuple[float, float, float], ...]:
+@functools.cache
+def greedy_schedule(
+    lo: float, steps: int, hi: float = 1.0, safety: float = 1.0
+) -> tuple[tuple[float, float, float], ...]:
     """The greedy Polar Express schedule for singular values in ``[lo, hi]``.
 
     ``safety > 1`` designs every step but the last for an interval whose upper end is

@@ -114,7 +114,9 @@ def polar(
     else:
         norm = torch.linalg.matrix_norm(x.float(), keepdim=True)
         x = (x.float() / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
-    coeffs = _coefficients("newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps)
+    coeffs = _coefficients(
+        "newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps
+    )
     if method == "gram_newton_schulz":
         x = _gram_iterate(x, coeffs, restart_every)
     else:

@@ -26,9 +26,7 @@ def _transformers():
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "equiopt.models needs transformers (pip install 'equiopt[hf]')"
-        ) from exc
+        raise ImportError("equiopt.models needs transformers (pip install 'equiopt[hf]')") from exc
     return transformers
 
 
@@ -56,16 +54,12 @@ def _classes(fam: Family):
         ) from exc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _known_fields(name: str, config_cls) -> frozenset[str]:
     """Names a config of this family accepts: its fields, aliases and legacy keywords."""
     fam = FAMILY_SPECS[name]
     params = inspect.signature(config_cls.__init__).parameters.values()
-    known = {
-        p.name
-        for p in params
-        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    }
+    known = {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     known |= set(config_cls().to_dict())
     known |= set(getattr(config_cls, "attribute_map", {}) or {})
     known |= set(fam.extra_fields) | set(_GENERIC_EXTRAS)
@@ -78,9 +72,7 @@ def _default_attn_implementation(model_cls) -> str:
     return "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
 
 
-def _config_kwargs(
-    fam: Family, size: str, overrides: dict[str, Any], aliases: dict[str, str]
-) -> dict[str, Any]:
+def _config_kwargs(fam: Family, size: str, overrides: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
     # Aliases (gpt-oss ``num_experts`` for ``num_local_experts``) replace the
     # preset's canonical field instead of competing with it.
     overrides = {aliases.get(k, k): v for k, v in overrides.items()}
@@ -105,8 +97,7 @@ def _config_kwargs(
         if "layer_types" not in overrides:
             n = int(kwargs["num_hidden_layers"])
             kwargs["layer_types"] = [
-                "full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                for i in range(n)
+                "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)
             ]
     return kwargs
 
@@ -136,9 +127,7 @@ def config(name: str, size: str = "tiny", **overrides: Any):
         for k in unknown:
             close = difflib.get_close_matches(k, sorted(known), n=3)
             hints.append(f"{k!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        raise ValueError(
-            f"unknown config field(s) for {fam.name} ({config_cls.__name__}): {'; '.join(hints)}"
-        )
+        raise ValueError(f"unknown config field(s) for {fam.name} ({config_cls.__name__}): {'; '.join(hints)}")
     aliases = dict(getattr(config_cls, "attribute_map", {}) or {})
     kwargs = _config_kwargs(fam, size, overrides, aliases)
     kwargs.setdefault("attn_implementation", _default_attn_implementation(model_cls))
@@ -208,11 +197,7 @@ def init_weights(model: nn.Module, std: float | None = None, seed: int | None = 
     if std is None:
         std = float(getattr(getattr(model, "config", None), "initializer_range", None) or 0.02)
     devices = sorted({p.device for _, p in params if p.device.type == "cuda"}, key=str)
-    fork = (
-        torch.random.fork_rng(devices=devices, device_type="cuda")
-        if seed is not None
-        else contextlib.nullcontext()
-    )
+    fork = torch.random.fork_rng(devices=devices, device_type="cuda") if seed is not None else contextlib.nullcontext()
     with fork:
         if seed is not None:
             torch.manual_seed(seed)
@@ -222,8 +207,7 @@ def init_weights(model: nn.Module, std: float | None = None, seed: int | None = 
                 if _is_norm(module):
                     continue
                 other_vectors = any(
-                    p.ndim < 2 and not (_is_bias(n) or _is_sink(n))
-                    for n, p in module.named_parameters(recurse=False)
+                    p.ndim < 2 and not (_is_bias(n) or _is_sink(n)) for n, p in module.named_parameters(recurse=False)
                 )
                 has_buffers = any(True for _ in module.buffers(recurse=False))
                 if other_vectors or has_buffers:

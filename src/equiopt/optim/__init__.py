@@ -1,10 +1,21 @@
 """The optimizer engine and the paper's presets."""
 
 from .engine import EquivariantOptimizer, NonFiniteGradientError
-from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
 from .fields import FIELDS, LR_SCALES, MATRIX_RULES, RULE_DEFAULTS, RULE_FIELDS, RULES
+from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
 
 __all__ = [
-    "EquivariantOptimizer", "NonFiniteGradientError", "Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM",
-    "HybridPolarGradM", "RULES", "MATRIX_RULES", "LR_SCALES", "FIELDS", "RULE_FIELDS", "RULE_DEFAULTS",
+    "EquivariantOptimizer",
+    "NonFiniteGradientError",
+    "Muon",
+    "RightPolarGradM",
+    "LeftPolarGradM",
+    "RowNormM",
+    "HybridPolarGradM",
+    "RULES",
+    "MATRIX_RULES",
+    "LR_SCALES",
+    "FIELDS",
+    "RULE_FIELDS",
+    "RULE_DEFAULTS",
 ]

@@ -8,7 +8,7 @@ no Python branch ever looks at a tensor value.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

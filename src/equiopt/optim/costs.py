@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rules import factored_map
+from .rules import MapKey, factored_map
 
 __all__ = ["CostModel", "COST_MODELS", "resolve_cost_model", "map_flops", "reduce_bytes"]
 
@@ -69,11 +69,13 @@ def resolve_cost_model(spec, device_type: str = "cpu") -> CostModel:
         return CostModel(base.bandwidth, base.flops, base.owner_max_bytes, spec, base.name)
     if spec in COST_MODELS:
         return COST_MODELS[spec]
-    raise ValueError(f"unknown cost_model {spec!r}; valid: auto, reduce, owner, {', '.join(COST_MODELS)} "
-                     "or an equiopt.optim.costs.CostModel")
+    raise ValueError(
+        f"unknown cost_model {spec!r}; valid: auto, reduce, owner, {', '.join(COST_MODELS)} "
+        "or an equiopt.optim.costs.CostModel"
+    )
 
 
-def map_flops(key: tuple, shape: tuple[int, ...], gram_rows: int | None = None) -> int:
+def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None) -> int:
     """Matrix-product FLOPs of ``key``'s map on a ``(..., m, n)`` batch of work matrices
     (``gram_rows``: the global row count when ``m`` is one shard of it). Polar Express and
     the coupled inverse square root count three products per iteration; an estimate."""
@@ -106,17 +108,31 @@ class _Recorder:
 _REDUCE_CACHE: dict = {}
 
 
-def reduce_bytes(key: tuple, eta, local_shape: tuple, gshape: tuple, rows: bool, cols: bool,
-                 dtype: torch.dtype = torch.float32) -> int:
+def reduce_bytes(
+    key: MapKey, eta, local_shape: tuple, gshape: tuple, rows: bool, cols: bool, dtype: torch.dtype = torch.float32
+) -> int:
     """Bytes the map of ``key`` all-reduces on a ``local_shape`` piece of ``gshape`` work
     matrices split on their rows and/or columns: the map itself runs on the meta device
     with reducers that record what they would sum."""
-    cache_key = (key, eta if isinstance(eta, str) else id(eta), tuple(local_shape), tuple(gshape[-2:]), rows, cols, dtype)
+    cache_key = (
+        key,
+        eta if isinstance(eta, str) else id(eta),
+        tuple(local_shape),
+        tuple(gshape[-2:]),
+        rows,
+        cols,
+        dtype,
+    )
     found = _REDUCE_CACHE.get(cache_key)
     if found is None:
         log: list[int] = []
-        factored_map(key, eta, torch.empty(tuple(local_shape), dtype=dtype, device="meta"),
-                     _Recorder(gshape[-2], log) if rows else None, _Recorder(gshape[-1], log) if cols else None)
+        factored_map(
+            key,
+            eta,
+            torch.empty(tuple(local_shape), dtype=dtype, device="meta"),
+            _Recorder(gshape[-2], log) if rows else None,
+            _Recorder(gshape[-1], log) if cols else None,
+        )
         found = _REDUCE_CACHE[cache_key] = sum(log)
     return found
 
@@ -125,7 +141,7 @@ def _size(mesh_shape, axes) -> int:
     return math.prod(mesh_shape[a] for a in axes)
 
 
-def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, reduce, owner) -> bool:
+def prefers_reduce(costs: CostModel, key: MapKey, work_shapes: list, mesh_shape, reduce, owner) -> bool:
     """Whether the ``reduce`` plan is the one to run rather than ``owner`` (both possible)
     for a parameter whose global work matrices are ``work_shapes``: per rank, the reduce
     plan's ring all-reduce and the map on its shard against the owner round trip and the
@@ -135,7 +151,11 @@ def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, 
         return True
     if costs.prefer == "owner":
         return False
-    n_rows, n_cols, n_owner = _size(mesh_shape, reduce.rows), _size(mesh_shape, reduce.cols), _size(mesh_shape, owner.axes)
+    n_rows, n_cols, n_owner = (
+        _size(mesh_shape, reduce.rows),
+        _size(mesh_shape, reduce.cols),
+        _size(mesh_shape, owner.axes),
+    )
     n_reduce = max(n_rows, n_cols) if not (reduce.rows and reduce.cols) else n_rows * n_cols
     t_reduce = t_owner = 0.0
     for shape in work_shapes:
@@ -149,7 +169,7 @@ def prefers_reduce(costs: CostModel, key: tuple, work_shapes: list, mesh_shape, 
 
 
 @functools.lru_cache(maxsize=4096)  # asked every step for every replicated Gram map
-def replica_division(costs: CostModel, key: tuple, shape: tuple, replicas: int) -> str:
+def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int) -> str:
     """How ``replicas`` ranks that each hold a whole matrix (DDP) divide its Gram map:
     ``"gram"`` (each sums the Gram of a slice of the rows; ``d x d`` sums all-reduced; the
     product with ``R`` and the inverse square root on every rank), ``"rows"`` (each maps

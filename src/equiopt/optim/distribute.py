@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,8 +35,19 @@ from .owners import assign, map_cost, start_from_owners, start_share, start_to_o
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
 
-__all__ = ["LOCAL", "REDUCE", "ROWS", "DIVIDED", "DIVIDED_RULES", "BucketKey", "WorkItem", "WholeTask",
-           "map_batched", "map_whole", "run"]
+__all__ = [
+    "LOCAL",
+    "REDUCE",
+    "ROWS",
+    "DIVIDED",
+    "DIVIDED_RULES",
+    "BucketKey",
+    "WorkItem",
+    "WholeTask",
+    "map_batched",
+    "map_whole",
+    "run",
+]
 
 LOCAL, REDUCE, ROWS, DIVIDED = "local", "reduce", "rows", "divided"
 
@@ -65,7 +77,7 @@ class WorkItem(NamedTuple):
     view: torch.Tensor  # the weights' work matrices, views: the update is added in place
     coef: torch.Tensor  # -lr * shape factor * finite flag
     group: dict
-    sums: Optional[tuple] = None  # (row reducer, column reducer) of a split work matrix
+    sums: tuple | None = None  # (row reducer, column reducer) of a split work matrix
 
 
 class WholeTask(NamedTuple):
@@ -98,9 +110,16 @@ def map_batched(key: MapKey, eta, works: list[torch.Tensor], sums=None) -> list[
     flat = [w.reshape(-1, *shape) for w in works]
     f = _map(key, eta, torch.cat(flat), sums)
     sizes = [x.shape[0] for x in flat]
-    parts = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
-    return [maps.Factored(*[None if t[i] is None else t[i].reshape(*w.shape[:-2], *t[i].shape[-2:]) for t in parts])
-            for i, w in enumerate(works)]
+    parts: list[Any] = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
+    return [
+        maps.Factored(
+            *[
+                None if t[i] is None else t[i].reshape(*w.shape[:-2], *t[i].shape[-2:])  # type: ignore[arg-type]
+                for t in parts
+            ]
+        )
+        for i, w in enumerate(works)
+    ]
 
 
 def map_whole(jobs: list[tuple[MapKey, Any, torch.Tensor]]) -> list[torch.Tensor]:
@@ -117,8 +136,9 @@ def map_whole(jobs: list[tuple[MapKey, Any, torch.Tensor]]) -> list[torch.Tensor
     return out  # type: ignore[return-value]
 
 
-def run(buckets: dict[BucketKey, list[WorkItem]], whole: list[WholeTask], add: Add, *,
-        replicas=None, overlap: bool = True) -> None:
+def run(
+    buckets: dict[BucketKey, list[WorkItem]], whole: list[WholeTask], add: Add, *, replicas=None, overlap: bool = True
+) -> None:
     """Map every queued work matrix and add its update through ``add``.
 
     ``replicas``: the process group of ``DIVIDED`` and ``ROWS`` buckets; ``overlap``: start
@@ -150,16 +170,24 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
             if lead is None:
                 units.append((t, None))
             else:
-                units.append((t._replace(param=t.param.narrow(0, lead[0] - start, 1),
-                                         direction=t.direction.narrow(0, lead[0] - start, 1)), lead))
+                units.append(
+                    (
+                        t._replace(
+                            param=t.param.narrow(0, lead[0] - start, 1),
+                            direction=t.direction.narrow(0, lead[0] - start, 1),
+                        ),
+                        lead,
+                    )
+                )
     tasks = [t for t, _ in units]
     batches = list(owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]))
 
     def send(batch):
         members = [tasks[i] for i in batch.members]
         pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
-        return start_to_owners([t.direction for t in members], batch.blocks, batch.owners, batch.me, pg,
-                               async_op=overlap)
+        return start_to_owners(
+            [t.direction for t in members], batch.blocks, batch.owners, batch.me, pg, async_op=overlap
+        )
 
     def receive(members, pending):
         for t, u in zip(members, pending.wait()):
@@ -173,7 +201,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
     for k, batch in enumerate(batches):
         members = [tasks[i] for i in batch.members]
         pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
-        arrived = incoming.wait()
+        arrived = incoming.wait()  # type: ignore[union-attr]  # started for every batch
         incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
         updates = {}
         for i, full in arrived.items():
@@ -183,8 +211,12 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
             updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
         if returning is not None:
             receive(*returning)
-        returning = (members, start_from_owners(updates, batch.blocks, batch.owners, batch.me, pg,
-                                                like=members[0].direction, async_op=overlap))
+        returning = (
+            members,
+            start_from_owners(
+                updates, batch.blocks, batch.owners, batch.me, pg, like=members[0].direction, async_op=overlap
+            ),
+        )
     if returning is not None:
         receive(*returning)
 
@@ -196,7 +228,7 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
     import torch.distributed as dist
 
     n, me = dist.get_world_size(pg), dist.get_rank(pg)
-    jobs = []  # (key, eta, one work matrix), for every matrix of every divided bucket
+    jobs: list[tuple[MapKey, Any, torch.Tensor]] = []  # (key, eta, matrix), every matrix of every bucket
     counts = []  # matrices per bucket item, in order
     for key, items in buckets:
         for item in items:
@@ -218,15 +250,26 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
         for t in wave:
             by_dtype[jobs[t][2].dtype].append(t)
         for ts in by_dtype.values():
-            pending.append((ts, start_share({k: results[t] for k, t in enumerate(ts) if t in results},
-                                            [jobs[t][2].shape for t in ts], [owners[t] for t in ts], me, pg,
-                                            like=jobs[ts[0]][2], async_op=overlap)))
+            pending.append(
+                (
+                    ts,
+                    start_share(
+                        {k: results[t] for k, t in enumerate(ts) if t in results},
+                        [jobs[t][2].shape for t in ts],
+                        [owners[t] for t in ts],
+                        me,
+                        pg,
+                        like=jobs[ts[0]][2],
+                        async_op=overlap,
+                    ),
+                )
+            )
     for ts, wave_shared in pending:
         for t, got in zip(ts, wave_shared.wait()):
             shared[t] = got
     start = 0
     for item, count in zip((item for _, items in buckets for item in items), counts):
-        u = torch.stack(shared[start:start + count]).view(item.work.shape)
+        u = torch.stack(shared[start : start + count]).view(item.work.shape)
         start += count
         add(item.view, maps.Factored(u), item.coef)
 
@@ -237,7 +280,7 @@ def _run_rows(key: MapKey, items: list[WorkItem], add: Add) -> None:
     every replica's update rows (slices padded to the largest), so all add the same update."""
     import torch.distributed as dist
 
-    sums = items[0].sums[0]
+    sums = items[0].sums[0]  # type: ignore[index]  # ROWS items carry their ShardSum
     pg, (me, n) = sums.group, sums.part
     pieces, layouts = [], []
     for item in items:
@@ -258,8 +301,9 @@ def _run_rows(key: MapKey, items: list[WorkItem], add: Add) -> None:
     for item, (shape, size) in zip(items, layouts):
         lead, m, d = shape[:-2], shape[-2], shape[-1]
         count = math.prod(lead) * size * d
-        rows = per_rank[:, start:start + count].reshape(n, *lead, size, d)
+        rows = per_rank[:, start : start + count].reshape(n, *lead, size, d)
         start += count
-        full = torch.cat([rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)],
-                         dim=-2)
+        full = torch.cat(
+            [rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)], dim=-2
+        )
         add(item.view, maps.Factored(full), item.coef)

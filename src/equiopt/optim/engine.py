@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -25,9 +26,10 @@ from ..layouts import Layout, parse_layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
 from .costs import replica_division, resolve_cost_model
+from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
+from .distribute import LOCAL as LOCAL_MODE
 from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
-from .distribute import DIVIDED, DIVIDED_RULES, LOCAL as LOCAL_MODE, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
-from .rules import map_key, precentred, reducible, resolved, shape_factor, validate_group
+from .rules import MapKey, map_key, precentred, reducible, resolved, shape_factor, validate_group
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
 
 
@@ -37,7 +39,9 @@ def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
         return
     base = p.untyped_storage().data_ptr()
     if any(v.untyped_storage().data_ptr() != base for v in layout.to_work_list(p.detach(), name=name)):
-        raise ValueError(f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice")
+        raise ValueError(
+            f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice"
+        )
 
 
 def _replica_group(divide_work):
@@ -47,8 +51,10 @@ def _replica_group(divide_work):
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("divide_work needs an initialised torch.distributed process group (torchrun, "
-                         "init_process_group); pass divide_work=False for a single process")
+        raise ValueError(
+            "divide_work needs an initialised torch.distributed process group (torchrun, "
+            "init_process_group); pass divide_work=False for a single process"
+        )
     return dist.group.WORLD if divide_work is True else divide_work
 
 
@@ -169,7 +175,7 @@ class EquivariantOptimizer(Optimizer):
         self._replicas = _replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
-        self._compiled_step = None
+        self._compiled_step: Callable[[list[torch.Tensor]], None] | None = None
         self._compile_failed = False
         self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
@@ -177,10 +183,29 @@ class EquivariantOptimizer(Optimizer):
         self._plans: dict[tuple, Plan] = {}
         self._update_skips: torch.Tensor | None = None
         defaults = dict(
-            lr=lr, rule=rule, layout=layout, layouts=None, names=None, center=center, order=order, beta=beta,
-            nesterov=nesterov, alpha=alpha, eps=eps, weight_decay=weight_decay, method=method, steps=steps,
-            eta=eta, betas=tuple(betas), adam_eps=adam_eps, lr_scale=lr_scale, polar_dtype=polar_dtype,
-            nonfinite=nonfinite, scale=scale, damping=damping, lazy=lazy,
+            lr=lr,
+            rule=rule,
+            layout=layout,
+            layouts=None,
+            names=None,
+            center=center,
+            order=order,
+            beta=beta,
+            nesterov=nesterov,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            method=method,
+            steps=steps,
+            eta=eta,
+            betas=tuple(betas),
+            adam_eps=adam_eps,
+            lr_scale=lr_scale,
+            polar_dtype=polar_dtype,
+            nonfinite=nonfinite,
+            scale=scale,
+            damping=damping,
+            lazy=lazy,
         )
         super().__init__(params, defaults)
 
@@ -216,9 +241,11 @@ class EquivariantOptimizer(Optimizer):
         layouts = []
         for j, p in enumerate(params):
             if not p.is_floating_point():
-                raise ValueError(f"parameter {names[j]!r} has dtype {p.dtype}: EquivariantOptimizer steps real "
-                                 "floating-point tensors only (float64, float32, bfloat16, float16), not complex "
-                                 "or integer ones")
+                raise ValueError(
+                    f"parameter {names[j]!r} has dtype {p.dtype}: EquivariantOptimizer steps real "
+                    "floating-point tensors only (float64, float32, bfloat16, float16), not complex "
+                    "or integer ones"
+                )
             # unsupported placements (Partial, non-contiguous splits) fail here, by name
             sharding = self._shardings[id(p)] = describe_sharding(p, names[j])
             spec = group["layout"] if per_param is None or per_param[j] is None else per_param[j]
@@ -244,7 +271,7 @@ class EquivariantOptimizer(Optimizer):
         if state:
             return state
         dtype = self._state_dtype(p)
-        zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)  # noqa: E731
+        zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         if group["rule"] == "adamw":
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = zeros()
@@ -294,7 +321,7 @@ class EquivariantOptimizer(Optimizer):
     @property
     def last_nonfinite(self) -> list[str]:
         """Names of the parameters skipped by the last step (reads the flags back)."""
-        names = []
+        names: list[str] = []
         for group_names, flags in self._last_flags:
             names.extend(n for n, ok in zip(group_names, flags.cpu().tolist()) if not ok)
         return names
@@ -382,8 +409,11 @@ class EquivariantOptimizer(Optimizer):
             if self.compile is not None:
                 raise
             # The automatic choice (CUDA) must not cost a run: say why, and step eagerly.
-            warnings.warn(f"EquivariantOptimizer: compiling the step failed ({type(err).__name__}: {err}); "
-                          "stepping eagerly from now on (pass compile=False to silence, compile=True to raise)")
+            warnings.warn(
+                f"EquivariantOptimizer: compiling the step failed ({type(err).__name__}: {err}); "
+                "stepping eagerly from now on (pass compile=False to silence, compile=True to raise)",
+                stacklevel=2,
+            )
             self._compile_failed = True
             self._step_impl(lrs)
         return loss
@@ -393,7 +423,11 @@ class EquivariantOptimizer(Optimizer):
         setting = self.compile
         if setting is None:
             # Automatic: on CUDA, unless a group must read its flags back to raise.
-            setting = not self._compile_failed and all(g["nonfinite"] != "raise" for g in self.param_groups) and self._on_cuda()
+            setting = (
+                not self._compile_failed
+                and all(g["nonfinite"] != "raise" for g in self.param_groups)
+                and self._on_cuda()
+            )
         if isinstance(setting, str):
             return setting
         return "inductor" if setting else None
@@ -401,7 +435,9 @@ class EquivariantOptimizer(Optimizer):
     def _on_cuda(self) -> bool:
         """Every parameter is a plain CUDA tensor and the step issues no collective."""
         params = [p for g in self.param_groups for p in g["params"]]
-        return self._replicas is None and all(p.device.type == "cuda" and self._sharding(p).kind == "local" for p in params)
+        return self._replicas is None and all(
+            p.device.type == "cuda" and self._sharding(p).kind == "local" for p in params
+        )
 
     @torch._dynamo.disable
     def _lr_tensors(self) -> list[torch.Tensor]:
@@ -443,7 +479,9 @@ class EquivariantOptimizer(Optimizer):
             self._last_flags.append((names, flags))
             states = [self._init_state(p, group) for p in params]
             okfs = self._ok_floats(flags, params)
-            torch._foreach_add_([st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0))
+            torch._foreach_add_(
+                [st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0)
+            )
             if group["rule"] == "adamw":
                 self._adamw(group, lr, params, states, okfs[0])
                 continue
@@ -456,8 +494,10 @@ class EquivariantOptimizer(Optimizer):
         """``nonfinite="raise"``: the one policy that reads back (one host sync per group)."""
         bad = [name for name, ok in zip(names, flags.cpu().tolist()) if not ok]
         if bad:
-            raise NonFiniteGradientError(f"non-finite gradient (NaN, Inf, or entries beyond +-{GRAD_LIMIT:.3g}) in "
-                                         f"{', '.join(repr(b) for b in bad)}")
+            raise NonFiniteGradientError(
+                f"non-finite gradient (NaN, Inf, or entries beyond +-{GRAD_LIMIT:.3g}) in "
+                f"{', '.join(repr(b) for b in bad)}"
+            )
 
     def _ok_floats(self, flags: torch.Tensor, params: list[torch.Tensor]):
         """Per parameter, its finite flag as a 0-d tensor in its state dtype (for step
@@ -465,7 +505,7 @@ class EquivariantOptimizer(Optimizer):
         ok32 = flags.to(torch.float32)
         wide = [self._state_dtype(p) == torch.float64 for p in params]
         ok64 = flags.to(torch.float64) if any(wide) else None
-        per_param = [ok64[k] if w else ok32[k] for k, w in enumerate(wide)]
+        per_param = [ok64[k] if w and ok64 is not None else ok32[k] for k, w in enumerate(wide)]
         return per_param, list(ok32.unbind(0))
 
     def _sharding(self, p: torch.Tensor) -> Sharding:
@@ -474,7 +514,7 @@ class EquivariantOptimizer(Optimizer):
             found = self._shardings[id(p)] = describe_sharding(p)
         return found
 
-    def plan_of(self, group: dict, layout: Layout, sharding: Sharding, key: tuple | None = None) -> Plan:
+    def plan_of(self, group: dict, layout: Layout, sharding: Sharding, key: MapKey | None = None) -> Plan:
         """The :class:`~.sharded.Plan` of a parameter of ``group`` (the step's own decision;
         ``key``: the group's :func:`map_key`, when the caller has it). Made once per
         parameter, map settings and layout: the step asks for it every time."""
@@ -495,7 +535,7 @@ class EquivariantOptimizer(Optimizer):
         if sharding.kind != "sharded" or not sharding.is_sharded:
             return
         mesh_group(sharding.mesh, sharding.split_axes)
-        for axes in ((how.row_sum_axes, how.cols) if how.how == "reduce" else (how.axes,)):
+        for axes in (how.row_sum_axes, how.cols) if how.how == "reduce" else (how.axes,):
             if axes:
                 mesh_group(sharding.mesh, axes)
 
@@ -534,8 +574,9 @@ class EquivariantOptimizer(Optimizer):
             import torch.distributed as dist
 
             part = (dist.get_rank(self._replicas), dist.get_world_size(self._replicas))
-            division = replica_division(resolve_cost_model(self.cost_model, p.device.type), key, global_shapes[0],
-                                        part[1])
+            division = replica_division(
+                resolve_cost_model(self.cost_model, p.device.type), key, global_shapes[0], part[1]
+            )
         if division in ("gram", "rows"):
             # a Gram map of a replicated matrix: each replica sums a slice of the rows, the
             # d x d sums are all-reduced, every replica finishes the map on all rows
@@ -543,8 +584,14 @@ class EquivariantOptimizer(Optimizer):
             if division == "rows":
                 # cheaper still: each replica maps its rows completely, the update rows are gathered
                 buckets[BucketKey(key, tuple(global_shapes[0][-2:]), ROWS, (id(self._replicas),))].append(
-                    WorkItem(layout.to_work_list(direction)[0], self._work_views(p, layout)[0],
-                             okf * (-lr * shape_factor(group, *global_shapes[0][-2:])), group, sums))
+                    WorkItem(
+                        layout.to_work_list(direction)[0],
+                        self._work_views(p, layout)[0],
+                        okf * (-lr * shape_factor(group, *global_shapes[0][-2:])),
+                        group,
+                        sums,
+                    )
+                )
                 return
         for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
             if sums is None and w.numel() == 0:
@@ -556,7 +603,8 @@ class EquivariantOptimizer(Optimizer):
                 buckets[BucketKey(key, tuple(gshape[-2:]), REDUCE, groups)].append(WorkItem(w, pw, coef, group, sums))
             else:
                 buckets[BucketKey(key, tuple(w.shape[-2:]), DIVIDED if divide else LOCAL_MODE)].append(
-                    WorkItem(w, pw, coef, group))
+                    WorkItem(w, pw, coef, group)
+                )
 
     @staticmethod
     def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, how: Plan, name: str) -> torch.Tensor:
@@ -573,16 +621,18 @@ class EquivariantOptimizer(Optimizer):
         """
         if how.cols:
             # this rank holds only some entries of a work row: its gradient cannot tell
-            raise ValueError(f"parameter {name!r}: lazy=True needs whole work rows on every rank, but its "
-                             f"placements split the work matrices' columns (layout {layout!r}); shard the "
-                             "rows instead (layout 'row' with Shard(0))")
+            raise ValueError(
+                f"parameter {name!r}: lazy=True needs whole work rows on every rank, but its "
+                f"placements split the work matrices' columns (layout {layout!r}); shard the "
+                "rows instead (layout 'row' with Shard(0))"
+            )
         out = direction.clone()
         for w, g in zip(layout.to_work_list(out), layout.to_work_list(grad)):
             w.mul_(g.ne(0).any(dim=-1, keepdim=True))
         return out
 
     @staticmethod
-    def _centre_in_place(direction: torch.Tensor, layout: Layout, okf: torch.Tensor, key: tuple) -> tuple:
+    def _centre_in_place(direction: torch.Tensor, layout: Layout, okf: torch.Tensor, key: MapKey) -> MapKey:
         """Centre the direction's work matrices in place (``D <- Pi D``) and return the key
         of maps that take them as already centred.
 
@@ -614,7 +664,10 @@ class EquivariantOptimizer(Optimizer):
                 [local(st["exp_avg_sq"]) for _, st, _, _ in items],
                 [st["step"] for _, st, _, _ in items],
                 [okf.to(s_dtype) for _, _, okf, _ in items],
-                lr, group["betas"], group["adam_eps"], group["weight_decay"],
+                lr,
+                group["betas"],
+                group["adam_eps"],
+                group["weight_decay"],
             )
 
 

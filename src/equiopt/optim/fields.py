@@ -20,8 +20,20 @@ from .. import maps
 from ..linalg import POLAR_METHODS
 
 __all__ = [
-    "Field", "FIELDS", "RULES", "MATRIX_RULES", "ELEMENTWISE_RULES", "LR_SCALES", "NONFINITE_POLICIES",
-    "RULE_FIELDS", "RULE_DEFAULTS", "OPTIONAL_FIELDS", "RULE_METHODS", "default", "fill_defaults", "check_settings",
+    "Field",
+    "FIELDS",
+    "RULES",
+    "MATRIX_RULES",
+    "ELEMENTWISE_RULES",
+    "LR_SCALES",
+    "NONFINITE_POLICIES",
+    "RULE_FIELDS",
+    "RULE_DEFAULTS",
+    "OPTIONAL_FIELDS",
+    "RULE_METHODS",
+    "default",
+    "fill_defaults",
+    "check_settings",
     "fields_table",
 ]
 
@@ -76,6 +88,7 @@ def _interval(low: float, high: float, closed: bool, what: str) -> Callable[[Any
         if not (low <= v <= high if closed else low <= v < high):
             raise ValueError(f"must be {what}, got {value!r}")
         return v
+
     return check
 
 
@@ -85,6 +98,7 @@ def _at_least(low: float, strict: bool) -> Callable[[Any, str], float]:
         if not (v > low if strict else v >= low):
             raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {value!r}")
         return v
+
     return check
 
 
@@ -103,6 +117,7 @@ def _integer_at_least(low: int) -> Callable[[Any, str], int]:
         if value < low:
             raise ValueError(f"must be >= {low}, got {value!r}")
         return value
+
     return check
 
 
@@ -113,6 +128,7 @@ def _choice(noun: str, choices: Sequence[str] | Callable[[str], Sequence[str]]) 
             for_rule = f" for rule {rule!r}" if callable(choices) else ""
             raise ValueError(f"unknown {noun} {value!r}{for_rule}; valid: {', '.join(valid)}")
         return value
+
     return check
 
 
@@ -131,8 +147,15 @@ def _betas(value: Any, rule: str) -> tuple[float, float]:
     return pair  # type: ignore[return-value]
 
 
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-                "fp64": "float64", "double": "float64"}
+_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}
 
 
 def _dtype(value: Any, rule: str) -> Any:
@@ -156,47 +179,120 @@ def _methods(rule: str) -> Sequence[str]:
 
 # ------------------------------------------------------------------ the table
 _ALL = RULES
-FIELDS: dict[str, Field] = {f.name: f for f in (
-    Field("rule", _ALL, None, _choice("rule", RULES),
-          "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
-          "adamw, sgd"),
-    Field("lr", _ALL, 1e-3, _at_least(0.0, strict=False), "learning rate (a recipe must give it)"),
-    Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
-    Field("beta", _MOMENTUM_RULES, 0.95, _interval(0.0, 1.0, False, "in [0, 1)"),
-          "EMA momentum M = beta M + (1 - beta) G"),
-    Field("nesterov", _MOMENTUM_RULES, {**{r: False for r in _ALL}, "spectral": True}, _boolean,
-          "map beta M + (1 - beta) G instead of M (Muon's default)"),
-    Field("center", ("right", "left", "row", "hybrid"), False, _boolean,
-          "project onto the quotient that removes softmax's shared shift (LM heads, routers)"),
-    Field("alpha", _GRAM_RULES, {**{r: 0.0 for r in _ALL}, "hybrid": 1.0}, _interval(0.0, 1.0, True, "in [0, 1]"),
-          "exponent of the nu^alpha update size"),
-    Field("eps", ("right", "left", "row", "hybrid"), 1e-8, _at_least(0.0, strict=True),
-          "Gram damping (relative or absolute, see damping) and row-norm smoothing"),
-    Field("method", ("spectral",) + _GRAM_RULES, "polar_express", _choice("method", _methods),
-          "polar-factor method (spectral) or Gram inverse-square-root method"),
-    Field("steps", ("spectral",) + _GRAM_RULES, 5, _integer_at_least(1), "iterations of the method"),
-    Field("order", ("hybrid",), "row_then_right", _choice("hybrid order", maps.HYBRID_ORDERS),
-          "composition order of the hybrid map"),
-    Field("eta", ("row", "hybrid"), "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
-    Field("lr_scale", ("spectral",), "spectral", _choice("lr_scale", LR_SCALES),
-          "shape factor: spectral sqrt(max(1, rows/cols)), match_adamw 0.2 sqrt(max(rows, cols)), none"),
-    Field("scale", _GRAM_RULES, "nu", _choice("scale", maps.SCALES),
-          "update size: nu (the paper's nu^alpha) or rms (RMS 1 at every width)"),
-    Field("damping", _GRAM_RULES, "relative", _choice("damping", maps.DAMPINGS),
-          "relative: eps times the mean eigenvalue of the Gram, tr(C) / min(m, n); absolute: the paper's eps", optional=True),
-    Field("betas", ("adamw",), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
-    Field("adam_eps", ("adamw",), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
-    Field("polar_dtype", ("spectral",), None, _dtype,
-          "dtype of the polar iterations (None: bfloat16)", optional=True),
-    Field("nonfinite", _ALL, "skip", _choice("nonfinite policy", NONFINITE_POLICIES),
-          "skip: leave a parameter with a NaN/Inf gradient untouched and count it; raise: name it", optional=True),
-    Field("lazy", _MOMENTUM_RULES, False, _boolean,
-          "update only rows whose gradient is nonzero this step (embeddings)", optional=True),
-)}
+FIELDS: dict[str, Field] = {
+    f.name: f
+    for f in (
+        Field(
+            "rule",
+            _ALL,
+            None,
+            _choice("rule", RULES),
+            "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
+            "adamw, sgd",
+        ),
+        Field("lr", _ALL, 1e-3, _at_least(0.0, strict=False), "learning rate (a recipe must give it)"),
+        Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
+        Field(
+            "beta",
+            _MOMENTUM_RULES,
+            0.95,
+            _interval(0.0, 1.0, False, "in [0, 1)"),
+            "EMA momentum M = beta M + (1 - beta) G",
+        ),
+        Field(
+            "nesterov",
+            _MOMENTUM_RULES,
+            {**{r: False for r in _ALL}, "spectral": True},
+            _boolean,
+            "map beta M + (1 - beta) G instead of M (Muon's default)",
+        ),
+        Field(
+            "center",
+            ("right", "left", "row", "hybrid"),
+            False,
+            _boolean,
+            "project onto the quotient that removes softmax's shared shift (LM heads, routers)",
+        ),
+        Field(
+            "alpha",
+            _GRAM_RULES,
+            {**{r: 0.0 for r in _ALL}, "hybrid": 1.0},
+            _interval(0.0, 1.0, True, "in [0, 1]"),
+            "exponent of the nu^alpha update size",
+        ),
+        Field(
+            "eps",
+            ("right", "left", "row", "hybrid"),
+            1e-8,
+            _at_least(0.0, strict=True),
+            "Gram damping (relative or absolute, see damping) and row-norm smoothing",
+        ),
+        Field(
+            "method",
+            ("spectral",) + _GRAM_RULES,
+            "polar_express",
+            _choice("method", _methods),
+            "polar-factor method (spectral) or Gram inverse-square-root method",
+        ),
+        Field("steps", ("spectral",) + _GRAM_RULES, 5, _integer_at_least(1), "iterations of the method"),
+        Field(
+            "order",
+            ("hybrid",),
+            "row_then_right",
+            _choice("hybrid order", maps.HYBRID_ORDERS),
+            "composition order of the hybrid map",
+        ),
+        Field("eta", ("row", "hybrid"), "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
+        Field(
+            "lr_scale",
+            ("spectral",),
+            "spectral",
+            _choice("lr_scale", LR_SCALES),
+            "shape factor: spectral sqrt(max(1, rows/cols)), match_adamw 0.2 sqrt(max(rows, cols)), none",
+        ),
+        Field(
+            "scale",
+            _GRAM_RULES,
+            "nu",
+            _choice("scale", maps.SCALES),
+            "update size: nu (the paper's nu^alpha) or rms (RMS 1 at every width)",
+        ),
+        Field(
+            "damping",
+            _GRAM_RULES,
+            "relative",
+            _choice("damping", maps.DAMPINGS),
+            "relative: eps times the mean eigenvalue of the Gram, tr(C) / min(m, n); absolute: the paper's eps",
+            optional=True,
+        ),
+        Field("betas", ("adamw",), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
+        Field("adam_eps", ("adamw",), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
+        Field(
+            "polar_dtype", ("spectral",), None, _dtype, "dtype of the polar iterations (None: bfloat16)", optional=True
+        ),
+        Field(
+            "nonfinite",
+            _ALL,
+            "skip",
+            _choice("nonfinite policy", NONFINITE_POLICIES),
+            "skip: leave a parameter with a NaN/Inf gradient untouched and count it; raise: name it",
+            optional=True,
+        ),
+        Field(
+            "lazy",
+            _MOMENTUM_RULES,
+            False,
+            _boolean,
+            "update only rows whose gradient is nonzero this step (embeddings)",
+            optional=True,
+        ),
+    )
+}
 
 #: Fields each rule reads, in table order.
-RULE_FIELDS: dict[str, tuple[str, ...]] = {rule: tuple(n for n, f in FIELDS.items() if rule in f.rules)
-                                           for rule in RULES}
+RULE_FIELDS: dict[str, tuple[str, ...]] = {
+    rule: tuple(n for n, f in FIELDS.items() if rule in f.rules) for rule in RULES
+}
 #: Every rule's defaults (``lr`` and ``rule`` excluded).
 RULE_DEFAULTS: dict[str, dict[str, Any]] = {
     rule: {n: FIELDS[n].default_for(rule) for n in fields if n not in ("rule", "lr")}
@@ -225,15 +321,17 @@ def fill_defaults(group: dict) -> dict:
 def check_settings(settings: Mapping[str, Any], where: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
     """Checked (normalised) values of ``fields`` (default: the rule's) of ``settings``, plus
     the checks across fields. Errors read ``"{where}, field 'name': ..."``."""
-    rule = settings.get("rule")
-    out: dict[str, Any] = {"rule": _checked("rule", rule, rule, where)}
+    rule = _checked("rule", settings.get("rule"), "", where)
+    out: dict[str, Any] = {"rule": rule}
     for name in RULE_FIELDS[rule] if fields is None else fields:
         if name != "rule" and name in settings:
             out[name] = _checked(name, settings[name], rule, where)
     if out.get("lazy"):
         if out.get("center"):
-            raise ValueError(f"{where}, field 'lazy': lazy=True cannot be combined with center=True (the quotient "
-                             "maps of LM heads and routers see dense gradients; the row mask is not shift-invariant)")
+            raise ValueError(
+                f"{where}, field 'lazy': lazy=True cannot be combined with center=True (the quotient "
+                "maps of LM heads and routers see dense gradients; the row mask is not shift-invariant)"
+            )
     return out
 
 
@@ -255,6 +353,8 @@ def fields_table() -> str:
             others = [f"{r}: {f.default[r]!r}" for r in f.rules if f.default[r] != usual]
             shown = repr(usual) + (f" ({'; '.join(others)})" if others else "")
         else:
-            shown = "required in a recipe; 1e-3 by hand" if name == "lr" else ("-" if name == "rule" else repr(f.default))
+            shown = (
+                "required in a recipe; 1e-3 by hand" if name == "lr" else ("-" if name == "rule" else repr(f.default))
+            )
         lines.append(f"| `{name}` | {rules} | {shown}{' (optional)' if f.optional else ''} | {f.doc} |")
     return "\n".join(lines)

@@ -20,12 +20,22 @@ Collectives go through ``torch.distributed`` on the given process group.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["assign", "map_cost", "joint_block", "Pending", "start_to_owners", "to_owners", "start_from_owners",
-           "from_owners", "start_share", "share"]
+__all__ = [
+    "assign",
+    "map_cost",
+    "joint_block",
+    "Pending",
+    "start_to_owners",
+    "to_owners",
+    "start_from_owners",
+    "from_owners",
+    "start_share",
+    "share",
+]
 
 
 def map_cost(shape: Sequence[int]) -> int:
@@ -93,17 +103,28 @@ def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: to
     return work, list(torch.split(out, recv_sizes))
 
 
-def start_to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
-                    group, async_op: bool = True) -> Pending:
+def start_to_owners(
+    shards: Sequence[torch.Tensor],
+    blocks: Sequence[Sequence[Block]],
+    owners: Sequence[int],
+    me: int,
+    group,
+    async_op: bool = True,
+) -> Pending:
     """Start :func:`to_owners`; ``wait()`` on the result gives its ``{task: tensor}``."""
     n = len(blocks[0]) if blocks else 1
     like = shards[0]
-    send = [[] for _ in range(n)]
+    send: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for t, shard in enumerate(shards):
         send[owners[t]].append(shard.reshape(-1))
     mine = [t for t in range(len(shards)) if owners[t] == me]
-    work, recv = _all_to_all([torch.cat(s) if s else like.new_empty(0) for s in send],
-                             [sum(_numel(blocks[t][s]) for t in mine) for s in range(n)], group, like, async_op)
+    work, recv = _all_to_all(
+        [torch.cat(s) if s else like.new_empty(0) for s in send],
+        [sum(_numel(blocks[t][s]) for t in mine) for s in range(n)],
+        group,
+        like,
+        async_op,
+    )
 
     def finish() -> dict[int, torch.Tensor]:
         out = {}
@@ -119,8 +140,9 @@ def start_to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Bl
     return Pending(work, finish)
 
 
-def to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
-              group) -> dict[int, torch.Tensor]:
+def to_owners(
+    shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int, group
+) -> dict[int, torch.Tensor]:
     """Whole tensors of the tasks this rank owns, ``{task: tensor}``.
 
     Task ``t`` is split over the group: member ``s`` holds the block ``blocks[t][s]``
@@ -131,8 +153,15 @@ def to_owners(shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]],
     return start_to_owners(shards, blocks, owners, me, group, async_op=False).wait()
 
 
-def start_from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int],
-                      me: int, group, like: torch.Tensor, async_op: bool = True) -> Pending:
+def start_from_owners(
+    updates: dict[int, torch.Tensor],
+    blocks: Sequence[Sequence[Block]],
+    owners: Sequence[int],
+    me: int,
+    group,
+    like: torch.Tensor,
+    async_op: bool = True,
+) -> Pending:
     """Start :func:`from_owners`; ``wait()`` on the result gives its list of blocks."""
     n = len(blocks[0]) if blocks else 1
     mine = sorted(updates)
@@ -153,15 +182,28 @@ def start_from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequenc
     return Pending(work, finish)
 
 
-def from_owners(updates: dict[int, torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int,
-                group, like: torch.Tensor) -> list[torch.Tensor]:
+def from_owners(
+    updates: dict[int, torch.Tensor],
+    blocks: Sequence[Sequence[Block]],
+    owners: Sequence[int],
+    me: int,
+    group,
+    like: torch.Tensor,
+) -> list[torch.Tensor]:
     """The inverse of :func:`to_owners`: each owner's ``updates[t]`` (of the joint block)
     go back as blocks, one all-to-all; returns this rank's block of every task's update."""
     return start_from_owners(updates, blocks, owners, me, group, like, async_op=False).wait()
 
 
-def start_share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
-                group, like: torch.Tensor, async_op: bool = True) -> Pending:
+def start_share(
+    results: dict[int, torch.Tensor],
+    shapes: Sequence[tuple[int, ...]],
+    owners: Sequence[int],
+    me: int,
+    group,
+    like: torch.Tensor,
+    async_op: bool = True,
+) -> Pending:
     """Start :func:`share`; ``wait()`` on the result gives every task's result in task order."""
     import torch.distributed as dist
 
@@ -193,8 +235,14 @@ def start_share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ..
     return Pending(None, finish)
 
 
-def share(results: dict[int, torch.Tensor], shapes: Sequence[tuple[int, ...]], owners: Sequence[int], me: int,
-          group, like: torch.Tensor) -> list[torch.Tensor]:
+def share(
+    results: dict[int, torch.Tensor],
+    shapes: Sequence[tuple[int, ...]],
+    owners: Sequence[int],
+    me: int,
+    group,
+    like: torch.Tensor,
+) -> list[torch.Tensor]:
     """Every task's result on every rank: each owner broadcasts its ``results`` (one flat
     buffer per owner, tasks in order); returns all tasks' results in task order."""
     return start_share(results, shapes, owners, me, group, like, async_op=False).wait()

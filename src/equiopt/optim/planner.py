@@ -96,7 +96,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             if group["rule"] not in ("adamw", "sgd") and sharding.kind == "sharded":
                 how = optimizer.plan_of(group, group["layouts"][j], sharding)
             entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
-    coords: dict[tuple, dict[int, tuple]] = {}
+    coords: dict[int, dict[int, tuple]] = {}
 
     def coordinate(s: Sharding, rank: int):
         if s.kind != "sharded":
@@ -107,7 +107,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         return table.get(rank)
 
     per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}
-    per_rank = {}
+    per_rank: dict[int, tuple[int, int, int, int]] = {}
     flag_max = 0
     batch_cache: dict = {}
     for rank in ranks:
@@ -150,8 +150,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     add(name, 0, flops + ELEMENTWISE_FLOPS * numel, state)
                 elif how.how == "reduce":
                     gshape = layout.work_shapes(s.shape)[0]
-                    sent = sum(reduce_bytes(key, group["eta"], w, gshape, bool(how.rows), bool(how.cols), dtype)
-                               for w in layout.work_shapes(shape))
+                    sent = sum(
+                        reduce_bytes(key, group["eta"], w, gshape, bool(how.rows), bool(how.cols), dtype)
+                        for w in layout.work_shapes(shape)
+                    )
                     flops = sum(map_flops(key, w, gshape[-2]) for w in layout.work_shapes(shape))
                     add(name, sent, flops + ELEMENTWISE_FLOPS * numel, state)
                 else:
@@ -166,8 +168,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 name, key, numel, item, state = owner_info[i]
                 sent, flops = numel * item, ELEMENTWISE_FLOPS * numel
                 if batch.owners[k] == batch.me:
-                    joint = [(min(b[d][0] for b in batch.blocks[k]), max(b[d][1] for b in batch.blocks[k]))
-                             for d in range(len(batch.blocks[k][0]))]
+                    joint = [
+                        (min(b[d][0] for b in batch.blocks[k]), max(b[d][1] for b in batch.blocks[k]))
+                        for d in range(len(batch.blocks[k][0]))
+                    ]
                     whole = tuple(b - a for a, b in joint)
                     sent += math.prod(whole) * item
                     flops += sum(map_flops(key, w) for w in owner_tasks[i][2].work_shapes(whole))
@@ -177,9 +181,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             add(name, sent, flops, state)
         totals[0] += flag_bytes
         flag_max = max(flag_max, flag_bytes)
-        per_rank[rank] = tuple(totals)
+        per_rank[rank] = (totals[0], totals[1], totals[2], totals[3])
     params = []
-    for group, name, p, layout, s, how in entries:
+    for group, name, p, _layout, s, how in entries:
         label = "replicated" if s.kind == "replicated" else ("local" if how is None else how.how)
         axes = tuple(s.axis_name(a) for a in how.axes) if how is not None else ()
         params.append(ParamPlan(name, tuple(p.shape), s.placements, group["rule"], label, axes, *per_param[name]))

@@ -6,7 +6,8 @@ still be overridden per param group, e.g. ``RowNormM([{"params": head, "center":
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .engine import EquivariantOptimizer
 
@@ -45,8 +46,13 @@ HybridPolarGradM = _preset(
     """HybridPolarGradM (Algorithm 2), ``order`` one of ``row_then_right`` (default),
     ``right_then_row``, ``left_then_row`` (routers); ``alpha`` defaults to 1.""",
 )
-for _cls, _name in ((Muon, "Muon"), (RightPolarGradM, "RightPolarGradM"), (LeftPolarGradM, "LeftPolarGradM"),
-                    (RowNormM, "RowNormM"), (HybridPolarGradM, "HybridPolarGradM")):
+for _cls, _name in (
+    (Muon, "Muon"),
+    (RightPolarGradM, "RightPolarGradM"),
+    (LeftPolarGradM, "LeftPolarGradM"),
+    (RowNormM, "RowNormM"),
+    (HybridPolarGradM, "HybridPolarGradM"),
+):
     _cls.__name__ = _cls.__qualname__ = _name
 
 __all__ = ["Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM"]

@@ -8,13 +8,12 @@ the same shape with one of the pure maps of :mod:`equiopt.maps`; the element-wis
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import maps
-from .fields import LR_SCALES, MATRIX_RULES, RULE_FIELDS, check_settings, default, fill_defaults
-
+from .fields import LR_SCALES, RULE_FIELDS, check_settings, default, fill_defaults
 
 
 def resolved(group: dict, key: str):
@@ -53,14 +52,14 @@ class MapKey(NamedTuple):
     ``eta`` is the rule's name, or the ``id`` of a callable."""
 
     rule: str
-    order: Optional[str]
+    order: str | None
     center: Any  # bool, or PRECENTRED
     eps: float
     alpha: float
     method: str
     steps: int
     eta: Any
-    polar_dtype: Optional[torch.dtype]
+    polar_dtype: torch.dtype | None
     scale: str
     damping: str
 
@@ -95,8 +94,13 @@ def precentred(key: MapKey) -> MapKey:
     return key._replace(center=PRECENTRED)
 
 
-def factored_map(key: MapKey, eta, D: torch.Tensor, reducer: maps.RowReducer | None = None,
-                 col_reducer: maps.RowReducer | None = None) -> maps.Factored:
+def factored_map(
+    key: MapKey,
+    eta,
+    D: torch.Tensor,
+    reducer: maps.RowReducer | None = None,
+    col_reducer: maps.RowReducer | None = None,
+) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
 
@@ -111,15 +115,38 @@ def factored_map(key: MapKey, eta, D: torch.Tensor, reducer: maps.RowReducer | N
             raise ValueError("the spectral map needs the whole matrix; gather a row-sharded one first")
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
     if rule in ("right", "left"):
-        return maps.one_sided_factored(D, eps=eps, alpha=alpha, center=center, method=method, steps=steps,
-                                       scale=scale, reducer=reducer, centered_input=done, damping=damping)
+        return maps.one_sided_factored(
+            D,
+            eps=eps,
+            alpha=alpha,
+            center=center,
+            method=method,
+            steps=steps,
+            scale=scale,
+            reducer=reducer,
+            centered_input=done,
+            damping=damping,
+        )
     if col_reducer is not None and rule != "row":
         raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
     if rule == "row":
-        return maps.row_norm_factored(D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done,
-                                      col_reducer=col_reducer)
-    return maps.hybrid_factored(D, order=order, eps=eps, alpha=alpha, center=center, method=method, steps=steps, eta=eta,
-                                scale=scale, reducer=reducer, centered_input=done, damping=damping)
+        return maps.row_norm_factored(
+            D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done, col_reducer=col_reducer
+        )
+    return maps.hybrid_factored(
+        D,
+        order=order,
+        eps=eps,
+        alpha=alpha,
+        center=center,
+        method=method,
+        steps=steps,
+        eta=eta,
+        scale=scale,
+        reducer=reducer,
+        centered_input=done,
+        damping=damping,
+    )
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:
@@ -145,12 +172,14 @@ def validate_group(group: dict, where: str) -> None:
     """Fill ``group``'s missing settings from the rule's defaults and check them in place:
     clear errors naming ``where`` and the setting for unknown names and out-of-range values
     (the checks of :data:`~equiopt.optim.fields.FIELDS`)."""
-    rule = group.get("rule")
     try:
         fill_defaults(group)
     except ValueError as err:
         raise ValueError(f"{where}, field 'rule': {err}") from None
+    rule: str = group["rule"]
     if group["lazy"] is not False and "lazy" not in RULE_FIELDS[rule]:
-        raise ValueError(f"{where}, field 'lazy': lazy=True needs a momentum rule (row, hybrid, right, left, "
-                         f"spectral, sgd), not {rule!r}")
+        raise ValueError(
+            f"{where}, field 'lazy': lazy=True needs a momentum rule (row, hybrid, right, left, "
+            f"spectral, sgd), not {rule!r}"
+        )
     group.update(check_settings(group, where))

@@ -37,15 +37,25 @@ from ..distributed.placements import Sharding, group_coordinates, is_dtensor, me
 from ..layouts import Col, Experts, Heads, Layout, Row
 from .costs import CostModel, prefers_reduce
 from .owners import assign, joint_block, map_cost
-from .rules import reducible
+from .rules import MapKey, reducible
 
-__all__ = ["local", "ShardSum", "Plan", "plan", "global_flags", "LOCAL", "OwnerBatch", "owner_batches", "owner_units",
-           "group_ranks"]
+__all__ = [
+    "local",
+    "ShardSum",
+    "Plan",
+    "plan",
+    "global_flags",
+    "LOCAL",
+    "OwnerBatch",
+    "owner_batches",
+    "owner_units",
+    "group_ranks",
+]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's tensor behind ``t`` (a view that aliases it), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 class ShardSum:
@@ -138,7 +148,7 @@ def cuts(layout: Layout, sharding: Sharding) -> dict[str, tuple[int, ...]]:
     return {k: tuple(sorted(v)) for k, v in out.items()}
 
 
-def plan(key: tuple, layout: Layout, sharding: Sharding, costs: CostModel | None = None) -> Plan:
+def plan(key: MapKey, layout: Layout, sharding: Sharding, costs: CostModel | None = None) -> Plan:
     """The :class:`Plan` of a parameter under ``key``'s map (see the module). Where both a
     reduce and an owner plan are possible, ``costs`` picks the cheaper (default: reduce)."""
     if sharding.kind != "sharded":
@@ -184,7 +194,7 @@ def global_flags(flags: torch.Tensor, shardings: list[Sharding]) -> torch.Tensor
     ranks that hold its pieces (one all-reduce of the group's flags per process group)."""
     import torch.distributed as dist
 
-    groups: dict[int, tuple] = {}
+    groups: dict[tuple[int, ...], tuple] = {}
     for k, s in enumerate(shardings):
         if s.kind == "sharded" and s.is_sharded:
             groups.setdefault(group_ranks(s, s.split_axes), (mesh_group(s.mesh, s.split_axes), []))[1].append(k)
@@ -275,8 +285,13 @@ def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = N
             # the tasks of one group may sit on different meshes over the same ranks (a dense
             # parameter on the dp_shard sub-mesh, an expert stack on the whole mesh): each
             # task's members in its own coordinates, in the group's (increasing rank) order
-            blocks = [[block(tasks[i], c) for c in group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]),
-                                                                      tasks[i][1].axes)] for i in members]
+            blocks = [
+                [
+                    block(tasks[i], c)
+                    for c in group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]), tasks[i][1].axes)
+                ]
+                for i in members
+            ]
             joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
             costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
             order = sorted(range(len(members)), key=lambda k: (-costs[k], k))

@@ -20,8 +20,15 @@ entries of an optimizer's param groups into one ``LambdaLR``.
 from .paper import PAPER_MODELS
 from .recipe import Recipe
 from .registry import (
-    DEFAULT_RECIPE, adamw_recipe, default_recipe, get_recipe, list_recipes, load_recipe_toml, loads_recipe_toml,
-    muon_recipe, register_recipe,
+    DEFAULT_RECIPE,
+    adamw_recipe,
+    default_recipe,
+    get_recipe,
+    list_recipes,
+    load_recipe_toml,
+    loads_recipe_toml,
+    muon_recipe,
+    register_recipe,
 )
 from .schedules import Constant, StableDecay, WarmupCosine, build_scheduler, make_lr_lambda
 from .schema import (
@@ -30,11 +37,11 @@ from .schema import (
     LR_SCALES,
     MATRIX_RULES,
     METHODS,
-    RULE_METHODS,
     ORDERS,
     ROLES,
     RULE_DEFAULTS,
     RULE_FIELDS,
+    RULE_METHODS,
     RULES,
     SCHEDULE_KINDS,
     default_schedule,

@@ -114,8 +114,7 @@ _QWEN3: dict[str, dict[str, Any]] = {
         "head": ("AdamW", 0.001, _AW, 0),
     },
 }
-_QWEN3_LOSS = {"a-i": 4.2017, "a-ii": 4.2050, "a-iii": 4.2084,
-               "b-i": 4.1950, "b-ii": 4.1955, "b-iii": 4.2046}
+_QWEN3_LOSS = {"a-i": 4.2017, "a-ii": 4.2050, "a-iii": 4.2084, "b-i": 4.1950, "b-ii": 4.1955, "b-iii": 4.2046}
 
 # ---------------------------------------------------------------------------
 # table:optim_hyperparams_gemma3  (Gemma 3 1B-style, 50,000 steps,
@@ -166,8 +165,7 @@ _GEMMA3: dict[str, dict[str, Any]] = {
         "head": ("AdamW", 0.0005, _AW, 0),
     },
 }
-_GEMMA3_LOSS = {"a-i": 4.0702, "a-ii": 4.0655, "a-iii": 4.1046,
-                "b-i": 4.0516, "b-ii": 4.0435, "b-iii": 4.0862}
+_GEMMA3_LOSS = {"a-i": 4.0702, "a-ii": 4.0655, "a-iii": 4.1046, "b-i": 4.0516, "b-ii": 4.0435, "b-iii": 4.0862}
 
 # ---------------------------------------------------------------------------
 # table:optim_hyperparams_olmoe  (OLMoE-1B-7B-style, 30,000 steps,
@@ -296,23 +294,37 @@ def _settings(row: tuple, role: str) -> dict[str, Any]:
     common = {**base, "beta": float(momentum), "nesterov": False}
     if optimizer == "Muon":
         return {
-            "rule": "spectral", **common, "nesterov": True, "lr_scale": "spectral",
-            "method": "polar_express", "steps": 5,
+            "rule": "spectral",
+            **common,
+            "nesterov": True,
+            "lr_scale": "spectral",
+            "method": "polar_express",
+            "steps": 5,
         }
     centred = role in _CENTRED_ROLES
     if optimizer == "RowNormM":
         return {"rule": "row", **common, "center": centred, "eps": 1e-8, "eta": "inverse"}
     if optimizer in ("LeftPolarGradM", "LeftPolarGradM-uncentered"):
         return {
-            "rule": "left", **common, "center": optimizer == "LeftPolarGradM",
-            "alpha": 1.0, "eps": 1e-8, "method": "polar_express", "steps": 5,
+            "rule": "left",
+            **common,
+            "center": optimizer == "LeftPolarGradM",
+            "alpha": 1.0,
+            "eps": 1e-8,
+            "method": "polar_express",
+            "steps": 5,
         }
     if optimizer == "HybridPolarGradM":
         return {
-            "rule": "hybrid", **common, "center": centred,
+            "rule": "hybrid",
+            **common,
+            "center": centred,
             "order": "left_then_row" if role == "router" else "row_then_right",
-            "alpha": 1.0, "eps": 1e-8, "eta": "inverse",
-            "method": "polar_express", "steps": 5,
+            "alpha": 1.0,
+            "eps": 1e-8,
+            "eta": "inverse",
+            "method": "polar_express",
+            "steps": 5,
         }
     raise AssertionError(f"untranscribed optimizer {optimizer!r}")
 
@@ -343,14 +355,24 @@ def _describe(rows: dict[str, tuple]) -> str:
 _MODELS = {
     # model key: (title, hyperparameter table, training-config table,
     #             training steps (from the training-config table), rows, final validation losses)
-    "qwen3": ("Qwen3-0.6B-style", "table:optim_hyperparams_qwen3", "table:config_qwen3",
-              30_000, _QWEN3, _QWEN3_LOSS),
-    "gemma3": ("Gemma 3 1B-style", "table:optim_hyperparams_gemma3", "table:config_gemma3",
-               50_000, _GEMMA3, _GEMMA3_LOSS),
-    "olmoe": ("OLMoE-1B-7B-style", "table:optim_hyperparams_olmoe", "table:config_olmoe",
-              30_000, _OLMOE, _OLMOE_LOSS),
-    "gpt_oss": ("downsized gpt-oss", "table:optim_hyperparams_gpt_oss", "table:config_gpt_oss",
-                60_000, _GPT_OSS, _GPT_OSS_LOSS),
+    "qwen3": ("Qwen3-0.6B-style", "table:optim_hyperparams_qwen3", "table:config_qwen3", 30_000, _QWEN3, _QWEN3_LOSS),
+    "gemma3": (
+        "Gemma 3 1B-style",
+        "table:optim_hyperparams_gemma3",
+        "table:config_gemma3",
+        50_000,
+        _GEMMA3,
+        _GEMMA3_LOSS,
+    ),
+    "olmoe": ("OLMoE-1B-7B-style", "table:optim_hyperparams_olmoe", "table:config_olmoe", 30_000, _OLMOE, _OLMOE_LOSS),
+    "gpt_oss": (
+        "downsized gpt-oss",
+        "table:optim_hyperparams_gpt_oss",
+        "table:config_gpt_oss",
+        60_000,
+        _GPT_OSS,
+        _GPT_OSS_LOSS,
+    ),
 }
 
 #: Model keys and their configuration names, in the paper's order.
@@ -363,8 +385,7 @@ def paper_recipes() -> list[Recipe]:
     for key, (title, table, config_table, steps, configs, losses) in _MODELS.items():
         for config, rows in configs.items():
             dense_note = (
-                " Dense model, no router in the table: router role filled with the "
-                "MoE tables' centred RowNormM row."
+                " Dense model, no router in the table: router role filled with the MoE tables' centred RowNormM row."
                 if "router" not in rows
                 else ""
             )

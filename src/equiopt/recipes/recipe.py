@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .._tomlw import toml_value
-from .schema import FIELDS, RULE_FIELDS, ROLES, merge_settings, normalize_settings
+from .schema import FIELDS, ROLES, RULE_FIELDS, merge_settings, normalize_settings
 
 __all__ = ["Recipe"]
 
@@ -22,19 +22,14 @@ def _freeze(settings: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _thaw(settings: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        key: dict(value) if isinstance(value, Mapping) else value
-        for key, value in settings.items()
-    }
+    return {key: dict(value) if isinstance(value, Mapping) else value for key, value in settings.items()}
 
 
 def _check_roles(keys: Iterable[Any], context: str, allow_star: bool) -> None:
     valid = ROLES + (("*",) if allow_star else ())
     for key in keys:
         if key not in valid:
-            raise ValueError(
-                f"{context}: unknown role {key!r}; valid roles: {', '.join(valid)}"
-            )
+            raise ValueError(f"{context}: unknown role {key!r}; valid roles: {', '.join(valid)}")
 
 
 @dataclass(frozen=True, eq=True)
@@ -72,9 +67,7 @@ class Recipe:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"recipe name must be a non-empty string, got {self.name!r}")
         if not isinstance(self.description, str):
-            raise ValueError(
-                f"recipe {self.name!r}: description must be a string, got {self.description!r}"
-            )
+            raise ValueError(f"recipe {self.name!r}: description must be a string, got {self.description!r}")
         context = f"recipe {self.name!r}"
         if not isinstance(self.roles, Mapping):
             raise ValueError(f"{context}: roles must be a mapping role -> settings")
@@ -86,10 +79,7 @@ class Recipe:
                 f"a recipe covers every role: {', '.join(ROLES)}"
             )
         roles = {
-            role: _freeze(
-                normalize_settings(self.roles[role], role, f"{context}, role {role!r}")
-            )
-            for role in ROLES
+            role: _freeze(normalize_settings(self.roles[role], role, f"{context}, role {role!r}")) for role in ROLES
         }
         object.__setattr__(self, "roles", MappingProxyType(roles))
         object.__setattr__(self, "meta", MappingProxyType(copy.deepcopy(dict(self.meta))))
@@ -156,7 +146,7 @@ class Recipe:
         *,
         name: str | None = None,
         description: str | None = None,
-    ) -> "Recipe":
+    ) -> Recipe:
         """A new, validated recipe with some settings replaced.
 
         ``overrides`` maps a role, or ``"*"`` for every role, to the fields to
@@ -193,9 +183,7 @@ class Recipe:
                 raise ValueError(f"{context}, role '*': expected a table of settings, got {star!r}")
             for key in star:
                 if key not in FIELDS:
-                    raise ValueError(
-                        f"{context}, role '*': unknown field {key!r}; valid fields: {', '.join(FIELDS)}"
-                    )
+                    raise ValueError(f"{context}, role '*': unknown field {key!r}; valid fields: {', '.join(FIELDS)}")
             used: set[str] = set()
             for role in ROLES:
                 rule = star.get("rule", roles[role]["rule"])
@@ -211,9 +199,7 @@ class Recipe:
                 )
         for role in ROLES:
             if role in overrides:
-                roles[role] = merge_settings(
-                    roles[role], overrides[role], role, f"{context}, role {role!r}"
-                )
+                roles[role] = merge_settings(roles[role], overrides[role], role, f"{context}, role {role!r}")
         return Recipe(
             name=self.name if name is None else name,
             description=self.description if description is None else description,

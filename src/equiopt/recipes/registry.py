@@ -8,8 +8,17 @@ import os
 from .recipe import Recipe
 from .tomlio import parse_recipe_toml, read_recipe_text
 
-__all__ = ["get_recipe", "list_recipes", "register_recipe", "default_recipe", "muon_recipe", "adamw_recipe",
-           "DEFAULT_RECIPE", "load_recipe_toml", "loads_recipe_toml"]
+__all__ = [
+    "get_recipe",
+    "list_recipes",
+    "register_recipe",
+    "default_recipe",
+    "muon_recipe",
+    "adamw_recipe",
+    "DEFAULT_RECIPE",
+    "load_recipe_toml",
+    "loads_recipe_toml",
+]
 
 
 def muon_recipe() -> Recipe:
@@ -27,8 +36,14 @@ def muon_recipe() -> Recipe:
         A new :class:`Recipe` named ``muon``.
     """
     muon = {
-        "rule": "spectral", "lr": 0.02, "beta": 0.95, "nesterov": True,
-        "lr_scale": "spectral", "method": "polar_express", "steps": 5, "weight_decay": 0.0,
+        "rule": "spectral",
+        "lr": 0.02,
+        "beta": 0.95,
+        "nesterov": True,
+        "lr_scale": "spectral",
+        "method": "polar_express",
+        "steps": 5,
+        "weight_decay": 0.0,
     }
     adamw = {"rule": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.0}
     roles = {role: dict(muon) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
@@ -70,8 +85,14 @@ def default_recipe() -> Recipe:
         A new :class:`Recipe` named ``equiopt:default``.
     """
     muon = {
-        "rule": "spectral", "lr": 0.02, "beta": 0.95, "nesterov": True,
-        "lr_scale": "spectral", "method": "polar_express", "steps": 5, "weight_decay": 0.0,
+        "rule": "spectral",
+        "lr": 0.02,
+        "beta": 0.95,
+        "nesterov": True,
+        "lr_scale": "spectral",
+        "method": "polar_express",
+        "steps": 5,
+        "weight_decay": 0.0,
     }
     roles = {role: dict(muon) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
     roles["embedding"] = {"rule": "row", "lr": 3e-3, "eta": "rms", "beta": 0.95, "weight_decay": 0.0}
@@ -99,8 +120,12 @@ def adamw_recipe() -> Recipe:
     sched = {"kind": "warmup_cosine", "warmup_steps": 100}
     roles = {
         role: {
-            "rule": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "adam_eps": 1e-8,
-            "weight_decay": 0.0 if role == "vector" else 0.1, "schedule": dict(sched),
+            "rule": "adamw",
+            "lr": 3e-4,
+            "betas": (0.9, 0.95),
+            "adam_eps": 1e-8,
+            "weight_decay": 0.0 if role == "vector" else 0.1,
+            "schedule": dict(sched),
         }
         for role in ("embedding", "lm_head", "attention", "mlp_in", "mlp_out", "router", "matrix", "vector")
     }
@@ -143,7 +168,7 @@ def _canonical(name: str) -> str:
     return ":".join(parts)
 
 
-def get_recipe(name: "str | os.PathLike[str] | Recipe") -> Recipe:
+def get_recipe(name: str | os.PathLike[str] | Recipe) -> Recipe:
     """The recipe called ``name``.
 
     ``name`` may also be a :class:`Recipe` (returned as is) or the path of a
@@ -208,7 +233,7 @@ def loads_recipe_toml(text: str, *, source: str = "<string>", default_name: str 
         raise ValueError(f"{source}: {err}") from None
 
 
-def load_recipe_toml(path: "str | os.PathLike[str]") -> Recipe:
+def load_recipe_toml(path: str | os.PathLike[str]) -> Recipe:
     """Read a recipe file (format: :mod:`equiopt.recipes.tomlio`). Errors name the file, and the role and field at fault.
 
     Args:
@@ -245,4 +270,3 @@ def register_recipe(recipe: Recipe, *, overwrite: bool = False) -> Recipe:
         raise ValueError(f"a recipe named {recipe.name!r} exists; pass overwrite=True to replace it")
     reg[recipe.name] = recipe
     return recipe
-

@@ -163,9 +163,7 @@ class Constant(_Multiplier):
         return 1.0
 
 
-def make_lr_lambda(
-    schedule: Mapping[str, Any] | None, total_steps: int | None = None
-) -> Callable[[int], float]:
+def make_lr_lambda(schedule: Mapping[str, Any] | None, total_steps: int | None = None) -> Callable[[int], float]:
     """The lr multiplier ``step -> float`` of ``schedule`` (``None``: constant 1).
 
     See the module docstring for the formulas and for the behaviour without

@@ -13,7 +13,6 @@ in, so a normalized dict spells out every hyperparameter of its rule.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -173,7 +172,7 @@ def _check_values(settings: Mapping[str, Any], rule: str, context: str) -> dict[
         out = fields.check_settings(settings, where)
     except ValueError as err:
         message = str(err)
-        raise ValueError(message[len(where) + 2:] if not context else message) from None
+        raise ValueError(message[len(where) + 2 :] if not context else message) from None
     if out.get("lazy") and rule not in fields.FIELDS["lazy"].rules:
         raise _fail(context, "lazy", f"does not apply to rule {rule!r}")
     return out
@@ -223,9 +222,7 @@ def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
     if kind == "warmup_cosine":
         out["warmup_steps"] = _int_at_least(context, "schedule.warmup_steps", out["warmup_steps"], 0)
     elif kind == "stable_decay":
-        out["stable_fraction"] = _unit_closed(
-            context, "schedule.stable_fraction", out["stable_fraction"]
-        )
+        out["stable_fraction"] = _unit_closed(context, "schedule.stable_fraction", out["stable_fraction"])
     return out
 
 
@@ -233,8 +230,7 @@ def _check_field_names(settings: Mapping[str, Any], rule: str | None, context: s
     for key in settings:
         if not isinstance(key, str) or key not in FIELDS:
             raise ValueError(
-                f"{context + ': ' if context else ''}unknown field {key!r}; "
-                f"valid fields: {', '.join(FIELDS)}"
+                f"{context + ': ' if context else ''}unknown field {key!r}; valid fields: {', '.join(FIELDS)}"
             )
     if rule is not None:
         allowed = RULE_FIELDS[rule]
@@ -253,9 +249,7 @@ def _rule(value: Any, context: str) -> str:
     return value
 
 
-def normalize_settings(
-    settings: Mapping[str, Any], role: str, context: str | None = None
-) -> dict[str, Any]:
+def normalize_settings(settings: Mapping[str, Any], role: str, context: str | None = None) -> dict[str, Any]:
     """Validate one role's settings and return a new dict with defaults filled in.
 
     Raises :class:`ValueError` naming the role and field on an unknown field, a
@@ -291,9 +285,7 @@ def normalize_settings(
     merged = {**RULE_DEFAULTS[rule], **{k: v for k, v in settings.items() if k != "schedule"}}
     checked = _check_values(merged, rule, context)
     out: dict[str, Any] = {k: checked[k] for k in RULE_FIELDS[rule] if k in checked}
-    out["schedule"] = normalize_schedule(
-        settings.get("schedule", default_schedule(role)), context
-    )
+    out["schedule"] = normalize_schedule(settings.get("schedule", default_schedule(role)), context)
     return out
 
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from .recipe import Recipe
-from .schema import FIELDS, RULE_FIELDS, ROLES
+from .schema import FIELDS, ROLES, RULE_FIELDS
 
 __all__ = ["RecipeFile", "parse_recipe_toml", "read_recipe_text", "save_recipe_toml"]
 
@@ -91,7 +91,7 @@ def parse_recipe_toml(text: str, *, source: str = "<string>", default_name: str 
         raise ValueError(f"{source}: {err}") from None
 
 
-def read_recipe_text(path: "str | os.PathLike[str]") -> tuple[str, str, str]:
+def read_recipe_text(path: str | os.PathLike[str]) -> tuple[str, str, str]:
     """``(text, source, default name)`` of a recipe file; unreadable files name the path."""
     path = os.fspath(path)
     try:
@@ -102,7 +102,7 @@ def read_recipe_text(path: "str | os.PathLike[str]") -> tuple[str, str, str]:
     return text, path, os.path.splitext(os.path.basename(path))[0]
 
 
-def save_recipe_toml(recipe: Recipe, path: "str | os.PathLike[str]") -> None:
+def save_recipe_toml(recipe: Recipe, path: str | os.PathLike[str]) -> None:
     """Write ``recipe`` to ``path`` in the format :func:`equiopt.recipes.load_recipe_toml` reads.
 
     Every role is written in full (no ``base``, no ``roles."*"``), so loading the file
@@ -122,9 +122,7 @@ def save_recipe_toml(recipe: Recipe, path: "str | os.PathLike[str]") -> None:
 def _from_data(data: Mapping[str, Any], default_name: str | None) -> RecipeFile:
     unknown = [k for k in data if k not in _TOP_LEVEL]
     if unknown:
-        raise ValueError(
-            f"unknown top-level key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(_TOP_LEVEL)}"
-        )
+        raise ValueError(f"unknown top-level key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(_TOP_LEVEL)}")
     for key in ("name", "description", "base"):
         if key in data and not isinstance(data[key], str):
             raise ValueError(f"{key!r} must be a string, got {data[key]!r}")

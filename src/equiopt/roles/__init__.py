@@ -5,5 +5,17 @@ from .infer import ModelDims, RoleInferenceError, assign_roles, model_dims
 from .table import ROLES, RoleRow, RoleTable
 from .verify import RoleCheck, RoleReport, verify_roles
 
-__all__ = ["assign_roles", "print_roles", "build_optimizer", "verify_roles", "RoleReport", "RoleCheck", "RoleRow", "RoleTable", "ROLES", "RoleInferenceError",
-           "ModelDims", "model_dims"]
+__all__ = [
+    "assign_roles",
+    "print_roles",
+    "build_optimizer",
+    "verify_roles",
+    "RoleReport",
+    "RoleCheck",
+    "RoleRow",
+    "RoleTable",
+    "ROLES",
+    "RoleInferenceError",
+    "ModelDims",
+    "model_dims",
+]

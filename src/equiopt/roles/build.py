@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,13 +24,15 @@ def param_groups(table: RoleTable, recipe: Recipe) -> list[dict[str, Any]]:
         if not rows:
             continue
         settings = recipe.settings(role)
-        groups.append({
-            **settings,
-            "params": [r.param for r in rows],
-            "layouts": [r.layout if r.layout is not None else "row" for r in rows],
-            "names": [r.name for r in rows],
-            "role": role,
-        })
+        groups.append(
+            {
+                **settings,
+                "params": [r.param for r in rows],
+                "layouts": [r.layout if r.layout is not None else "row" for r in rows],
+                "names": [r.name for r in rows],
+                "role": role,
+            }
+        )
     return groups
 
 
@@ -99,8 +102,14 @@ def build_optimizer(
     table = assign_roles(model, rules=rules, **role_options)
     if divide_work is None:
         divide_work = _ddp_group(model)
-    optimizer = EquivariantOptimizer(param_groups(table, rec), eager_state=eager_state, compile=compile,
-                                     state_dtype=state_dtype, divide_work=divide_work, cost_model=cost_model)
+    optimizer = EquivariantOptimizer(
+        param_groups(table, rec),
+        eager_state=eager_state,
+        compile=compile,
+        state_dtype=state_dtype,
+        divide_work=divide_work,
+        cost_model=cost_model,
+    )
     optimizer.role_table = table
     optimizer.recipe = rec
     return optimizer, build_scheduler(optimizer, total_steps)

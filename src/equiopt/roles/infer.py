@@ -36,8 +36,9 @@ Conventions recognised:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -50,11 +51,42 @@ _MLP_CLASS = re.compile(r"mlp|feedforward|feed_forward|ffn|moe|expert", re.I)
 _ROUTER_CLASS = re.compile(r"router|topk|gate$", re.I)
 # attention sub-module names that mark the output projection / the input projections
 _ATTN_OUT_NAMES = {"o_proj", "out_proj", "c_proj", "dense", "wo", "o", "proj", "output"}
-_ATTN_IN_NAMES = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "wqkv", "query", "key",
-                  "value", "q", "k", "v", "wq", "wk", "wv", "qkv", "in_proj"}
+_ATTN_IN_NAMES = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "c_attn",
+    "query_key_value",
+    "wqkv",
+    "query",
+    "key",
+    "value",
+    "q",
+    "k",
+    "v",
+    "wq",
+    "wk",
+    "wv",
+    "qkv",
+    "in_proj",
+}
 _MLP_OUT_NAMES = {"down_proj", "w2", "fc2", "c_proj", "fc_out", "dense_4h_to_h", "wo", "out_proj", "down"}
-_MLP_IN_NAMES = {"gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h", "wi",
-                 "up", "gate", "w12"}
+_MLP_IN_NAMES = {
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "w1",
+    "w3",
+    "fc1",
+    "c_fc",
+    "fc_in",
+    "dense_h_to_4h",
+    "wi",
+    "up",
+    "gate",
+    "w12",
+}
 
 
 class _Decision(NamedTuple):
@@ -121,8 +153,10 @@ def _mla_dims(block: nn.Module) -> _MlaDims | None:
     """``(heads, qk_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank)`` of a multi-head
     latent attention block (DeepSeek V2/V3 in torchtitan and transformers), else None."""
     qk, v = _positive_int(getattr(block, "qk_head_dim", None)), _positive_int(getattr(block, "v_head_dim", None))
-    heads = next((h for n in ("n_heads", "num_heads", "num_attention_heads")
-                  if (h := _positive_int(getattr(block, n, None)))), None)
+    heads = next(
+        (h for n in ("n_heads", "num_heads", "num_attention_heads") if (h := _positive_int(getattr(block, n, None)))),
+        None,
+    )
     if qk is None or v is None or heads is None:
         return None
     rope = _positive_int(getattr(block, "qk_rope_head_dim", None)) or 0
@@ -343,11 +377,16 @@ def _nd_fix(name: str, shape: tuple[int, ...]) -> str:
     pattern = re.escape(name)
     fold = "x".join(map(str, shape[2:]))
     work = f"({shape[0]}, {shape[1] * (torch.Size(shape[2:]).numel())})"
-    stack = (f", {{{pattern!r}: ('matrix', 'experts:row')}} for a stack of {shape[0]} matrices {shape[1:]}"
-             if len(shape) == 3 else "")
-    return (f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: ('matrix', 'flatten:{fold}')}}) "
-            f"for one {work} work matrix (rows = the first axis; a spectral step on it, as for a convolution)"
-            f"{stack}, or {{{pattern!r}: 'vector'}} for an element-wise rule")
+    stack = (
+        f", {{{pattern!r}: ('matrix', 'experts:row')}} for a stack of {shape[0]} matrices {shape[1:]}"
+        if len(shape) == 3
+        else ""
+    )
+    return (
+        f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: ('matrix', 'flatten:{fold}')}}) "
+        f"for one {work} work matrix (rows = the first axis; a spectral step on it, as for a convolution)"
+        f"{stack}, or {{{pattern!r}: 'vector'}} for an element-wise rule"
+    )
 
 
 def _short(name: str) -> str:
@@ -407,10 +446,14 @@ def _check_model(model: Any) -> None:
     """Clear errors for something that is not a model, or a wrapper that hides its model."""
     if not isinstance(model, nn.Module):
         inner = [k for k, v in (vars(model).items() if hasattr(model, "__dict__") else ()) if isinstance(v, nn.Module)]
-        hint = f"; it holds one at .{inner[0]}: pass that" if len(inner) == 1 else (
-            f"; it holds modules at {', '.join('.' + k for k in inner)}: pass the model" if inner else "")
-        raise TypeError(f"expected an nn.Module (the model, or a wrapper module holding it), got "
-                        f"{type(model).__name__}{hint}")
+        hint = (
+            f"; it holds one at .{inner[0]}: pass that"
+            if len(inner) == 1
+            else (f"; it holds modules at {', '.join('.' + k for k in inner)}: pass the model" if inner else "")
+        )
+        raise TypeError(
+            f"expected an nn.Module (the model, or a wrapper module holding it), got {type(model).__name__}{hint}"
+        )
     if any(p.requires_grad for p in model.parameters()):
         return
     total = sum(1 for _ in model.parameters())
@@ -420,12 +463,16 @@ def _check_model(model: Any) -> None:
             f"{type(model).__name__} reports no trainable parameters, but its attribute(s) "
             f"{', '.join(repr(h) for h in hidden)} hold modules that are not registered as submodules "
             "(a plain list, dict or tuple); pass the model itself, or register it (nn.ModuleList, nn.ModuleDict, "
-            "or a plain attribute assignment) so that named_parameters() reports it")
+            "or a plain attribute assignment) so that named_parameters() reports it"
+        )
     if total:
-        raise RoleInferenceError(f"{type(model).__name__} has {total} parameters but none requires grad: nothing to optimize")
+        raise RoleInferenceError(
+            f"{type(model).__name__} has {total} parameters but none requires grad: nothing to optimize"
+        )
     raise RoleInferenceError(
         f"{type(model).__name__} has no parameters: the inner model cannot be found. Pass the model itself, or a "
-        "wrapper that registers it as a submodule (DDP's .module, a LightningModule attribute)")
+        "wrapper that registers it as a submodule (DDP's .module, a LightningModule attribute)"
+    )
 
 
 def assign_roles(
@@ -490,7 +537,9 @@ def assign_roles(
             name = f"{mod_name}.{attr}" if mod_name else attr
             forced = next((rule for rule in table if rule.pattern.search(name)), None)
             if forced is not None and forced.role != "vector" and p.ndim < 2:
-                notes.append(f"rule for {forced.role!r} matched the {p.ndim}-D parameter {name!r}, which stays a vector")
+                notes.append(
+                    f"rule for {forced.role!r} matched the {p.ndim}-D parameter {name!r}, which stays a vector"
+                )
                 forced = None
             if forced is not None:
                 role, layout = forced.role, forced.layout
@@ -507,8 +556,10 @@ def assign_roles(
             rows.append(RoleRow(name, tuple(p.shape), role, layout, reason, p))
     hidden = _unregistered_modules(model)
     if hidden:
-        notes.append(f"attribute(s) {', '.join(repr(h) for h in hidden)} of {type(model).__name__} hold modules that "
-                     "are not registered as submodules: their parameters are not in this table")
+        notes.append(
+            f"attribute(s) {', '.join(repr(h) for h in hidden)} of {type(model).__name__} hold modules that "
+            "are not registered as submodules: their parameters are not in this table"
+        )
     if ctx.probed:
         notes.append("gate/up pairing found by probing the MLP's neuron-permutation symmetry: " + ", ".join(ctx.probed))
     return RoleTable(rows, tied_embeddings=ctx.tied, notes=notes)
@@ -602,8 +653,15 @@ class _Context:
                 return kind
         return None
 
-    def _fail(self, name: str, shape, why: str, hint: str = "('mlp_in', 'row')", mod_name: str | None = None,
-              fix: str | None = None) -> RoleInferenceError:
+    def _fail(
+        self,
+        name: str,
+        shape,
+        why: str,
+        hint: str = "('mlp_in', 'row')",
+        mod_name: str | None = None,
+        fix: str | None = None,
+    ) -> RoleInferenceError:
         pattern = re.escape(name)
         kind = self._model_type(mod_name if mod_name is not None else name.rpartition(".")[0])
         where = f" in a {kind!r} model (no convention equiopt knows settles it)" if kind else ""
@@ -614,8 +672,7 @@ class _Context:
         )
 
     # --------------------------------------------------------------- inference
-    def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor,
-              want: str | None = None) -> _Decision:
+    def infer(self, mod_name: str, module: nn.Module, attr: str, p: torch.Tensor, want: str | None = None) -> _Decision:
         name = f"{mod_name}.{attr}" if mod_name else attr
         shape = tuple(p.shape)
         self.dims = self.dims_at(mod_name)
@@ -647,8 +704,9 @@ class _Context:
         if p.ndim == 2:
             return _Decision("matrix", Row(), "2-D weight outside attention/MLP blocks: whole matrix")
         if all(n == 1 for n in shape[:-1]):
-            return _Decision("vector", None,
-                             f"{'x'.join(map(str, shape))} tensor with one axis longer than 1: element-wise rule")
+            return _Decision(
+                "vector", None, f"{'x'.join(map(str, shape))} tensor with one axis longer than 1: element-wise rule"
+            )
         if p.ndim == 3 and shape[0] == 1:
             return _Decision("matrix", Experts(Row()), f"one {shape[1]}x{shape[2]} matrix behind a leading axis of 1")
         raise self._fail(name, shape, f"a {p.ndim}-D tensor outside any recognised block", fix=_nd_fix(name, shape))
@@ -671,8 +729,12 @@ class _Context:
     def _attention(self, name, module, attr, p, block):
         d = self.dims
         if p.ndim != 2:
-            raise self._fail(name, p.shape, "a non-matrix tensor in an attention block",
-                             fix=_nd_fix(name, tuple(p.shape)) if p.ndim > 2 else None)
+            raise self._fail(
+                name,
+                p.shape,
+                "a non-matrix tensor in an attention block",
+                fix=_nd_fix(name, tuple(p.shape)) if p.ndim > 2 else None,
+            )
         st, out, inp = self._oriented(name, module, attr, p)
         hd = d.head_dim
         where = type(block).__name__
@@ -683,11 +745,14 @@ class _Context:
             return self._mla(where, st, out, inp, mla)
         if hd is None:
             raise self._fail(
-                name, p.shape, f"no head size found for {where} (no head_dim / num_heads on the block, nor a config "
+                name,
+                p.shape,
+                f"no head size found for {where} (no head_dim / num_heads on the block, nor a config "
                 "with head_dim or num_attention_heads and hidden_size in the module tree)",
                 fix="Give the dimensions, e.g. assign_roles(model, dims={'head_dim': ...}) or dims={'heads': ..., "
-                    "'hidden': ...}, or per_head=False for whole-matrix attention, or an explicit rule "
-                    f"rules={{{re.escape(name)!r}: ('attention', 'heads:<head_dim>')}}")
+                "'hidden': ...}, or per_head=False for whole-matrix attention, or an explicit rule "
+                f"rules={{{re.escape(name)!r}: ('attention', 'heads:<head_dim>')}}",
+            )
         short = _short(name.rsplit(".", 1)[0]) if "." in name else ""
         input_side = inp == d.hidden and out % hd == 0
         output_side = out == d.hidden and inp % hd == 0
@@ -706,13 +771,19 @@ class _Context:
             layout = Heads(hd) if st == "out_in" else Heads(hd, "cols")
             fused = d.heads is not None and out == (d.heads + 2 * (d.kv_heads or d.heads)) * hd
             kind = "fused q/k/v" if fused else "q/k/v"
-            return _Decision("attention", layout,
-                             f"{where} {kind} projection ({inp} -> {out}): {heads} blocks of {hd} rows, one per head")
+            return _Decision(
+                "attention",
+                layout,
+                f"{where} {kind} projection ({inp} -> {out}): {heads} blocks of {hd} rows, one per head",
+            )
         if output_side:
             heads = inp // hd
             layout = Heads(hd, "cols") if st == "out_in" else Heads(hd)
-            return _Decision("attention", layout,
-                             f"{where} output projection ({inp} -> {out}): {heads} blocks of {hd} columns, one per head")
+            return _Decision(
+                "attention",
+                layout,
+                f"{where} output projection ({inp} -> {out}): {heads} blocks of {hd} columns, one per head",
+            )
         return _Decision("attention", Row(), f"{where} projection ({inp} -> {out}) not split by heads: whole matrix")
 
     def _mla(self, where, st, out, inp, mla):
@@ -723,20 +794,30 @@ class _Context:
         rows = (lambda size: Heads(size)) if st != "in_out" else (lambda size: Heads(size, "cols"))
         if out == heads * (nope + v) and (kv_rank is None or inp == kv_rank):
             if nope == v:
-                return _Decision("attention", rows(v),
-                                 f"{where} key/value up-projection ({inp} -> {out}): {2 * heads} "
-                                 f"blocks of {v} rows, a key and a value block per head")
-            return _Decision("attention", rows(nope + v),
-                             f"{where} key/value up-projection ({inp} -> {out}): {heads} "
-                             f"blocks of {nope + v} rows, one per head")
+                return _Decision(
+                    "attention",
+                    rows(v),
+                    f"{where} key/value up-projection ({inp} -> {out}): {2 * heads} "
+                    f"blocks of {v} rows, a key and a value block per head",
+                )
+            return _Decision(
+                "attention",
+                rows(nope + v),
+                f"{where} key/value up-projection ({inp} -> {out}): {heads} blocks of {nope + v} rows, one per head",
+            )
         if out == heads * qk:
-            return _Decision("attention", rows(qk),
-                             f"{where} query projection ({inp} -> {out}): {heads} blocks of {qk} rows, one per head")
+            return _Decision(
+                "attention",
+                rows(qk),
+                f"{where} query projection ({inp} -> {out}): {heads} blocks of {qk} rows, one per head",
+            )
         if inp == heads * v and out == self.dims.hidden:
             layout = Heads(v, "cols") if st != "in_out" else Heads(v)
-            return _Decision("attention", layout,
-                             f"{where} output projection ({inp} -> {out}): {heads} blocks of {v} "
-                             "columns, one per head")
+            return _Decision(
+                "attention",
+                layout,
+                f"{where} output projection ({inp} -> {out}): {heads} blocks of {v} columns, one per head",
+            )
         return _Decision("attention", Row(), f"{where} latent projection ({inp} -> {out}): no head axis, whole matrix")
 
     def _mlp(self, name, mod_name, module, attr, p, ctx, want):
@@ -748,9 +829,11 @@ class _Context:
         if p.ndim == 2 and want in (None, "router"):
             is_router_cls = bool(_ROUTER_CLASS.search(type(module).__name__)) and not isinstance(module, nn.Embedding)
             e = d.experts
-            if (e is not None and d.hidden is not None and e != d.hidden and shape in ((e, d.hidden), (d.hidden, e))) or (
-                is_router_cls and want is None and (d.experts is None or d.experts in shape)
-            ) or want == "router":
+            if (
+                (e is not None and d.hidden is not None and e != d.hidden and shape in ((e, d.hidden), (d.hidden, e)))
+                or (is_router_cls and want is None and (d.experts is None or d.experts in shape))
+                or want == "router"
+            ):
                 rows_first = d.hidden is None or shape[-1] == d.hidden
                 layout = Row() if rows_first else Col()
                 return _Decision("router", layout, f"router of {where}: rows = experts, centred by the recipe")
@@ -815,7 +898,11 @@ class _Context:
         if named:  # the axis that is the model width tells the side, whatever the sizes
             side = "in" if axes[2] == "D" else "out"
         elif out == d.hidden and inp == d.hidden:  # square experts: the tensor's name decides
-            side = "out" if "down" in attr or attr.endswith(("w2", "wo")) else ("in" if "gate" in attr or "up" in attr else None)
+            side = (
+                "out"
+                if "down" in attr or attr.endswith(("w2", "wo"))
+                else ("in" if "gate" in attr or "up" in attr else None)
+            )
             if side is None:
                 raise self._fail(name, p.shape, "square expert tensor: cannot tell input from output projection")
         else:
@@ -824,29 +911,39 @@ class _Context:
             raise self._fail(name, p.shape, "expert tensor that neither reads nor writes the hidden size")
         if side == "out":
             inner = Row() if transposed else Col()
-            return _Decision("mlp_out", Experts(inner),
-                             f"{E} experts' output projections ({inp} -> {out}): neurons x hidden each")
+            return _Decision(
+                "mlp_out", Experts(inner), f"{E} experts' output projections ({inp} -> {out}): neurons x hidden each"
+            )
         gated = getattr(module, "has_gate", None)
         if gated is None:
             gated = "gate" in attr or (named and "G" in axes)
         if gated:
             concatenated = getattr(module, "is_concatenated", None)
             if concatenated is None:
-                raise self._fail(name, p.shape, f"fused gate/up experts in {type(module).__name__} do not declare "
-                                                "whether gate and up are concatenated or interleaved",
-                                 "('mlp_in', 'experts:gate_up:concat')")
+                raise self._fail(
+                    name,
+                    p.shape,
+                    f"fused gate/up experts in {type(module).__name__} do not declare "
+                    "whether gate and up are concatenated or interleaved",
+                    "('mlp_in', 'experts:gate_up:concat')",
+                )
             mode = "concat" if concatenated else "interleave"
             layout = Experts(GateUp(mode, split=self.split, axis=1 if transposed else 0))
-            return _Decision("mlp_in", layout,
-                             f"{E} experts' fused gate/up ({mode}{', stored (in, out)' if transposed else ''})")
+            return _Decision(
+                "mlp_in", layout, f"{E} experts' fused gate/up ({mode}{', stored (in, out)' if transposed else ''})"
+            )
         inner = Col() if transposed else Row()
         return _Decision("mlp_in", Experts(inner), f"{E} experts' input projections ({inp} -> {out})")
 
     def _probe_pairing(self, name, block, module, attr, p, st) -> str:
         """Which gate/up pairing makes a neuron permutation leave the block's output unchanged."""
         if p.device.type == "meta":
-            raise self._fail(name, p.shape, "fused gate/up pairing cannot be probed on the meta device",
-                             "('mlp_in', 'gate_up:concat') or ('mlp_in', 'gate_up:interleave')")
+            raise self._fail(
+                name,
+                p.shape,
+                "fused gate/up pairing cannot be probed on the meta device",
+                "('mlp_in', 'gate_up:concat') or ('mlp_in', 'gate_up:interleave')",
+            )
         ff = p.shape[0 if st == "out_in" else 1] // 2
         down = None
         for sub_name, sub in block.named_modules():
@@ -868,7 +965,11 @@ class _Context:
             saved_p, saved_q = p.detach().clone(), down.weight.detach().clone()
             saved_b = bias.detach().clone() if bias is not None else None
             for mode in ("concat", "interleave"):
-                rows = torch.cat([perm, perm + ff]) if mode == "concat" else torch.stack([2 * perm, 2 * perm + 1], 1).flatten()
+                rows = (
+                    torch.cat([perm, perm + ff])
+                    if mode == "concat"
+                    else torch.stack([2 * perm, 2 * perm + 1], 1).flatten()
+                )
                 if st == "out_in":
                     p.copy_(saved_p[rows])
                 else:

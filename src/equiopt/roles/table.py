@@ -114,14 +114,15 @@ class RoleTable(list):
                 cells.append(r.reason)
             lines.append(cells)
         widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)] if lines else [len(h) for h in header]
-        fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
         out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines]
         counts = {role: sum(r.param.numel() for r in rows) for role, rows in self.by_role().items() if rows}
         out.append("")
         out.append("parameters by role: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
         if self.tied_embeddings:
-            out.append("note: input and output embeddings are tied (one parameter, role 'embedding'); "
-                       "the paper unties them")
+            out.append(
+                "note: input and output embeddings are tied (one parameter, role 'embedding'); the paper unties them"
+            )
         out.extend(f"note: {n}" for n in self.notes)
         return "\n".join(out)
 

@@ -94,8 +94,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -162,9 +163,14 @@ class RoleReport(list):
         notes: remarks printed under the table.
     """
 
-    def __init__(self, checks: Sequence[RoleCheck] = (), dtype: torch.dtype | None = None,
-                 input_shape: tuple[int, ...] | None = None, scale: float | None = None,
-                 notes: Sequence[str] = ()):
+    def __init__(
+        self,
+        checks: Sequence[RoleCheck] = (),
+        dtype: torch.dtype | None = None,
+        input_shape: tuple[int, ...] | None = None,
+        scale: float | None = None,
+        notes: Sequence[str] = (),
+    ):
         super().__init__(checks)
         self.dtype = dtype
         self.input_shape = input_shape
@@ -202,10 +208,11 @@ class RoleReport(list):
         head = f"role symmetry checks ({dtype}, input {shape}): {len(self)} checks, "
         head += "all passed" if n_fail == 0 else f"{n_fail} FAILED"
         header = ["kind", "result", "max change", "tolerance", "parameters"]
-        lines = [[c.kind, "ok" if c.passed else "FAIL", f"{c.max_change:.2e}", f"{c.tolerance:.2e}", c.where]
-                 for c in self]
+        lines = [
+            [c.kind, "ok" if c.passed else "FAIL", f"{c.max_change:.2e}", f"{c.tolerance:.2e}", c.where] for c in self
+        ]
         widths = [max(len(x) for x in col) for col in zip(header, *lines)]
-        fmt = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths)).rstrip()  # noqa: E731
+        fmt = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths)).rstrip()
         out = [head, fmt(header), fmt(["-" * w for w in widths])]
         for c, cells in zip(self, lines):
             out.append(fmt(cells))
@@ -323,13 +330,24 @@ def verify_roles(
     if filled:
         names = [runner.names_of.get(id(p), "?") for p, _ in filled]
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        runner.notes.insert(0, f"{len(names)} all-zero parameter(s) filled with N(0, {_FILL_STD}^2) during the "
-                               f"checks (so that the checks can see them): {shown}")
-    report = RoleReport(runner.results, dtype=dtype, input_shape=tuple(input_ids.shape), scale=runner.scale,
-                        notes=runner.notes + _unchecked_notes(table, runner.conv_checked))
+        runner.notes.insert(
+            0,
+            f"{len(names)} all-zero parameter(s) filled with N(0, {_FILL_STD}^2) during the "
+            f"checks (so that the checks can see them): {shown}",
+        )
+    report = RoleReport(
+        runner.results,
+        dtype=dtype,
+        input_shape=tuple(input_ids.shape),
+        scale=runner.scale,
+        notes=runner.notes + _unchecked_notes(table, runner.conv_checked),
+    )
     if raise_on_failure and not report.ok:
-        lines = [f"{c.kind} check failed on {c.where}: max change {c.max_change:.3g} > tolerance "
-                 f"{c.tolerance:.3g}" + (f" ({c.detail})" if c.detail else "") for c in report.failures]
+        lines = [
+            f"{c.kind} check failed on {c.where}: max change {c.max_change:.3g} > tolerance "
+            f"{c.tolerance:.3g}" + (f" ({c.detail})" if c.detail else "")
+            for c in report.failures
+        ]
         raise ValueError("role symmetry checks failed:\n" + "\n".join(lines))
     return report
 
@@ -367,8 +385,14 @@ class _Runner:
         work = torch.float64 if logits.dtype == torch.float64 else torch.float32
         return logits.detach().to(work).log_softmax(-1)
 
-    def _run(self, kind: str, plan: list[tuple[nn.Parameter, Callable[[], Tensor]]], detail: str,
-             ids: Tensor | None = None, out_perm: Tensor | None = None):
+    def _run(
+        self,
+        kind: str,
+        plan: list[tuple[nn.Parameter, Callable[[], Tensor]]],
+        detail: str,
+        ids: Tensor | None = None,
+        out_perm: Tensor | None = None,
+    ):
         """Move the weights as ``plan`` says, compare outputs, restore bit for bit, record.
 
         ``plan``: ``(param, new)`` where ``new()`` computes the moved value from the
@@ -460,8 +484,10 @@ class _Runner:
         if neurons == 1:
             why = "1 neuron: the permutation is trivial, so nothing confirms the role"
             if len(roles) == 1:
-                why += (f" (no {'mlp_out' if roles == {'mlp_in'} else 'mlp_in'} partner either; a (1, d) "
-                        "projection is usually a scalar gate, not an MLP projection)")
+                why += (
+                    f" (no {'mlp_out' if roles == {'mlp_in'} else 'mlp_in'} partner either; a (1, d) "
+                    "projection is usually a scalar gate, not an MLP projection)"
+                )
             self._fail("neuron", [m.name for m in members], why)
             return
         if roles == {"mlp_in"}:
@@ -480,15 +506,16 @@ class _Runner:
             if len(paths) == 1:
                 block = paths[0][:-1]
             else:
-                block = paths[0][:min(_common(paths[0], q) for q in paths[1:])]
+                block = paths[0][: min(_common(paths[0], q) for q in paths[1:])]
             prefix = ".".join(block)
             for name, q in self.params.items():
                 if id(q) in handled or not (prefix == "" or name.startswith(prefix + ".")):
                     continue
                 if any(n in (neurons, 2 * neurons) for n in q.shape):
                     handled.add(id(q))
-                    notes.append(f"{name} {tuple(q.shape)} ({self._role_of(q)}) has the neuron count but is not "
-                                 "permuted")
+                    notes.append(
+                        f"{name} {tuple(q.shape)} ({self._role_of(q)}) has the neuron count but is not permuted"
+                    )
         per = "per-expert " if info is not None and info[0] is not None else ""
         detail = f"{per}permutation of {neurons if neurons is not None else 'the'} neurons on work rows"
         self._run("neuron", plan, "; ".join([detail] + notes))
@@ -499,8 +526,7 @@ class _Runner:
         if found is None:
             return set()
         bname, b = found
-        index, why = _bias_index(tuple(b.shape), tuple(row.param.shape), src,
-                                 self._bias_axis(row.name, row.param, b))
+        index, why = _bias_index(tuple(b.shape), tuple(row.param.shape), src, self._bias_axis(row.name, row.param, b))
         if why:
             notes.append(f"bias {bname} not permuted: {why}")
         elif index is not None:
@@ -555,10 +581,10 @@ class _Runner:
         for name, q in self.params.items():
             if id(q) in handled or not in_block(name):
                 continue
-            comps = (name[len(prefix) + 1:] if prefix else name).split(".")
+            comps = (name[len(prefix) + 1 :] if prefix else name).split(".")
             j = next((k for k, c in enumerate(comps[:-1]) if c.isdigit()), None)
             if j is not None:
-                lists.setdefault((".".join(comps[:j]), ".".join(comps[j + 1:])), {})[int(comps[j])] = q
+                lists.setdefault((".".join(comps[:j]), ".".join(comps[j + 1 :])), {})[int(comps[j])] = q
         for _, items in sorted(lists.items()):
             if sorted(items) != list(range(E)) or len({tuple(q.shape) for q in items.values()}) != 1:
                 continue
@@ -570,8 +596,12 @@ class _Runner:
         if not found:
             notes.append(f"no expert tensors found in {prefix or 'the model'}: router permuted alone")
         for name, q in self.params.items():  # anything else in the block with a leading axis of E
-            if id(q) not in handled and (prefix == "" or name.startswith(prefix + ".")) and q.ndim >= 1 \
-                    and q.shape[0] == E:
+            if (
+                id(q) not in handled
+                and (prefix == "" or name.startswith(prefix + "."))
+                and q.ndim >= 1
+                and q.shape[0] == E
+            ):
                 handled.add(id(q))
                 notes.append(f"{name} {tuple(q.shape)} ({self._role_of(q)}) has the expert count but is not permuted")
         self._run("expert", plan, "; ".join([f"permutation of {E} experts"] + notes))
@@ -585,8 +615,10 @@ class _Runner:
             what = "vocabulary" if r.role == "lm_head" else "expert"
             detail = f"{r.role}: 1 a^T added to each work matrix (a shared {what}-logit shift)"
             if r.role == "router" and r.param.dtype in (torch.float16, torch.bfloat16):
-                detail += ("; in half precision the rounded shift can flip top-k choices between near-tied "
-                           "experts: confirm a failure in float32")
+                detail += (
+                    "; in half precision the rounded shift can flip top-k choices between near-tied "
+                    "experts: confirm a failure in float32"
+                )
             self._run("shift", [(r.param, _shift_plan(r.layout, r.param, shifts, r.name))], detail)
 
     # -- vocabulary -------------------------------------------------------------------
@@ -642,6 +674,7 @@ class _Runner:
             def hook(module, args, kwargs, output):
                 if key not in captured:
                     captured[key] = (tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args), dict(kwargs))
+
             return hook
 
         handles = [mod.register_forward_hook(keep(r.name), with_kwargs=True) for r, mod in targets]
@@ -665,15 +698,26 @@ class _Runner:
         works = row.layout.to_work_list(index, name=name)
         rows = torch.cat([w.reshape(-1, w.shape[-1]) for w in works])
         first = rows[:, 0]
-        if rows.shape[0] != channels or not bool((rows == first[:, None]).all()) or \
-                not torch.equal(first.sort().values, torch.arange(channels)):
-            self._fail("conv", [name], f"{where}: the work rows are not the {channels} {side} channels one for one "
-                                       f"({rows.shape[0]} work rows; a convolution weight takes a flatten layout, "
-                                       f"rows = its first axis)")
+        if (
+            rows.shape[0] != channels
+            or not bool((rows == first[:, None]).all())
+            or not torch.equal(first.sort().values, torch.arange(channels))
+        ):
+            self._fail(
+                "conv",
+                [name],
+                f"{where}: the work rows are not the {channels} {side} channels one for one "
+                f"({rows.shape[0]} work rows; a convolution weight takes a flatten layout, "
+                f"rows = its first axis)",
+            )
             return
         if inputs is None:
-            self._fail("conv", [name], f"{where}: layout fits, but the module did not run in the model's forward, "
-                                       f"so its channels could not be checked")
+            self._fail(
+                "conv",
+                [name],
+                f"{where}: layout fits, but the module did not run in the model's forward, "
+                f"so its channels could not be checked",
+            )
             return
         args, kwargs = inputs
         spatial = len(getattr(mod, "kernel_size", p.shape[2:]))
@@ -701,7 +745,7 @@ class _Runner:
                     off = max(off, float((mod(quiet, *args[1:], **kwargs) - before).abs().max()))
                     moved = float(per_channel.max())
                 else:
-                    others = torch.cat([per_channel[:c], per_channel[c + 1:]])
+                    others = torch.cat([per_channel[:c], per_channel[c + 1 :]])
                     off = max(off, float(others.max()) if others.numel() else 0.0)
                     moved = float(per_channel[c])
                 if not moved > tolerance:
@@ -709,12 +753,18 @@ class _Runner:
                 p.copy_(saved)
         finally:
             p.copy_(saved)
-        detail = (f"{where}: {side} channels {picks} moved one at a time; "
-                  + ("each changed only its own output channel" if not transposed else
-                     "each changed nothing while its input channel was zero"))
+        detail = f"{where}: {side} channels {picks} moved one at a time; " + (
+            "each changed only its own output channel"
+            if not transposed
+            else "each changed nothing while its input channel was zero"
+        )
         if silent:
-            self._fail("conv", [name], f"{where}: moving {side} channel(s) {silent} changed nothing in the module's "
-                                       f"output (is their input zero in this forward?)")
+            self._fail(
+                "conv",
+                [name],
+                f"{where}: moving {side} channel(s) {silent} changed nothing in the module's "
+                f"output (is their input zero in this forward?)",
+            )
             return
         self.results.append(RoleCheck("conv", (name,), off, tolerance, off <= tolerance, detail))
 
@@ -839,8 +889,9 @@ def _leading_plan(q: Tensor, perm: Tensor) -> Callable[[], Tensor]:
     return lambda: q.detach().index_select(0, index)
 
 
-def _bias_index(b_shape: tuple[int, ...], p_shape: tuple[int, ...], src: Tensor,
-                axis: int | None) -> tuple[Tensor | None, str]:
+def _bias_index(
+    b_shape: tuple[int, ...], p_shape: tuple[int, ...], src: Tensor, axis: int | None
+) -> tuple[Tensor | None, str]:
     """How a bias of ``p`` moves when ``p`` moves by the source map ``src``.
 
     Returns ``(index, "")``: gather the bias along its last axis with ``index``;
@@ -908,8 +959,7 @@ def _unchecked_notes(table: RoleTable, checked: set[str] = frozenset()) -> list[
     for r in table:
         if r.role in ("attention", "matrix") and r.name not in checked:
             counts[r.role] = counts.get(r.role, 0) + 1
-    return [f"{n} {role} parameter(s) not checked (no permutation check for this role)"
-            for role, n in counts.items()]
+    return [f"{n} {role} parameter(s) not checked (no permutation check for this role)" for role, n in counts.items()]
 
 
 def _reference_param(model: nn.Module, table: RoleTable) -> Tensor:

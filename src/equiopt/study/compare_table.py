@@ -26,9 +26,10 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from .plots import Run, _si, as_runs
 
@@ -153,8 +154,9 @@ def _final_train_loss(run: Run) -> float | None:
     return run.final("loss", "train")
 
 
-def compare_rows(run_dirs: Iterable[str | Path | Run], metric: str = "val/loss",
-                 ignore: Iterable[str] = (), sort: bool = False) -> list[CompareRow]:
+def compare_rows(
+    run_dirs: Iterable[str | Path | Run], metric: str = "val/loss", ignore: Iterable[str] = (), sort: bool = False
+) -> list[CompareRow]:
     """Group the runs by configuration and summarise the final ``metric`` of each group
     (see the module docstring). ``run_dirs``: run directories, parents of run
     directories, or :class:`Run` objects. ``ignore``: extra dotted config keys that do not
@@ -178,16 +180,24 @@ def compare_rows(run_dirs: Iterable[str | Path | Run], metric: str = "val/loss",
         finite = [v for v in values if math.isfinite(v)]
         train = [_final_train_loss(r) for r in group]
         train_f = [t for t in train if t is not None and math.isfinite(t)]
-        rows.append(CompareRow(
-            label=label, metric=metric, runs=[r.name for r in group], paths=[str(r.path) for r in group],
-            seeds=[r.seed for r in group], values=values,
-            mean=statistics.fmean(finite) if finite else None,
-            std=statistics.stdev(finite) if len(finite) > 1 else None,
-            best=(max(finite) if higher else min(finite)) if finite else None,
-            train_loss=statistics.fmean(train_f) if train_f else None,
-            train_losses=[math.nan if t is None else t for t in train],
-            tokens=[r.tokens for r in group], status=[r.status for r in group],
-            config=_without(group[0].config, IGNORED_KEYS)))
+        rows.append(
+            CompareRow(
+                label=label,
+                metric=metric,
+                runs=[r.name for r in group],
+                paths=[str(r.path) for r in group],
+                seeds=[r.seed for r in group],
+                values=values,
+                mean=statistics.fmean(finite) if finite else None,
+                std=statistics.stdev(finite) if len(finite) > 1 else None,
+                best=(max(finite) if higher else min(finite)) if finite else None,
+                train_loss=statistics.fmean(train_f) if train_f else None,
+                train_losses=[math.nan if t is None else t for t in train],
+                tokens=[r.tokens for r in group],
+                status=[r.status for r in group],
+                config=_without(group[0].config, IGNORED_KEYS),
+            )
+        )
     if sort:
         rows.sort(key=lambda r: (r.mean is None, -(r.mean or 0.0) if higher else (r.mean or 0.0)))
     return rows
@@ -208,8 +218,13 @@ def _status(statuses: list[str]) -> str:
     return ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
-def compare_table(run_dirs: Iterable[str | Path | Run], metric: str = "val/loss", ignore: Iterable[str] = (),
-                  sort: bool = False, digits: int = 4) -> str:
+def compare_table(
+    run_dirs: Iterable[str | Path | Run],
+    metric: str = "val/loss",
+    ignore: Iterable[str] = (),
+    sort: bool = False,
+    digits: int = 4,
+) -> str:
     """The rows of :func:`compare_rows` as a markdown table (one line per configuration):
     configuration, number of seeds, final ``metric`` as mean ± sample std ("-" for one
     seed), the best seed's value, each seed's value, mean final training loss, tokens and
@@ -218,8 +233,16 @@ def compare_table(run_dirs: Iterable[str | Path | Run], metric: str = "val/loss"
     higher = metric in HIGHER_IS_BETTER
     means = [r.mean for r in rows if r.mean is not None]
     winner = (max(means) if higher else min(means)) if len(rows) > 1 and means else None
-    header = ["configuration", "seeds", f"final {metric} (mean ± std)", "best", "per seed",
-              "final train loss", "tokens", "status"]
+    header = [
+        "configuration",
+        "seeds",
+        f"final {metric} (mean ± std)",
+        "best",
+        "per seed",
+        "final train loss",
+        "tokens",
+        "status",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for r in rows:
         mean = _fmt(r.mean, digits)
@@ -228,8 +251,16 @@ def compare_table(run_dirs: Iterable[str | Path | Run], metric: str = "val/loss"
             cell = f"**{cell}**"
         lo, hi = min(r.tokens), max(r.tokens)
         tokens = _si(lo) if lo == hi else f"{_si(lo)}-{_si(hi)}"
-        cells = [r.label.replace("|", "\\|"), str(r.n), cell, _fmt(r.best, digits),
-                 ", ".join(_fmt(v, digits) for v in r.values), _fmt(r.train_loss, digits), tokens, _status(r.status)]
+        cells = [
+            r.label.replace("|", "\\|"),
+            str(r.n),
+            cell,
+            _fmt(r.best, digits),
+            ", ".join(_fmt(v, digits) for v in r.values),
+            _fmt(r.train_loss, digits),
+            tokens,
+            _status(r.status),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -249,12 +280,17 @@ def main_table(argv: Sequence[str] | None = None) -> int:
     """``equiopt table RUN... [--metric KEY]``: print the comparison table."""
     parser = argparse.ArgumentParser(
         prog="equiopt table",
-        description="Table of final metrics of run directories, grouped by configuration across seeds.")
+        description="Table of final metrics of run directories, grouped by configuration across seeds.",
+    )
     parser.add_argument("runs", nargs="+", help="run directories (holding log.jsonl), or directories of them")
     parser.add_argument("--metric", default="val/loss", help="logged key to compare (default %(default)s)")
-    parser.add_argument("--ignore", action="append", default=[], metavar="KEY",
-                        help="dotted config key that does not make a different configuration (repeatable), "
-                             "e.g. data.train")
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="dotted config key that does not make a different configuration (repeatable), e.g. data.train",
+    )
     parser.add_argument("--sort", action="store_true", help="order configurations by mean, best first")
     parser.add_argument("--digits", type=int, default=4, help="decimals (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the raw rows as JSON instead")
@@ -262,11 +298,15 @@ def main_table(argv: Sequence[str] | None = None) -> int:
     try:
         if args.json:
             rows = compare_rows(args.runs, metric=args.metric, ignore=args.ignore, sort=args.sort)
-            print(json.dumps([_jsonable({k: v for k, v in r.as_dict().items() if k != "config"}) for r in rows],
-                             indent=2, default=str))
+            print(
+                json.dumps(
+                    [_jsonable({k: v for k, v in r.as_dict().items() if k != "config"}) for r in rows],
+                    indent=2,
+                    default=str,
+                )
+            )
         else:
-            print(compare_table(args.runs, metric=args.metric, ignore=args.ignore, sort=args.sort,
-                                digits=args.digits))
+            print(compare_table(args.runs, metric=args.metric, ignore=args.ignore, sort=args.sort, digits=args.digits))
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"equiopt table: {err}") from None
     return 0

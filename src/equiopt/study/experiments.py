@@ -31,22 +31,33 @@ from typing import Any
 
 from ..recipes import get_recipe
 
-__all__ = ["Protocol", "PROTOCOLS", "Experiment", "EXPERIMENTS", "SCALES", "TOKENIZERS", "experiments", "run_config",
-           "data_dir", "DOWNSIZED", "downsized_overrides"]
+__all__ = [
+    "Protocol",
+    "PROTOCOLS",
+    "Experiment",
+    "EXPERIMENTS",
+    "SCALES",
+    "TOKENIZERS",
+    "experiments",
+    "run_config",
+    "data_dir",
+    "DOWNSIZED",
+    "downsized_overrides",
+]
 
 
 @dataclass(frozen=True)
 class Protocol:
     """One "Training configurations for ..." table of the paper's appendix."""
 
-    table: str             # the table's label in the paper
-    seq_len: int           # context length
+    table: str  # the table's label in the paper
+    seq_len: int  # context length
     per_device_batch: int  # sequences per device and step
-    data_parallel: int     # devices (8 H200 in every experiment)
-    steps: int             # training steps
-    val_steps: int         # validation steps, each a global batch
-    train_tokens: int      # as printed: steps x global batch x context
-    val_tokens: int        # as printed: validation steps x global batch x context
+    data_parallel: int  # devices (8 H200 in every experiment)
+    steps: int  # training steps
+    val_steps: int  # validation steps, each a global batch
+    train_tokens: int  # as printed: steps x global batch x context
+    val_tokens: int  # as printed: validation steps x global batch x context
 
     @property
     def batch_size(self) -> int:
@@ -64,17 +75,17 @@ PROTOCOLS: dict[str, Protocol] = {
 # The tokenizer whose vocabulary the paper-size model's embedding has (data prepare's
 # --tokenizer); the gpu and cpu scales share one tokenizer across families.
 TOKENIZERS: dict[str, str] = {
-    "qwen3": "qwen",                            # 151,643 ids + specials <= 151,936 rows
-    "gemma3": "hf:google/gemma-3-1b-pt",        # 262,144
-    "olmoe": "hf:allenai/OLMoE-1B-7B-0924",     # GPT-NeoX BPE, 50,280 <= 50,304
-    "gpt_oss": "hf:openai/gpt-oss-20b",         # o200k_harmony, 201,088
+    "qwen3": "qwen",  # 151,643 ids + specials <= 151,936 rows
+    "gemma3": "hf:google/gemma-3-1b-pt",  # 262,144
+    "olmoe": "hf:allenai/OLMoE-1B-7B-0924",  # GPT-NeoX BPE, 50,280 <= 50,304
+    "gpt_oss": "hf:openai/gpt-oss-20b",  # o200k_harmony, 201,088
 }
 
 SCALES = ("paper", "gpu", "cpu")
 CPU_VOCAB = 4096  # the cpu scale's byte-level BPE on the poetry corpus
-SOFTCAP = 30.0     # Gemma 2/3's final-logit soft-cap c (subsubsec:gemma_logit_softcapping)
-AUX_LOSS = 0.01    # load-balancing weight of the gpt-oss diagnostics with auxiliary losses
-Z_LOSS = 0.001     # router z-loss weight, same experiments
+SOFTCAP = 30.0  # Gemma 2/3's final-logit soft-cap c (subsubsec:gemma_logit_softcapping)
+AUX_LOSS = 0.01  # load-balancing weight of the gpt-oss diagnostics with auxiliary losses
+Z_LOSS = 0.001  # router z-loss weight, same experiments
 
 
 #: What the ``gpu`` and ``cpu`` scales change, per role, where the paper's setting for that
@@ -105,7 +116,7 @@ DOWNSIZED: dict[str, dict[str, Any]] = {
 }
 
 
-def downsized_overrides(experiment: "Experiment") -> dict[str, dict[str, Any]]:
+def downsized_overrides(experiment: Experiment) -> dict[str, dict[str, Any]]:
     """The experiment's optimizer overrides at a downsized scale: its own, plus
     :data:`DOWNSIZED` for each role whose recipe setting is the paper's alpha > 0 hybrid."""
     recipe = get_recipe(experiment.recipe)
@@ -138,8 +149,14 @@ def _dense(family: str) -> list[Experiment]:
     for group, mlp in (("a", "Muon"), ("b", "HybridPolarGradM")):
         for config, emb in (("i", "RowNormM"), ("ii", "HybridPolarGradM"), ("iii", "AdamW")):
             name = f"{group}-{config}"
-            out.append(Experiment(family, name, f"paper:{family}:{name}",
-                                  f"({group})({config}): {mlp} on SwiGLU MLPs, {emb} on embedding and LM head"))
+            out.append(
+                Experiment(
+                    family,
+                    name,
+                    f"paper:{family}:{name}",
+                    f"({group})({config}): {mlp} on SwiGLU MLPs, {emb} on embedding and LM head",
+                )
+            )
     return out
 
 
@@ -153,26 +170,56 @@ def _gemma3() -> list[Experiment]:
     head_adamw = {"lm_head": dict(get_recipe("paper:gemma3:b-iii").roles["lm_head"])}
     base = _dense("gemma3")
     base += [
-        Experiment("gemma3", f"{cfg}-head-adamw", f"paper:gemma3:{cfg}",
-                   f"logit study: ({cfg[0]})({cfg[2:]}) with AdamW on the LM head as in (b)(iii)", head_adamw)
+        Experiment(
+            "gemma3",
+            f"{cfg}-head-adamw",
+            f"paper:gemma3:{cfg}",
+            f"logit study: ({cfg[0]})({cfg[2:]}) with AdamW on the LM head as in (b)(iii)",
+            head_adamw,
+        )
         for cfg in ("b-i", "b-ii")
     ]
-    capped = [Experiment(e.family, f"{e.name}-softcap", e.recipe, f"{e.description}; final-logit soft-cap c = {SOFTCAP:g}",
-                         e.optim_overrides, {"final_logit_softcapping": SOFTCAP}) for e in base]
+    capped = [
+        Experiment(
+            e.family,
+            f"{e.name}-softcap",
+            e.recipe,
+            f"{e.description}; final-logit soft-cap c = {SOFTCAP:g}",
+            e.optim_overrides,
+            {"final_logit_softcapping": SOFTCAP},
+        )
+        for e in base
+    ]
     return base + capped
 
 
 def _moe(family: str, routers: bool) -> list[Experiment]:
-    names = {"i": "RowNormM router", "ii": "LeftPolarGradM router", "iii": "AdamW router",
-             "iv": "AdamW on embedding, LM head and router"}
+    names = {
+        "i": "RowNormM router",
+        "ii": "LeftPolarGradM router",
+        "iii": "AdamW router",
+        "iv": "AdamW on embedding, LM head and router",
+    }
     out = [Experiment(family, n, f"paper:{family}:{n}", f"({n}): {what}") for n, what in names.items()]
     if not routers:
         return out  # OLMoE: the paper removes both auxiliary router losses
-    out += [Experiment(family, f"router-{n}", f"paper:{family}:router-{n}", f"router ablation: {n}")
-            for n in ("row", "left-centered", "left-uncentered", "hybrid", "adamw")]
-    aux = [Experiment(e.family, f"{e.name}-aux", e.recipe,
-                      f"{e.description}; load-balancing loss {AUX_LOSS:g} and router z-loss {Z_LOSS:g} in the objective",
-                      e.optim_overrides, e.model_overrides, AUX_LOSS, Z_LOSS) for e in out]
+    out += [
+        Experiment(family, f"router-{n}", f"paper:{family}:router-{n}", f"router ablation: {n}")
+        for n in ("row", "left-centered", "left-uncentered", "hybrid", "adamw")
+    ]
+    aux = [
+        Experiment(
+            e.family,
+            f"{e.name}-aux",
+            e.recipe,
+            f"{e.description}; load-balancing loss {AUX_LOSS:g} and router z-loss {Z_LOSS:g} in the objective",
+            e.optim_overrides,
+            e.model_overrides,
+            AUX_LOSS,
+            Z_LOSS,
+        )
+        for e in out
+    ]
     return out + aux
 
 
@@ -211,8 +258,13 @@ def run_config(experiment: Experiment, scale: str) -> dict[str, Any]:
     if scale == "paper":
         p = PROTOCOLS[fam]
         size, data = "paper", {"seq_len": p.seq_len, "batch_size": p.batch_size}
-        train = {"steps": p.steps, "log_every": 10, "val_every": 500, "val_batches": p.val_steps,
-                 "checkpoint_every": 1000}
+        train = {
+            "steps": p.steps,
+            "log_every": 10,
+            "val_every": 500,
+            "val_batches": p.val_steps,
+            "checkpoint_every": 1000,
+        }
     elif scale == "gpu":
         size, data = "medium", {"seq_len": 1024, "batch_size": 32}
         train = {"steps": 10_000, "log_every": 10, "val_every": 250, "val_batches": 40, "checkpoint_every": 1000}

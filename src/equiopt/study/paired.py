@@ -38,14 +38,24 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from .compare_table import HIGHER_IS_BETTER, CompareRow, compare_rows
 
-__all__ = ["t_quantile", "PairedRow", "paired_rows", "paired_table", "SweepArm", "sweep", "sweep_report",
-           "select_baseline", "RunProgress"]
+__all__ = [
+    "t_quantile",
+    "PairedRow",
+    "paired_rows",
+    "paired_table",
+    "SweepArm",
+    "sweep",
+    "sweep_report",
+    "select_baseline",
+    "RunProgress",
+]
 
 
 # ------------------------------------------------------------------ statistics
@@ -178,17 +188,22 @@ def _pair(row: CompareRow, base: CompareRow, metric: str) -> PairedRow:
         ci = (mean - half, mean + half)
     better = sum(1 for d in diffs if (d > 0 if higher else d < 0))
     worse = sum(1 for d in diffs if (d < 0 if higher else d > 0))
-    return PairedRow(row.label, base.label, metric, seeds, vals, bvals, diffs, mean, std, ci, better, worse,
-                     unpaired, paths, bpaths)
+    return PairedRow(
+        row.label, base.label, metric, seeds, vals, bvals, diffs, mean, std, ci, better, worse, unpaired, paths, bpaths
+    )
 
 
-def paired_rows(run_dirs: Iterable[Any] | Sequence[CompareRow], baseline: str, metric: str = "val/loss",
-                ignore: Iterable[str] = ()) -> list[PairedRow]:
+def paired_rows(
+    run_dirs: Iterable[Any] | Sequence[CompareRow], baseline: str, metric: str = "val/loss", ignore: Iterable[str] = ()
+) -> list[PairedRow]:
     """Every configuration but the baseline, paired with it by seed (see :class:`PairedRow`).
     ``run_dirs``: what :func:`~equiopt.study.compare_table.compare_rows` takes, or its rows."""
     items = list(run_dirs)
-    rows = items if items and all(isinstance(r, CompareRow) for r in items) else \
-        compare_rows(items, metric=metric, ignore=ignore)
+    rows = (
+        items
+        if items and all(isinstance(r, CompareRow) for r in items)
+        else compare_rows(items, metric=metric, ignore=ignore)
+    )
     base = select_baseline(rows, baseline)
     return [_pair(r, base, metric) for r in rows if r is not base]
 
@@ -206,16 +221,27 @@ def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
         return "(no configuration besides the baseline)"
     metric, base = rows[0].metric, rows[0].baseline
     better = "higher" if metric in HIGHER_IS_BETTER else "lower"
-    header = ["configuration", "paired seeds", f"mean diff in {metric} vs {base}", "95 % CI (Student t)",
-              f"seeds {better} than baseline", "per-seed diff (seed: diff)"]
+    header = [
+        "configuration",
+        "paired seeds",
+        f"mean diff in {metric} vs {base}",
+        "95 % CI (Student t)",
+        f"seeds {better} than baseline",
+        "per-seed diff (seed: diff)",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for r in rows:
         ci = f"[{_f(r.ci[0], digits, True)}, {_f(r.ci[1], digits, True)}]" if r.ci else "- (one seed)"
         per = ", ".join(f"{s}: {_f(d, digits, True)}" for s, d in zip(r.seeds, r.diffs))
         if r.unpaired:
             per += f" (unpaired: {', '.join(map(str, r.unpaired))})"
-        lines.append("| " + " | ".join([r.label.replace("|", "\\|"), str(r.n), _f(r.mean, digits, True), ci,
-                                        f"{r.better} of {r.n}", per]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [r.label.replace("|", "\\|"), str(r.n), _f(r.mean, digits, True), ci, f"{r.better} of {r.n}", per]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -250,8 +276,14 @@ class RunProgress:
             try:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=total, desc="runs", unit="run", file=self.stream, dynamic_ncols=True,
-                                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
+                self.bar = tqdm(
+                    total=total,
+                    desc="runs",
+                    unit="run",
+                    file=self.stream,
+                    dynamic_ncols=True,
+                    bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}",
+                )
             except ImportError:
                 pass
 
@@ -324,9 +356,18 @@ def mult_tag(mult: float) -> str:
     return f"lrx{mult:g}"
 
 
-def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[int], roles: Sequence[str] | None = None,
-          sets: dict | None = None, force: bool = False, train_fn=None, progress: bool = True,
-          tune_seeds: int | None = None, metric: str = "val/loss") -> list[SweepArm]:
+def sweep(
+    configs: Sequence[str],
+    multipliers: Sequence[float],
+    seeds: Sequence[int],
+    roles: Sequence[str] | None = None,
+    sets: dict | None = None,
+    force: bool = False,
+    train_fn=None,
+    progress: bool = True,
+    tune_seeds: int | None = None,
+    metric: str = "val/loss",
+) -> list[SweepArm]:
     """Train every config at every lr multiplier and seed (resumable, see the module docstring).
 
     The run of config ``c`` at multiplier ``m`` and seed ``s`` goes to
@@ -358,8 +399,14 @@ def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[
                 overrides.setdefault(role, {})["lr"] = lr * mult
             tag = f"{mult_tag(mult)}-s{seed}"
             run_sets = dict(sets or {})
-            run_sets.update({"run.seed": seed, "run.name": f"{base_cfg.run.name}-{tag}",
-                             "run.out_dir": str(base_cfg.out_path / tag), "optim.overrides": overrides})
+            run_sets.update(
+                {
+                    "run.seed": seed,
+                    "run.name": f"{base_cfg.run.name}-{tag}",
+                    "run.out_dir": str(base_cfg.out_path / tag),
+                    "optim.overrides": overrides,
+                }
+            )
             cfg = load_config(path, run_sets)
             reused = not force and _done(cfg.out_path)
             if not reused:
@@ -377,7 +424,7 @@ def sweep(configs: Sequence[str], multipliers: Sequence[float], seeds: Sequence[
                 run(mult, seed)
         if len(tuning) < len(seeds):
             best, _ = _best(arm, metric)
-            for seed in seeds[len(tuning):]:
+            for seed in seeds[len(tuning) :]:
                 run(best, seed)
         arms.append(arm)
     return arms
@@ -404,8 +451,15 @@ def _best(arm: SweepArm, metric: str) -> tuple[float, dict[float, float]]:
     return best, means
 
 
-def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid: dict[str, dict[float, float]],
-            pairs: Sequence[PairedRow], out: Path, stem: str) -> list[Path]:
+def _figure(
+    arms: Sequence[SweepArm],
+    metric: str,
+    best: dict[str, float],
+    grid: dict[str, dict[float, float]],
+    pairs: Sequence[PairedRow],
+    out: Path,
+    stem: str,
+) -> list[Path]:
     """``<stem>.png`` (the sweep) and ``<stem>-paired.png`` in ``out`` (named after the report, so
     reports written to one directory keep their own figures)."""
     from .plots import _mpl
@@ -417,7 +471,7 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid:
     for arm in arms:
         mults = sorted(arm.runs)
         means = [grid[arm.label][m] for m in mults]
-        line, = ax.plot(mults, means, marker="o", label=arm.label)
+        (line,) = ax.plot(mults, means, marker="o", label=arm.label)
         for m in mults:
             vals = [_final(p, metric) for p in arm.runs[m].values()]
             ax.scatter([m] * len(vals), vals, s=12, alpha=0.5, color=line.get_color())
@@ -452,8 +506,14 @@ def _figure(arms: Sequence[SweepArm], metric: str, best: dict[str, float], grid:
     return paths
 
 
-def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/loss", out: str | Path | None = None,
-                 command: str = "", digits: int = 4) -> str:
+def sweep_report(
+    arms: Sequence[SweepArm],
+    baseline: str,
+    metric: str = "val/loss",
+    out: str | Path | None = None,
+    command: str = "",
+    digits: int = 4,
+) -> str:
     """The markdown report of a sweep (see the module docstring); figures go next to
     ``out`` (the report's path) when it is given, and the report is written there."""
     best, grid = {}, {}
@@ -464,14 +524,19 @@ def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/los
         lines += ["Command:", "", "```bash", command, "```", ""]
     tuning = sorted({s for arm in arms for s in arm.tune_seeds})
     extra = sorted({s for arm in arms for by_seed in arm.runs.values() for s in by_seed} - set(tuning))
-    lines += [f"Metric: final `{metric}` of each run (the last record of its `log.jsonl` holding it). "
-              "Each arm's lr multiplier is chosen by the lowest mean over the tuning seeds on this same metric "
-              "(a diverged run counts as +inf), then the chosen runs are compared with the baseline's "
-              "chosen runs seed by seed. Selecting and reporting on the same validation batches favours "
-              "every arm alike, slightly optimistically."]
+    lines += [
+        f"Metric: final `{metric}` of each run (the last record of its `log.jsonl` holding it). "
+        "Each arm's lr multiplier is chosen by the lowest mean over the tuning seeds on this same metric "
+        "(a diverged run counts as +inf), then the chosen runs are compared with the baseline's "
+        "chosen runs seed by seed. Selecting and reporting on the same validation batches favours "
+        "every arm alike, slightly optimistically."
+    ]
     if tuning and extra:
-        lines += ["", f"Tuning seeds: {', '.join(map(str, tuning))}; seeds {', '.join(map(str, extra))} ran at each "
-                  "arm's chosen multiplier only, after it was chosen (the grid's mean column is over the tuning seeds)."]
+        lines += [
+            "",
+            f"Tuning seeds: {', '.join(map(str, tuning))}; seeds {', '.join(map(str, extra))} ran at each "
+            "arm's chosen multiplier only, after it was chosen (the grid's mean column is over the tuning seeds).",
+        ]
     lines += ["", "## Grid", ""]
     header = ["arm", "multiplier", "lrs", "mean", "per seed (seed: value, run directory)"]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
@@ -492,20 +557,34 @@ def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/los
         seeds = sorted(by_seed)
         values = [_final(by_seed[s], metric) for s in seeds]
         finite = [v for v in values if math.isfinite(v)]
-        rows.append(CompareRow(label=arm.label, metric=metric, runs=[Path(by_seed[s]).name for s in seeds],
-                               paths=[by_seed[s] for s in seeds], seeds=seeds, values=values,
-                               mean=statistics.fmean(finite) if finite else None,
-                               std=statistics.stdev(finite) if len(finite) > 1 else None,
-                               best=min(finite) if finite else None, train_loss=None, train_losses=[],
-                               tokens=[], status=[]))
+        rows.append(
+            CompareRow(
+                label=arm.label,
+                metric=metric,
+                runs=[Path(by_seed[s]).name for s in seeds],
+                paths=[by_seed[s] for s in seeds],
+                seeds=seeds,
+                values=values,
+                mean=statistics.fmean(finite) if finite else None,
+                std=statistics.stdev(finite) if len(finite) > 1 else None,
+                best=min(finite) if finite else None,
+                train_loss=None,
+                train_losses=[],
+                tokens=[],
+                status=[],
+            )
+        )
     pairs = paired_rows(rows, baseline, metric)
     base_row = select_baseline(rows, baseline)
     lines += [f"Baseline: **{base_row.label}** at multiplier {best[base_row.label]:g}.", ""]
     header = ["arm", "chosen multiplier", "mean", "std", "per seed"]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for r in rows:
-        lines.append(f"| {r.label} | {best[r.label]:g} | {_f(r.mean, digits)} | {_f(r.std, digits)} | "
-                     + ", ".join(f"{s}: {_f(v, digits)}" for s, v in zip(r.seeds, r.values)) + " |")
+        lines.append(
+            f"| {r.label} | {best[r.label]:g} | {_f(r.mean, digits)} | {_f(r.std, digits)} | "
+            + ", ".join(f"{s}: {_f(v, digits)}" for s, v in zip(r.seeds, r.values))
+            + " |"
+        )
     lines += ["", paired_table(pairs, digits), ""]
     if out is not None:
         out = Path(out)
@@ -518,10 +597,23 @@ def sweep_report(arms: Sequence[SweepArm], baseline: str, metric: str = "val/los
             lines += [f"![{p.stem}]({p.name})", ""]
         text = "\n".join(lines)
         out.write_text(text + "\n")
-        (out.parent / (out.stem + ".json")).write_text(json.dumps(
-            {"metric": metric, "baseline": base_row.label, "chosen": best,
-             "grid": {a: {f"{m:g}": (None if not math.isfinite(v) else v) for m, v in g.items()} for a, g in grid.items()},
-             "paired": [{k: v for k, v in p.as_dict().items()} for p in pairs], "command": command},
-            indent=2, default=str) + "\n")
+        (out.parent / (out.stem + ".json")).write_text(
+            json.dumps(
+                {
+                    "metric": metric,
+                    "baseline": base_row.label,
+                    "chosen": best,
+                    "grid": {
+                        a: {f"{m:g}": (None if not math.isfinite(v) else v) for m, v in g.items()}
+                        for a, g in grid.items()
+                    },
+                    "paired": [{k: v for k, v in p.as_dict().items()} for p in pairs],
+                    "command": command,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
         return text
     return "\n".join(lines)

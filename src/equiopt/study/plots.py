@@ -34,9 +34,10 @@ import argparse
 import json
 import math
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -156,7 +157,7 @@ class Run:
         return None
 
     def roles(self, prefix: str = "weight_rms/") -> list[str]:
-        found = {k[len(prefix):] for r in self.train for k in r if k.startswith(prefix)}
+        found = {k[len(prefix) :] for r in self.train for k in r if k.startswith(prefix)}
         return [r for r in ROLES if r in found] + sorted(found - set(ROLES))
 
 
@@ -190,8 +191,9 @@ def read_run(path: str | Path) -> Run:
             loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
             config = loaded if isinstance(loaded, dict) else {}
         except json.JSONDecodeError as err:
-            warnings.warn(f"{cfg_path}: not valid JSON ({err}); reading the run without its config",
-                          RunLogWarning, stacklevel=2)
+            warnings.warn(
+                f"{cfg_path}: not valid JSON ({err}); reading the run without its config", RunLogWarning, stacklevel=2
+            )
 
     by_key: dict[tuple[str, int], dict] = {}
     end: dict | None = None
@@ -232,9 +234,15 @@ def read_run(path: str | Path) -> Run:
         records["end"] = [end]
     run_cfg = config.get("run") if isinstance(config.get("run"), dict) else {}
     name = str(run_cfg.get("name") or path.resolve().name)
-    return Run(path=path, name=name, config=config, records=records,
-               status=str(end.get("status", "done")) if end else "incomplete",
-               message=str(end.get("message", "")) if end else "", skipped_lines=skipped)
+    return Run(
+        path=path,
+        name=name,
+        config=config,
+        records=records,
+        status=str(end.get("status", "done")) if end else "incomplete",
+        message=str(end.get("message", "")) if end else "",
+        skipped_lines=skipped,
+    )
 
 
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
@@ -252,7 +260,7 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def as_runs(items, what: str = "read") -> list["Run"]:
+def as_runs(items, what: str = "read") -> list[Run]:
     """:class:`Run` objects from a mix of runs and run directories (or folders of runs)."""
     items = list(items)
     runs = [r for r in items if isinstance(r, Run)]
@@ -291,8 +299,9 @@ def _mpl():
         from matplotlib.lines import Line2D
         from matplotlib.ticker import FuncFormatter
     except ImportError as err:
-        raise ImportError("plotting needs matplotlib, which is not installed: "
-                          "pip install 'equiopt[plot]' (or pip install matplotlib)") from err
+        raise ImportError(
+            "plotting needs matplotlib, which is not installed: pip install 'equiopt[plot]' (or pip install matplotlib)"
+        ) from err
     return Figure, Line2D, FuncFormatter
 
 
@@ -383,8 +392,9 @@ def _zoom(ax, curves: list[np.ndarray], xs: list[np.ndarray], log_x: bool) -> No
         ax.set_ylim(lo - pad, hi + pad)
 
 
-def plot_loss(runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool = False,
-              smooth: float = 0.0) -> Path | None:
+def plot_loss(
+    runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool = False, smooth: float = 0.0
+) -> Path | None:
     """Training loss, validation loss and (when logged) out-of-domain validation loss."""
     has_val = any(r.has("val/loss", "val") for r in runs)
     has_ood = any(r.has("ood/loss", "val") for r in runs)
@@ -414,8 +424,11 @@ def plot_loss(runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool = 
             curves.append(ys)
             xs_all.append(xs)
         _zoom(ax, curves, xs_all, log_x)
-        title = {"train": "Training loss" + (f" (EMA {smooth:g})" if smooth > 0 else ""),
-                 "val": "Validation loss", "ood": "Out-of-domain validation loss"}[panel]
+        title = {
+            "train": "Training loss" + (f" (EMA {smooth:g})" if smooth > 0 else ""),
+            "val": "Validation loss",
+            "ood": "Out-of-domain validation loss",
+        }[panel]
         ylabel = "loss (nats/token)" if panel == "train" else "cross-entropy (nats/token)"
         st.axes(ax, title, ylabel)
         if panel != "train":
@@ -436,8 +449,17 @@ def _ema(ys: np.ndarray, beta: float) -> np.ndarray:
     return out
 
 
-def _diagnostic_figure(runs: Sequence[Run], path: Path, panels, title: str, nrows: int, ncols: int,
-                       x: str, log_x: bool, reference: dict[str, float] | None = None) -> Path | None:
+def _diagnostic_figure(
+    runs: Sequence[Run],
+    path: Path,
+    panels,
+    title: str,
+    nrows: int,
+    ncols: int,
+    x: str,
+    log_x: bool,
+    reference: dict[str, float] | None = None,
+) -> Path | None:
     keys = [k for k, _, _ in panels]
     if not any(r.has(k) for r in runs for k in keys):
         return None
@@ -459,8 +481,10 @@ def _diagnostic_figure(runs: Sequence[Run], path: Path, panels, title: str, nrow
         st.axes(ax, panel_title, ylabel)
     extra = []
     if any_train:
-        extra = [st.Line2D([], [], color="0.3", marker="o", markersize=3.5, lw=1.5, label="validation batch"),
-                 st.Line2D([], [], color="0.3", ls="--", lw=1.0, label="training batch")]
+        extra = [
+            st.Line2D([], [], color="0.3", marker="o", markersize=3.5, lw=1.5, label="validation batch"),
+            st.Line2D([], [], color="0.3", ls="--", lw=1.0, label="training batch"),
+        ]
     st.run_legend(fig, runs, extra)
     fig.savefig(path, dpi=150)
     return path
@@ -473,8 +497,17 @@ def plot_logits(runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool 
 
 def plot_router(runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool = False) -> Path | None:
     """MoE router diagnostics (layer averages). ``None`` if no run logged router metrics."""
-    return _diagnostic_figure(runs, path, ROUTER_PANELS, "MoE router diagnostics (mean over MoE layers)", 2, 3,
-                              x, log_x, reference={"router/lb": 1.0})
+    return _diagnostic_figure(
+        runs,
+        path,
+        ROUTER_PANELS,
+        "MoE router diagnostics (mean over MoE layers)",
+        2,
+        3,
+        x,
+        log_x,
+        reference={"router/lb": 1.0},
+    )
 
 
 _ROLE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ("-", "v"), ("--", "P"), (":", "X"), ("-.", "*")]
@@ -493,17 +526,29 @@ def plot_weights(runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool
     st = _Style(runs, x, log_x)
     style = {role: _ROLE_STYLES[i % len(_ROLE_STYLES)] for i, role in enumerate(roles)}
     fig, axes = st.figure(1, 2, "Per-role weight and update RMS")
-    for ax, (prefix, title, ylabel) in zip(axes, (
+    for ax, (prefix, title, ylabel) in zip(
+        axes,
+        (
             ("weight_rms/", "Weight RMS", "RMS of weights"),
-            ("update_rms/", "Update RMS (one optimizer step)", "RMS of $W_{t+1} - W_t$"))):
+            ("update_rms/", "Update RMS (one optimizer step)", "RMS of $W_{t+1} - W_t$"),
+        ),
+    ):
         for run in runs:
             for role in roles:
                 xs, ys = st.xy(run, prefix + role, "train", positive=True)
                 if not xs.size:
                     continue
                 ls, marker = style[role]
-                ax.plot(xs, ys, color=st.color[id(run)], ls=ls, marker=marker, markersize=3,
-                        markevery=max(1, xs.size // 12), lw=1.2)
+                ax.plot(
+                    xs,
+                    ys,
+                    color=st.color[id(run)],
+                    ls=ls,
+                    marker=marker,
+                    markersize=3,
+                    markevery=max(1, xs.size // 12),
+                    lw=1.2,
+                )
         st.axes(ax, title, ylabel, log_y=True)
     extra = [st.Line2D([], [], color="0.3", ls=style[r][0], marker=style[r][1], markersize=4, label=r) for r in roles]
     st.run_legend(fig, runs, extra)
@@ -511,8 +556,15 @@ def plot_weights(runs: Sequence[Run], path: Path, x: str = "tokens", log_x: bool
     return path
 
 
-def plot_runs(run_dirs: Iterable[str | Path | Run], out_dir: str | Path, prefix: str = "", *,
-              x: str = "tokens", log_x: bool = False, smooth: float = 0.0) -> list[Path]:
+def plot_runs(
+    run_dirs: Iterable[str | Path | Run],
+    out_dir: str | Path,
+    prefix: str = "",
+    *,
+    x: str = "tokens",
+    log_x: bool = False,
+    smooth: float = 0.0,
+) -> list[Path]:
     """Write the figures for ``run_dirs`` (run directories, parents of run directories, or
     :class:`Run` objects) into ``out_dir`` as ``{prefix}loss.png``, ``{prefix}logits.png``,
     ``{prefix}router.png`` and ``{prefix}weights.png``; a figure whose metrics no run
@@ -540,20 +592,27 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
     """``equiopt plot RUN... [--out DIR]``: write the figures and print their paths."""
     parser = argparse.ArgumentParser(
         prog="equiopt plot",
-        description="Plot loss curves and diagnostics of run directories (or directories of runs) as PNG files.")
+        description="Plot loss curves and diagnostics of run directories (or directories of runs) as PNG files.",
+    )
     parser.add_argument("runs", nargs="+", help="run directories (holding log.jsonl), or directories of them")
     parser.add_argument("--out", default=None, help="output directory (default: the first run's plots/)")
     parser.add_argument("--prefix", default="", help="prefix of the file names, e.g. 'gemma3-'")
     parser.add_argument("--log-x", action="store_true", help="logarithmic token axis")
     parser.add_argument("--steps", action="store_true", help="optimizer steps on the x axis instead of tokens")
-    parser.add_argument("--smooth", type=float, default=0.0, metavar="BETA",
-                        help="EMA coefficient for the training loss, in [0, 1) (default 0: raw)")
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        default=0.0,
+        metavar="BETA",
+        help="EMA coefficient for the training loss, in [0, 1) (default 0: raw)",
+    )
     args = parser.parse_args(argv)
     try:
         dirs = find_run_dirs(args.runs)
         out = Path(args.out) if args.out else dirs[0] / "plots"
-        paths = plot_runs(dirs, out, args.prefix, x="step" if args.steps else "tokens", log_x=args.log_x,
-                          smooth=args.smooth)
+        paths = plot_runs(
+            dirs, out, args.prefix, x="step" if args.steps else "tokens", log_x=args.log_x, smooth=args.smooth
+        )
     except (ImportError, FileNotFoundError, ValueError) as err:
         raise SystemExit(f"equiopt plot: {err}") from None
     for p in paths:

@@ -46,9 +46,10 @@ import pickle
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -60,9 +61,20 @@ MANIFEST_FORMAT = 1
 _PREFIX = "step_"
 _CHUNK = 1 << 22
 
-__all__ = ["CheckpointError", "CheckpointWarning", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "list_checkpoints", "check_checkpoint", "read_checkpoint", "atomic_write_bytes", "POINTER", "META",
-           "MANIFEST"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "check_checkpoint",
+    "read_checkpoint",
+    "atomic_write_bytes",
+    "POINTER",
+    "META",
+    "MANIFEST",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -164,10 +176,18 @@ def _all_gather_object(value: Any) -> list[Any]:
 
 
 # ------------------------------------------------------------- safe DCP reading
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-            ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-            ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("builtins", "set"),
-            ("builtins", "frozenset")}
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -178,12 +198,16 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = getattr(importlib.import_module(module), name, None)
             if isinstance(obj, type):
                 return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        elif module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         elif (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}; refusing to unpickle it "
-                              f"(equiopt checkpoints hold only tensors and plain data)")
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}; refusing to unpickle it "
+            f"(equiopt checkpoints hold only tensors and plain data)"
+        )
 
 
 def _read_metadata(path: Path, name: str = ".metadata"):
@@ -216,8 +240,10 @@ def _load_planner():
 
     class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
-            raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
-                                  f"equiopt checkpoints hold only tensors and refuse to unpickle it")
+            raise CheckpointError(
+                f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
+                f"equiopt checkpoints hold only tensors and refuse to unpickle it"
+            )
 
     return TensorOnlyLoadPlanner()
 
@@ -228,8 +254,10 @@ def _check_tensors(tree: Mapping[str, Any], where: str = "") -> None:
         if isinstance(value, Mapping):
             _check_tensors(value, here)
         elif not torch.is_tensor(value):
-            raise CheckpointError(f"checkpoint entry {here!r} is a {type(value).__name__}, not a tensor; "
-                                  f"put plain data into the JSON extras instead")
+            raise CheckpointError(
+                f"checkpoint entry {here!r} is a {type(value).__name__}, not a tensor; "
+                f"put plain data into the JSON extras instead"
+            )
 
 
 @contextmanager
@@ -311,8 +339,10 @@ def _files_digest(files: Mapping[str, Any]) -> str:
 
 def _write_manifest(path: Path, files: Mapping[str, Any]) -> None:
     files = {name: dict(files[name]) for name in sorted(files)}
-    _write_json(path / MANIFEST, {"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": files,
-                                  "digest": _files_digest(files)})
+    _write_json(
+        path / MANIFEST,
+        {"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": files, "digest": _files_digest(files)},
+    )
 
 
 def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
@@ -333,16 +363,23 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
     try:
         manifest = json.loads(raw)
         files = manifest["files"]
-        ok = isinstance(files, dict) and manifest.get("digest") == _files_digest(files) and all(
-            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-            for v in files.values())
+        ok = (
+            isinstance(files, dict)
+            and manifest.get("digest") == _files_digest(files)
+            and all(
+                isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+                for v in files.values()
+            )
+        )
     except (ValueError, KeyError, TypeError):
         ok = False
     if not ok:
         return None, [f"{MANIFEST} is damaged (its own checksum does not match)"]
     if int(manifest.get("format", 0)) > MANIFEST_FORMAT or manifest.get("algorithm") != "sha256":
-        return None, [f"{MANIFEST} has format {manifest.get('format')!r} ({manifest.get('algorithm')!r}), "
-                      f"newer than this equiopt reads"]
+        return None, [
+            f"{MANIFEST} has format {manifest.get('format')!r} ({manifest.get('algorithm')!r}), "
+            f"newer than this equiopt reads"
+        ]
     return files, []
 
 
@@ -439,7 +476,7 @@ def _step_of(path: Path) -> int | None:
     if not name.startswith(_PREFIX):
         return None
     try:
-        return int(name[len(_PREFIX):])
+        return int(name[len(_PREFIX) :])
     except ValueError:
         return None
 
@@ -464,8 +501,11 @@ def _step_dirs(directory: Path) -> list[Path]:
     """Every (visible) checkpoint directory, complete or not: the one ``latest`` names first, then newest first."""
     if not directory.is_dir():
         return []
-    found = sorted((p for p in directory.iterdir() if p.is_dir() and _step_of(p) is not None),
-                   key=lambda p: _step_of(p), reverse=True)
+    found = sorted(
+        (p for p in directory.iterdir() if p.is_dir() and _step_of(p) is not None),
+        key=lambda p: _step_of(p),
+        reverse=True,
+    )
     named = _pointed(directory)
     if named is not None and (directory / named) in found:
         found.remove(directory / named)
@@ -504,8 +544,11 @@ def _damage(path: Path, problems: list[str]) -> str:
 
 def _damaged_message(path: Path, problems: list[str]) -> str:
     intact = _intact_names(path.parent, skip=path)
-    where = f"intact checkpoints in {path.parent}: {', '.join(intact)}" if intact else \
-        f"there is no intact checkpoint in {path.parent}"
+    where = (
+        f"intact checkpoints in {path.parent}: {', '.join(intact)}"
+        if intact
+        else f"there is no intact checkpoint in {path.parent}"
+    )
     return f"{_damage(path, problems)}. It cannot be resumed; {where}"
 
 
@@ -579,8 +622,7 @@ def save_checkpoint(
     # each rank hashes what it wrote; rank 0 gathers the hashes (this is also the barrier)
     gathered = _gather_object({name: _hash_file(partial / name) for name in mine})
     if rank == 0:
-        meta = {"format": FORMAT, "step": int(step), "world_size": world, "manifest": MANIFEST,
-                **(dict(extras or {}))}
+        meta = {"format": FORMAT, "step": int(step), "world_size": world, "manifest": MANIFEST, **(dict(extras or {}))}
         _write_json(partial / META, meta)
         files: dict[str, Any] = {}
         for entries in gathered or ():
@@ -603,8 +645,10 @@ def save_checkpoint(
         if keep > 0:
             # older steps only: those of a later step belong to a timeline this run went back
             # from (a resume from an earlier checkpoint) and are replaced when it gets there
-            done = sorted((p for p in directory.iterdir() if p.is_dir() and _step_of(p) is not None
-                           and _step_of(p) < step), key=_step_of)
+            done = sorted(
+                (p for p in directory.iterdir() if p.is_dir() and _step_of(p) is not None and _step_of(p) < step),
+                key=_step_of,
+            )
             for stale in done[: max(len(done) - (keep - 1), 0)]:
                 _remove(stale)
     _barrier()
@@ -660,9 +704,11 @@ def load_checkpoint(
                 names = "legacy"
         names = _broadcast_object(names)
         if names == "legacy":
-            raise CheckpointError(f"{directory} holds only single-file checkpoints (step_*.pt) of an earlier "
-                                  f"equiopt, which this version does not resume; start a new run or resume with "
-                                  f"that version")
+            raise CheckpointError(
+                f"{directory} holds only single-file checkpoints (step_*.pt) of an earlier "
+                f"equiopt, which this version does not resume; start a new run or resume with "
+                f"that version"
+            )
         path, damaged = None, []
         for name in names:
             problems = _problems_everywhere(directory / name)
@@ -672,12 +718,18 @@ def load_checkpoint(
             damaged.append(_damage(directory / name, problems))
         if path is None:
             if damaged:
-                raise CheckpointError(f"no intact checkpoint in {directory}: " + " | ".join(damaged)
-                                      + ". Remove the damaged checkpoints (or the directory) to start over")
+                raise CheckpointError(
+                    f"no intact checkpoint in {directory}: "
+                    + " | ".join(damaged)
+                    + ". Remove the damaged checkpoints (or the directory) to start over"
+                )
             return None
         if damaged and rank == 0:
-            warnings.warn(" | ".join(damaged) + f". Resuming from {path}, the newest intact checkpoint",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                " | ".join(damaged) + f". Resuming from {path}, the newest intact checkpoint",
+                CheckpointWarning,
+                stacklevel=2,
+            )
     _check_tensors(tensors)
     try:
         with _quiet_single_process():
@@ -737,8 +789,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             dcp.load(flat, storage_reader=_reader(path), planner=_load_planner(), no_dist=True)
     except CheckpointException as err:
         inner = _inner_error(err)
-        raise CheckpointError(f"{path}: {inner}" if inner is not None else
-                              f"{path}: loading failed ({_dcp_failure(err)})") from None
+        raise CheckpointError(
+            f"{path}: {inner}" if inner is not None else f"{path}: loading failed ({_dcp_failure(err)})"
+        ) from None
     tree: dict[str, Any] = json.loads((path / META).read_text())
     mapping = getattr(metadata, "planner_data", None) or {}
     for key, value in flat.items():
@@ -764,8 +817,11 @@ def rng_state(device: torch.device | str = "cpu") -> dict[str, Any]:
 
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": encode(torch.get_rng_state()), "python": [version, list(internal), gauss],
-             "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+    state = {
+        "torch": encode(torch.get_rng_state()),
+        "python": [version, list(internal), gauss],
+        "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
     device = torch.device(device)
     if device.type == "cuda":
         state["cuda"] = encode(torch.cuda.get_rng_state(device))
@@ -837,13 +893,17 @@ def param_groups_to_json(groups: list[Mapping[str, Any]]) -> list[dict[str, Any]
 def param_groups_from_json(saved: list[Mapping[str, Any]], template: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``template`` (the groups of the optimizer being loaded into) with the saved values put back."""
     if len(saved) != len(template):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
-                              f"{len(template)}; resume with the recipe and model the run was started with")
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
+            f"{len(template)}; resume with the recipe and model the run was started with"
+        )
     out = []
     for i, (old, new) in enumerate(zip(saved, template)):
         if "params" in old and list(old["params"]) != list(new["params"]):
-            raise CheckpointError(f"parameter group {i} ({new.get('role', '?')}) holds other parameters than in the "
-                                  f"checkpoint; resume with the recipe and model the run was started with")
+            raise CheckpointError(
+                f"parameter group {i} ({new.get('role', '?')}) holds other parameters than in the "
+                f"checkpoint; resume with the recipe and model the run was started with"
+            )
         merged = dict(new)
         for key, value in old.items():
             if key != "params":

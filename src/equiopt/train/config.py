@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -191,21 +192,41 @@ def _check(cfg: Config, source: str) -> None:
         if not ok:
             raise _fail(f"{source} {where}", message)
 
-    need(cfg.run.device in ("auto", "cpu", "cuda") or cfg.run.device.startswith("cuda:"), "[run].device",
-         f"expected 'auto', 'cpu' or 'cuda[:N]', got {cfg.run.device!r}")
-    need(cfg.run.autocast in ("auto", "bf16", "off"), "[run].autocast", f"expected 'auto', 'bf16' or 'off', got {cfg.run.autocast!r}")
+    need(
+        cfg.run.device in ("auto", "cpu", "cuda") or cfg.run.device.startswith("cuda:"),
+        "[run].device",
+        f"expected 'auto', 'cpu' or 'cuda[:N]', got {cfg.run.device!r}",
+    )
+    need(
+        cfg.run.autocast in ("auto", "bf16", "off"),
+        "[run].autocast",
+        f"expected 'auto', 'bf16' or 'off', got {cfg.run.autocast!r}",
+    )
     from .parallel import STRATEGIES
 
-    need(cfg.run.strategy in STRATEGIES, "[run].strategy",
-         f"expected {' or '.join(map(repr, STRATEGIES))}, got {cfg.run.strategy!r}")
-    need(bool(cfg.model.family) != (cfg.model.hf_config is not None), "[model]",
-         "give exactly one of 'family' (equiopt.models) or 'hf_config'")
+    need(
+        cfg.run.strategy in STRATEGIES,
+        "[run].strategy",
+        f"expected {' or '.join(map(repr, STRATEGIES))}, got {cfg.run.strategy!r}",
+    )
+    need(
+        bool(cfg.model.family) != (cfg.model.hf_config is not None),
+        "[model]",
+        "give exactly one of 'family' (equiopt.models) or 'hf_config'",
+    )
     if cfg.model.family:
         from .. import models
 
-        need(cfg.model.family in models.FAMILIES, "[model].family",
-             f"unknown family {cfg.model.family!r}; valid: {', '.join(models.FAMILIES)}")
-        need(cfg.model.size in models.SIZES, "[model].size", f"unknown size {cfg.model.size!r}; valid: {', '.join(models.SIZES)}")
+        need(
+            cfg.model.family in models.FAMILIES,
+            "[model].family",
+            f"unknown family {cfg.model.family!r}; valid: {', '.join(models.FAMILIES)}",
+        )
+        need(
+            cfg.model.size in models.SIZES,
+            "[model].size",
+            f"unknown size {cfg.model.size!r}; valid: {', '.join(models.SIZES)}",
+        )
     hf_config = cfg.model.hf_config
     if isinstance(hf_config, str) and hf_config.endswith(".json") and Path(hf_config).is_file():
         import json
@@ -219,14 +240,20 @@ def _check(cfg: Config, source: str) -> None:
         need(isinstance(kind, str) and bool(kind), "[model].hf_config", "a config table needs its 'model_type'")
         from transformers import CONFIG_MAPPING
 
-        need(kind in CONFIG_MAPPING, "[model].hf_config.model_type",
-             f"{kind!r} is not a model type this transformers knows; close: "
-             f"{', '.join(difflib.get_close_matches(kind, list(CONFIG_MAPPING), n=5)) or 'none'}")
+        need(
+            kind in CONFIG_MAPPING,
+            "[model].hf_config.model_type",
+            f"{kind!r} is not a model type this transformers knows; close: "
+            f"{', '.join(difflib.get_close_matches(kind, list(CONFIG_MAPPING), n=5)) or 'none'}",
+        )
     need(bool(cfg.data.train), "[data].train", "required: a directory prepared by 'equiopt data prepare'")
     for name in ("seq_len", "batch_size", "grad_accum"):
         need(getattr(cfg.data, name) >= 1, f"[data].{name}", f"must be >= 1, got {getattr(cfg.data, name)}")
-    need(cfg.data.batch_size % cfg.data.grad_accum == 0, "[data].batch_size",
-         f"must be divisible by grad_accum ({cfg.data.grad_accum}), got {cfg.data.batch_size}")
+    need(
+        cfg.data.batch_size % cfg.data.grad_accum == 0,
+        "[data].batch_size",
+        f"must be divisible by grad_accum ({cfg.data.grad_accum}), got {cfg.data.batch_size}",
+    )
     need(cfg.train.steps >= 1, "[train].steps", f"must be >= 1, got {cfg.train.steps}")
     for name in ("log_every", "val_every", "val_batches", "checkpoint_every", "keep_checkpoints", "logit_positions"):
         need(getattr(cfg.train, name) >= 0, f"[train].{name}", f"must be >= 0, got {getattr(cfg.train, name)}")
@@ -251,8 +278,10 @@ def check_data(cfg: Config) -> None:
         if not value:
             continue
         path = Path(value)
-        make = (f"make it with: equiopt data prepare --corpus CORPUS --tokenizer TOKENIZER --out {value} "
-                "(configs/README.md lists the data each config reads)")
+        make = (
+            f"make it with: equiopt data prepare --corpus CORPUS --tokenizer TOKENIZER --out {value} "
+            "(configs/README.md lists the data each config reads)"
+        )
         if not path.exists():
             raise ConfigError(f"[data].{name}: {value} does not exist; {make}")
         if path.is_dir() and not (path / "manifest.json").exists():
@@ -291,7 +320,7 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
         for i, name in enumerate(tables):
             target = target.setdefault(name, {})
             if not isinstance(target, dict):
-                raise ConfigError(f"override {dotted!r}: {'.'.join(tables[:i + 1])} is not a table")
+                raise ConfigError(f"override {dotted!r}: {'.'.join(tables[: i + 1])} is not a table")
         target[key] = value
     base = path.parent
     cfg = from_dict(data, str(path))

@@ -34,17 +34,36 @@ from .. import diagnostics as diag
 from ..data.loader import TokenLoader, ValidationBatches
 from ..roles import build_optimizer
 from .checkpoint import (
-    CheckpointError, CheckpointWarning, latest_checkpoint, load_checkpoint, param_groups_from_json,
-    param_groups_to_json, rng_state, save_checkpoint, set_rng_state,
+    CheckpointError,
+    CheckpointWarning,
+    latest_checkpoint,
+    load_checkpoint,
+    param_groups_from_json,
+    param_groups_to_json,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
 )
 from .config import Config, ConfigError, check_data
 from .parallel import gradient_sync, wrap_model
 from .runlog import RunLogger
 
-LOGIT_KEYS = {"raw_rms": "logits/rms", "centered_rms": "logits/centred_rms", "max_lse": "logits/max_lse",
-              "mean_lse": "logits/mean_lse", "max_abs": "logits/max_abs"}
-ROUTER_KEYS = {"lb_loss": "router/lb", "z_loss": "router/z", "load_entropy": "router/entropy", "load_cv": "router/cv",
-               "dead_fraction": "router/dead", "max_load": "router/max_load", "logit_rms": "router/logit_rms"}
+LOGIT_KEYS = {
+    "raw_rms": "logits/rms",
+    "centered_rms": "logits/centred_rms",
+    "max_lse": "logits/max_lse",
+    "mean_lse": "logits/mean_lse",
+    "max_abs": "logits/max_abs",
+}
+ROUTER_KEYS = {
+    "lb_loss": "router/lb",
+    "z_loss": "router/z",
+    "load_entropy": "router/entropy",
+    "load_cv": "router/cv",
+    "dead_fraction": "router/dead",
+    "max_load": "router/max_load",
+    "logit_rms": "router/logit_rms",
+}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -133,8 +152,9 @@ class Trainer:
             run that has some is intact.
     """
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True,
-                 resume_from: str | os.PathLike | None = None):
+    def __init__(
+        self, cfg: Config, resume: bool = False, progress: bool = True, resume_from: str | os.PathLike | None = None
+    ):
         self.cfg = cfg
         check_data(cfg)
         self.dist = setup_distributed(cfg.run.device)
@@ -147,8 +167,12 @@ class Trainer:
         self.forward_model: nn.Module = wrap_model(self.model, cfg.run.strategy, self.device, self.dist.world_size)
         # Under DDP the replicas divide the matrix maps among themselves (the weights stay identical).
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, cfg.optim.recipe, total_steps=cfg.train.steps, overrides=cfg.optim.overrides or None,
-            eager_state=True, divide_work=cfg.run.strategy == "ddp" and self.dist.world_size > 1,
+            self.model,
+            cfg.optim.recipe,
+            total_steps=cfg.train.steps,
+            overrides=cfg.optim.overrides or None,
+            eager_state=True,
+            divide_work=cfg.run.strategy == "ddp" and self.dist.world_size > 1,
         )
         table = self.optimizer.role_table
         self.tracker = diag.WeightTracker.from_assignments(self.model, table)
@@ -160,10 +184,16 @@ class Trainer:
         micro = d.batch_size // d.grad_accum
         kw = dict(rank=self.dist.rank, world_size=self.dist.world_size, device=self.device)
         self.loader = TokenLoader(d.train, micro, d.seq_len, split="train", seed=cfg.run.seed, **kw)
-        self.val = ValidationBatches(d.val or d.train, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw) \
-            if cfg.train.val_batches else None
-        self.ood = ValidationBatches(d.ood_val, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw) \
-            if d.ood_val and cfg.train.val_batches else None
+        self.val = (
+            ValidationBatches(d.val or d.train, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw)
+            if cfg.train.val_batches
+            else None
+        )
+        self.ood = (
+            ValidationBatches(d.ood_val, micro, d.seq_len, split="val", num_batches=cfg.train.val_batches, **kw)
+            if d.ood_val and cfg.train.val_batches
+            else None
+        )
         self._check_vocab()
         self.out = cfg.out_path
         self.ckpt_dir = self.out / "checkpoints"
@@ -177,19 +207,40 @@ class Trainer:
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-        self.log = RunLogger(self.out, enabled=self.dist.main, tensorboard=cfg.train.tensorboard, progress=progress,
-                             total_steps=cfg.train.steps)
+        self.log = RunLogger(
+            self.out,
+            enabled=self.dist.main,
+            tensorboard=cfg.train.tensorboard,
+            progress=progress,
+            total_steps=cfg.train.steps,
+        )
         if restored is None:
             from ..models import count_parameters
 
-            self.log.log("meta", 0, 0, params=count_parameters(self.model), device=str(self.device),
-                         recipe=str(cfg.optim.recipe), world_size=self.dist.world_size, strategy=self.strategy,
-                         roles={r.name: r.role for r in table})
+            self.log.log(
+                "meta",
+                0,
+                0,
+                params=count_parameters(self.model),
+                device=str(self.device),
+                recipe=str(cfg.optim.recipe),
+                world_size=self.dist.world_size,
+                strategy=self.strategy,
+                roles={r.name: r.role for r in table},
+            )
         else:
             skipped = {"skipped_damaged": self._skipped} if self._skipped else {}
-            self.log.log("meta", self.step, self.tokens, resumed_from=str(restored), world_size=self.dist.world_size,
-                         strategy=self.strategy, saved_world_size=self._saved_layout[0],
-                         saved_strategy=self._saved_layout[1], **skipped)
+            self.log.log(
+                "meta",
+                self.step,
+                self.tokens,
+                resumed_from=str(restored),
+                world_size=self.dist.world_size,
+                strategy=self.strategy,
+                saved_world_size=self._saved_layout[0],
+                saved_strategy=self._saved_layout[1],
+                **skipped,
+            )
 
     @property
     def strategy(self) -> str:
@@ -239,13 +290,22 @@ class Trainer:
         """
         tensors, groups = self._tensor_state()
         extras = {
-            "step": self.step, "tokens": self.tokens, "strategy": self.strategy,
+            "step": self.step,
+            "tokens": self.tokens,
+            "strategy": self.strategy,
             "optimizer": {"param_groups": param_groups_to_json(groups)},
-            "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
             "config": json.loads(json.dumps(self.cfg.to_dict(), default=str)),
         }
-        return save_checkpoint(self.ckpt_dir, self.step, tensors, extras, {"rng": rng_state(self.device)},
-                               keep=self.cfg.train.keep_checkpoints)
+        return save_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            tensors,
+            extras,
+            {"rng": rng_state(self.device)},
+            keep=self.cfg.train.keep_checkpoints,
+        )
 
     def _restore(self, source: Path, exact: bool = False) -> Path | None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -254,9 +314,14 @@ class Trainer:
 
         if exact and not _is_checkpoint(source):
             held = sorted(p.name for p in source.glob("step_*")) if source.is_dir() else []
-            raise CheckpointError(f"resume from {source}: not a checkpoint directory"
-                                  + (f" (it holds {', '.join(held)}: name one of them, or resume the run with "
-                                     f"--resume)" if held else (" (it does not exist)" if not source.exists() else "")))
+            raise CheckpointError(
+                f"resume from {source}: not a checkpoint directory"
+                + (
+                    f" (it holds {', '.join(held)}: name one of them, or resume the run with --resume)"
+                    if held
+                    else (" (it does not exist)" if not source.exists() else "")
+                )
+            )
         tensors, groups = self._tensor_state()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
@@ -269,8 +334,12 @@ class Trainer:
             return None
         path, extras, mine = found
         groups = param_groups_from_json(extras["optimizer"]["param_groups"], groups)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": groups})
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=tensors["model"],
+            optim_state_dict={"state": tensors["optimizer"]["state"], "param_groups": groups},
+        )
         self.scheduler.load_state_dict(extras["scheduler"])
         self.loader.load_state_dict(extras["loader"])
         self.step, self.tokens = int(extras["step"]), int(extras["tokens"])
@@ -358,9 +427,15 @@ class Trainer:
         self.tokens += self.tokens_per_step
         metrics: dict[str, float] = {"loss": loss_value, "ce": self._mean(ce_sum / accum)}
         if log_now:
-            metrics.update({"time/fwd_bwd": t1 - t0, "time/opt": t2 - t1, "time/step": t2 - t0,
-                            "tokens_per_s": self.tokens_per_step / (t2 - t0),
-                            "nonfinite_steps": self.optimizer.nonfinite_steps})
+            metrics.update(
+                {
+                    "time/fwd_bwd": t1 - t0,
+                    "time/opt": t2 - t1,
+                    "time/step": t2 - t0,
+                    "tokens_per_s": self.tokens_per_step / (t2 - t0),
+                    "nonfinite_steps": self.optimizer.nonfinite_steps,
+                }
+            )
             for group in self.optimizer.param_groups:
                 metrics[f"lr/{group['role']}"] = group["lr"]
             for role, stats in self.tracker.update_stats().items():
@@ -431,8 +506,11 @@ class Trainer:
                 metrics = self.train_step(log_now, val_now)
                 if log_now or val_now:
                     self.log.log("train", self.step, self.tokens, **metrics)
-                    self.log.progress(self.step, f"loss {metrics['loss']:.4f}"
-                                      + (f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics else ""))
+                    self.log.progress(
+                        self.step,
+                        f"loss {metrics['loss']:.4f}"
+                        + (f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics else ""),
+                    )
                 if val_now and (self.val is not None or self.ood is not None):
                     last_val = self.evaluate()
                     self.log.log("val", self.step, self.tokens, **last_val)
@@ -459,8 +537,9 @@ class Trainer:
         return {"status": status, "step": self.step, "tokens": self.tokens, **last_val, "out_dir": str(self.out)}
 
 
-def train(cfg: Config, resume: bool = False, progress: bool = True,
-          resume_from: str | os.PathLike | None = None) -> dict[str, Any]:
+def train(
+    cfg: Config, resume: bool = False, progress: bool = True, resume_from: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """Train one run from a validated :class:`Config`; returns its final validation metrics.
 
     ``resume`` and ``resume_from`` as for :class:`Trainer`.

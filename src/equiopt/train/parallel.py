@@ -13,8 +13,8 @@ after wrapping, from the model itself (its parameter names and roles are unchang
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -32,8 +32,10 @@ def fsdp2_api():
         try:
             from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         except ImportError as err:  # pragma: no cover - depends on the torch build
-            raise RuntimeError(f"strategy 'fsdp2' needs torch.distributed.fsdp.fully_shard (torch >= 2.6), "
-                               f"which torch {torch.__version__} does not have") from err
+            raise RuntimeError(
+                f"strategy 'fsdp2' needs torch.distributed.fsdp.fully_shard (torch >= 2.6), "
+                f"which torch {torch.__version__} does not have"
+            ) from err
     return fully_shard, MixedPrecisionPolicy, FSDPModule
 
 
@@ -43,8 +45,11 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     blocks: list[nn.Module] = []
     if names:
         for module in model.modules():
-            if module is not model and type(module).__name__ in names and not any(
-                    module is b or _contains(b, module) for b in blocks):
+            if (
+                module is not model
+                and type(module).__name__ in names
+                and not any(module is b or _contains(b, module) for b in blocks)
+            ):
                 blocks.append(module)
     if blocks:
         return blocks
@@ -61,7 +66,9 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
-def apply_fsdp2(model: nn.Module, device: torch.device, world_size: int, mixed_precision: bool | None = None) -> nn.Module:
+def apply_fsdp2(
+    model: nn.Module, device: torch.device, world_size: int, mixed_precision: bool | None = None
+) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard`` (blocks, then the root) over a 1-D mesh of all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -20,8 +20,14 @@ class RunLogger:
     """Appends one JSON object per record to ``RUN/log.jsonl`` (flushed per line) and mirrors
     numeric fields to TensorBoard under ``RUN/tb`` when the ``tensorboard`` package is present."""
 
-    def __init__(self, out_dir: Path, enabled: bool = True, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        progress: bool = True,
+        total_steps: int | None = None,
+    ):
         self.enabled = enabled
         self.out_dir = Path(out_dir)
         self.start = time.perf_counter()
