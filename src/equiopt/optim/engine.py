@@ -135,6 +135,40 @@ class EquivariantOptimizer(Optimizer):
     no ``divide_work``). The step has no host reads, so
     ``torch.compile(optimizer.step)`` works as well; learning rates enter as device
     tensors, so a schedule does not recompile either way.
+
+    Args:
+        params: parameters or param groups (dicts with ``"params"`` and any setting below).
+        lr: learning rate of groups that give none.
+        rule: update rule: ``spectral``, ``right``, ``left``, ``row``, ``hybrid``, ``adamw``, ``sgd``.
+        layout: work-matrix layout (:mod:`equiopt.layouts` spec or object) of groups that give none.
+        center: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        order: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        beta: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        nesterov: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        alpha: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        eps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        weight_decay: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        method: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        steps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        eta: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        betas: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        adam_eps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        lr_scale: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        polar_dtype: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        nonfinite: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        scale: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        damping: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        lazy: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        state_dtype: dtype of momentum and Adam moments (default: float32, float64 for float64 parameters).
+        eager_state: create every state tensor at construction.
+        compile: ``torch.compile`` the step: ``True``, a backend name, ``False`` or ``None`` (automatic).
+        divide_work: process group over which plain parameters are replicated (DDP), or ``True``.
+        cost_model: how sharded and replicated maps choose their plan (name or ``CostModel``).
+        overlap: start owner exchanges and broadcasts asynchronously, in waves.
+
+    Raises:
+        ValueError: an unknown setting value, a parameter the rule cannot step, or placements that
+            cannot be supported, each naming the group, setting or parameter.
     """
 
     def __init__(
@@ -211,6 +245,14 @@ class EquivariantOptimizer(Optimizer):
 
     # ----------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict) -> None:
+        """Add a param group, filling its missing settings from the rule's defaults.
+
+        Args:
+            param_group: ``{"params": [...], <setting>: value, ...}``.
+
+        Raises:
+            ValueError: a bad setting or parameter, naming it; the optimizer is left as it was.
+        """
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
@@ -327,7 +369,11 @@ class EquivariantOptimizer(Optimizer):
         return names
 
     def state_dict(self) -> dict:
-        """torch's state dict, with layouts as spec strings so ``torch.load(weights_only=True)`` reads it."""
+        """torch's state dict, with layouts as spec strings so ``torch.load(weights_only=True)`` reads it.
+
+        Returns:
+            ``{"state", "param_groups"}`` as torch's, plus ``"nonfinite_updates"`` once counted.
+        """
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["layouts"] = [layout.spec for layout in group["layouts"]]
@@ -336,6 +382,12 @@ class EquivariantOptimizer(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict`, keeping the saved state dtypes (float32 moments of
+        bfloat16 parameters) so a round trip is exact.
+
+        Args:
+            state_dict: from :meth:`state_dict` (also of an earlier version of this optimizer).
+        """
         sd = dict(state_dict)
         sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
         skips = sd.pop("nonfinite_updates", None)
@@ -383,7 +435,7 @@ class EquivariantOptimizer(Optimizer):
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step. No tensor is read back to the host (``nonfinite="raise"``
         excepted), so the step neither stalls an accelerator nor breaks a compiled graph.
 
@@ -391,6 +443,12 @@ class EquivariantOptimizer(Optimizer):
         groups each step), so a schedule changes no compiled graph: under
         ``torch.compile(optimizer.step)`` and with ``compile=True`` the step compiles a
         bounded number of times, however many parameters and steps there are.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None``.
         """
         loss = None
         if closure is not None:
