@@ -29,7 +29,7 @@ from .costs import replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
 from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
-from .rules import MapKey, map_key, precentred, reducible, resolved, shape_factor, validate_group
+from .rules import MapKey, map_key, precentred, reducible, shape_factor, validate_group
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
 
 
@@ -607,7 +607,7 @@ class EquivariantOptimizer(Optimizer):
         """
         buf = local(state["momentum_buffer"])
         grad = sanitize(local(p.grad), buf.dtype)
-        direction = momentum_(buf, grad, okf, group["beta"], bool(resolved(group, "nesterov")))
+        direction = momentum_(buf, grad, okf, group["beta"], group["nesterov"])
         sharding = self._sharding(p)
         layout = group["layouts"][j]
         key = map_key(group)

@@ -82,7 +82,7 @@ def _number(value: Any) -> float:
     return float(value)
 
 
-def _interval(low: float, high: float, closed: bool, what: str) -> Callable[[Any, str], float]:
+def interval(low: float, high: float, closed: bool, what: str) -> Callable[[Any, str], float]:
     def check(value: Any, rule: str) -> float:
         v = _number(value)
         if not (low <= v <= high if closed else low <= v < high):
@@ -108,7 +108,7 @@ def _boolean(value: Any, rule: str) -> bool:
     return value
 
 
-def _integer_at_least(low: int) -> Callable[[Any, str], int]:
+def integer_at_least(low: int) -> Callable[[Any, str], int]:
     def check(value: Any, rule: str) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -196,7 +196,7 @@ FIELDS: dict[str, Field] = {
             "beta",
             _MOMENTUM_RULES,
             0.95,
-            _interval(0.0, 1.0, False, "in [0, 1)"),
+            interval(0.0, 1.0, False, "in [0, 1)"),
             "EMA momentum M = beta M + (1 - beta) G",
         ),
         Field(
@@ -217,7 +217,7 @@ FIELDS: dict[str, Field] = {
             "alpha",
             _GRAM_RULES,
             {**{r: 0.0 for r in _ALL}, "hybrid": 1.0},
-            _interval(0.0, 1.0, True, "in [0, 1]"),
+            interval(0.0, 1.0, True, "in [0, 1]"),
             "exponent of the nu^alpha update size",
         ),
         Field(
@@ -234,7 +234,7 @@ FIELDS: dict[str, Field] = {
             _choice("method", _methods),
             "polar-factor method (spectral) or Gram inverse-square-root method",
         ),
-        Field("steps", ("spectral",) + _GRAM_RULES, 5, _integer_at_least(1), "iterations of the method"),
+        Field("steps", ("spectral",) + _GRAM_RULES, 5, integer_at_least(1), "iterations of the method"),
         Field(
             "order",
             ("hybrid",),
@@ -318,12 +318,12 @@ def fill_defaults(group: dict) -> dict:
     return group
 
 
-def check_settings(settings: Mapping[str, Any], where: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
-    """Checked (normalised) values of ``fields`` (default: the rule's) of ``settings``, plus
-    the checks across fields. Errors read ``"{where}, field 'name': ..."``."""
+def check_settings(settings: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Checked (normalised) values of the rule's settings in ``settings``, plus the checks
+    across fields. Errors read ``"{where}, field 'name': ..."``."""
     rule = _checked("rule", settings.get("rule"), "", where)
     out: dict[str, Any] = {"rule": rule}
-    for name in RULE_FIELDS[rule] if fields is None else fields:
+    for name in RULE_FIELDS[rule]:
         if name != "rule" and name in settings:
             out[name] = _checked(name, settings[name], rule, where)
     if out.get("lazy"):

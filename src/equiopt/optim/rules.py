@@ -13,13 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import maps
-from .fields import LR_SCALES, RULE_FIELDS, check_settings, default, fill_defaults
-
-
-def resolved(group: dict, key: str):
-    """A group's value for ``key``, falling back to the rule's default (:mod:`.fields`) when it is None."""
-    value = group.get(key)
-    return default(key, group["rule"]) if value is None else value
+from .fields import LR_SCALES, RULE_FIELDS, check_settings, fill_defaults
 
 
 def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
@@ -43,7 +37,7 @@ def shape_factor(group: dict, rows: int, cols: int) -> float:
     ``lr_scale`` factor for the spectral rule, 1 for every other rule."""
     if group["rule"] != "spectral":
         return 1.0
-    return lr_scale_factor(resolved(group, "lr_scale"), rows, cols)
+    return lr_scale_factor(group["lr_scale"], rows, cols)
 
 
 class MapKey(NamedTuple):
@@ -73,12 +67,12 @@ def map_key(group: dict) -> MapKey:
         order=group["order"] if rule == "hybrid" else None,
         center=bool(group["center"]),
         eps=float(group["eps"]),
-        alpha=float(resolved(group, "alpha")),
+        alpha=float(group["alpha"]),
         method=group["method"],
         steps=int(group["steps"]),
         eta=eta if isinstance(eta, str) else id(eta),
         polar_dtype=group.get("polar_dtype"),
-        scale=resolved(group, "scale"),
+        scale=group["scale"],
         damping=group.get("damping", "relative"),
     )
 

@@ -21,6 +21,19 @@ __all__ = [
 ]
 
 
+# Muon on hidden matrices, as in muon_recipe and equiopt:default
+_MUON = {
+    "rule": "spectral",
+    "lr": 0.02,
+    "beta": 0.95,
+    "nesterov": True,
+    "lr_scale": "spectral",
+    "method": "polar_express",
+    "steps": 5,
+    "weight_decay": 0.0,
+}
+
+
 def muon_recipe() -> Recipe:
     """``muon``: Muon on every hidden matrix, AdamW elsewhere.
 
@@ -35,18 +48,8 @@ def muon_recipe() -> Recipe:
     Returns:
         A new :class:`Recipe` named ``muon``.
     """
-    muon = {
-        "rule": "spectral",
-        "lr": 0.02,
-        "beta": 0.95,
-        "nesterov": True,
-        "lr_scale": "spectral",
-        "method": "polar_express",
-        "steps": 5,
-        "weight_decay": 0.0,
-    }
     adamw = {"rule": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.0}
-    roles = {role: dict(muon) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
+    roles = {role: dict(_MUON) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
     roles.update({role: dict(adamw) for role in ("embedding", "lm_head", "router", "vector")})
     return Recipe(
         name="muon",
@@ -84,17 +87,7 @@ def default_recipe() -> Recipe:
     Returns:
         A new :class:`Recipe` named ``equiopt:default``.
     """
-    muon = {
-        "rule": "spectral",
-        "lr": 0.02,
-        "beta": 0.95,
-        "nesterov": True,
-        "lr_scale": "spectral",
-        "method": "polar_express",
-        "steps": 5,
-        "weight_decay": 0.0,
-    }
-    roles = {role: dict(muon) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
+    roles = {role: dict(_MUON) for role in ("attention", "mlp_in", "mlp_out", "matrix")}
     roles["embedding"] = {"rule": "row", "lr": 3e-3, "eta": "rms", "beta": 0.95, "weight_decay": 0.0}
     roles["lm_head"] = {"rule": "row", "lr": 5e-3, "center": True, "beta": 0.95, "weight_decay": 0.0}
     roles["router"] = {"rule": "row", "lr": 7.5e-4, "center": True, "beta": 0.95, "weight_decay": 0.0}

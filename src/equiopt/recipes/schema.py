@@ -146,36 +146,20 @@ def _fail(context: str, field: str, message: str) -> ValueError:
     return ValueError(f"{where}: {message}")
 
 
-def _unit_closed(context: str, field: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
-        raise _fail(context, field, f"must satisfy 0 <= {field.split('.')[-1]} <= 1, got {value!r}")
-    return float(value)
+def _checked(check, context: str, field: str, value: Any) -> Any:
+    """``check`` (one of :mod:`equiopt.optim.fields`' value checks) with the error naming ``field``."""
+    try:
+        return check(value, "")
+    except ValueError as err:
+        raise _fail(context, field, str(err)) from None
 
 
-def _int_at_least(context: str, field: str, value: Any, minimum: int) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(context, field, f"expected an integer, got {value!r}")
-    if value < minimum:
-        raise _fail(context, field, f"must be >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_values(settings: Mapping[str, Any], rule: str, context: str) -> dict[str, Any]:
+def _check_values(settings: Mapping[str, Any], context: str) -> dict[str, Any]:
     """The table's checks (:data:`equiopt.optim.fields.FIELDS`) on a recipe's settings;
     a recipe names its ``eta`` (TOML holds no callables)."""
     if "eta" in settings and callable(settings["eta"]):
         raise _fail(context, "eta", f"a recipe names its eta rule ({', '.join(ETAS)}), got {settings['eta']!r}")
-    where = context or "settings"
-    try:
-        out = fields.check_settings(settings, where)
-    except ValueError as err:
-        message = str(err)
-        raise ValueError(message[len(where) + 2 :] if not context else message) from None
-    if out.get("lazy") and rule not in fields.FIELDS["lazy"].rules:
-        raise _fail(context, "lazy", f"does not apply to rule {rule!r}")
-    return out
+    return fields.check_settings(settings, context)
 
 
 def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
@@ -220,9 +204,13 @@ def normalize_schedule(schedule: Any, context: str = "") -> dict[str, Any]:
         )
     out: dict[str, Any] = {"kind": kind, **allowed, **{k: v for k, v in schedule.items() if k != "kind"}}
     if kind == "warmup_cosine":
-        out["warmup_steps"] = _int_at_least(context, "schedule.warmup_steps", out["warmup_steps"], 0)
+        out["warmup_steps"] = _checked(
+            fields.integer_at_least(0), context, "schedule.warmup_steps", out["warmup_steps"]
+        )
     elif kind == "stable_decay":
-        out["stable_fraction"] = _unit_closed(context, "schedule.stable_fraction", out["stable_fraction"])
+        out["stable_fraction"] = _checked(
+            fields.interval(0.0, 1.0, True, "in [0, 1]"), context, "schedule.stable_fraction", out["stable_fraction"]
+        )
     return out
 
 
@@ -283,7 +271,7 @@ def normalize_settings(settings: Mapping[str, Any], role: str, context: str | No
     if "lr" not in settings:
         raise ValueError(f"{context}: missing field 'lr'")
     merged = {**RULE_DEFAULTS[rule], **{k: v for k, v in settings.items() if k != "schedule"}}
-    checked = _check_values(merged, rule, context)
+    checked = _check_values(merged, context)
     out: dict[str, Any] = {k: checked[k] for k in RULE_FIELDS[rule] if k in checked}
     out["schedule"] = normalize_schedule(settings.get("schedule", default_schedule(role)), context)
     return out
