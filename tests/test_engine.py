@@ -41,7 +41,8 @@ class ReadCounter:
             monkeypatch.setattr(torch.Tensor, name, spy)
 
 
-@pytest.mark.parametrize("recipe", eo.recipes.list_recipes())
+# peer:* recipes run torch's own optimizers, whose foreach AdamW reads its CPU step counters
+@pytest.mark.parametrize("recipe", [r for r in eo.recipes.list_recipes() if not r.startswith("peer:")])
 def test_no_host_reads_in_the_step(recipe, models, monkeypatch):
     model = models[_family(recipe)]
     opt, sched = eo.build_optimizer(model, recipe, total_steps=10)

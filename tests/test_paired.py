@@ -92,14 +92,28 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
         write_run(cfg.out_path, cfg.run.name, cfg.run.seed, val, extra={"overrides": cfg.optim.overrides})
 
     mults = [0.25, 1.0, 4.0]
-    arms = sweep(configs, mults, seeds=[0, 1], roles=["attention"], train_fn=fake_train, progress=False)
+    with pytest.raises(ValueError, match="also tuning seeds"):  # tuning on the judging seeds is refused
+        sweep(configs, mults, seeds=[0, 1], roles=["attention"], train_fn=fake_train, progress=False)
+    assert not calls
+    arms = sweep(
+        configs, mults, seeds=[0, 1], roles=["attention"], train_fn=fake_train, progress=False, allow_overlap=True
+    )
     assert len(calls) == 2 * 3 * 2
     assert arms[0].base_lrs == {"attention": 0.02}
     # resumable: nothing retrains
-    again = sweep(configs, mults, seeds=[0, 1], roles=["attention"], train_fn=lambda *a, **k: 1 / 0, progress=False)
+    again = sweep(
+        configs,
+        mults,
+        seeds=[0, 1],
+        roles=["attention"],
+        train_fn=lambda *a, **k: 1 / 0,
+        progress=False,
+        allow_overlap=True,
+    )
     assert again[1].runs == arms[1].runs
     report = tmp_path / "report" / "report.md"
     text = sweep_report(arms, baseline="a", out=report, command="equiopt compare a.toml b.toml --sweep-lr 0.25,1,4")
+    assert text.startswith("**Seed overlap: evaluation seed(s) 0, 1 also chose the learning rates")
     data = json.loads((tmp_path / "report" / "report.json").read_text())
     assert data["chosen"] == {"a": 1.0, "b": 0.25}
     (pair,) = data["paired"]
@@ -113,8 +127,8 @@ def test_sweep_is_resumable_tunes_each_arm_and_reports(tmp_path):
     assert (tmp_path / "report" / "other.png").exists() and (tmp_path / "report" / "report.png").exists()
 
 
-def test_sweep_tunes_on_the_first_seeds_then_runs_the_rest_at_the_chosen_multiplier(tmp_path):
-    # arm 'a' is best at 0.02 (multiplier 1); seed 0 alone decides, seeds 1-2 run only there
+def test_sweep_tunes_on_its_tuning_seeds_then_judges_on_the_evaluation_seeds_only(tmp_path):
+    # arm 'a' is best at 0.02 (multiplier 1); tuning seed 0 alone decides, seeds 1-2 run only there
     p = tmp_path / "a.toml"
     p.write_text(
         f'[run]\nname = "a"\nout_dir = "{tmp_path / "runs" / "a"}"\n[model]\nfamily = "qwen3"\n'
@@ -132,19 +146,21 @@ def test_sweep_tunes_on_the_first_seeds_then_runs_the_rest_at_the_chosen_multipl
     arms = sweep(
         [str(p)],
         [0.25, 1.0, 4.0],
-        seeds=[0, 1, 2],
+        seeds=[1, 2],
         roles=["attention"],
         train_fn=fake_train,
         progress=False,
-        tune_seeds=1,
+        tune_seeds=[0],
     )
     assert calls == [(0.25, 0), (1.0, 0), (4.0, 0), (1.0, 1), (1.0, 2)]
     assert sorted(arms[0].runs[1.0]) == [0, 1, 2] and sorted(arms[0].runs[4.0]) == [0]
+    assert arms[0].tune_seeds == [0] and arms[0].eval_seeds == [1, 2]
     text = sweep_report(arms, baseline="a")
-    assert "Tuning seeds: 0; seeds 1, 2 ran at each arm's chosen multiplier only" in text
+    assert "Tuning seeds: 0; evaluation seeds: 1, 2" in text and "Seed overlap" not in text
     assert "| a | 1 **(chosen)** |" in text
-    with pytest.raises(ValueError, match="tune_seeds"):
-        sweep([str(p)], [1.0], seeds=[0, 1], roles=["attention"], train_fn=fake_train, progress=False, tune_seeds=3)
+    assert "| a | 1 | 5.0000 | 0.0000 | 1: 5.0000, 2: 5.0000 |" in text  # judged on seeds 1, 2, not seed 0
+    with pytest.raises(ValueError, match="evaluation seed\\(s\\) 1 are also tuning seeds"):
+        sweep([str(p)], [1.0], seeds=[1, 3], roles=["attention"], train_fn=fake_train, progress=False, tune_seeds=2)
 
 
 def test_cli_compare_with_baseline_writes_a_paired_report(tmp_path, monkeypatch, capsys):
@@ -267,7 +283,7 @@ def test_sweep_shows_runs_done_of_total_and_resumes_as_reused(tmp_path, capsys, 
 
     # 2 arms x (2 multipliers on seed 0 + seeds 1, 2 at the chosen 0.5) = 8 runs
     names = [f"{arm}-{tag}" for arm in ("a", "b") for tag in ("lrx0.5-s0", "lrx2-s0", "lrx0.5-s1", "lrx0.5-s2")]
-    sweep(configs, [0.5, 2.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=1)
+    sweep(configs, [0.5, 2.0], seeds=[1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=[0])
     lines = _run_lines(capsys.readouterr().err)
     assert [(i, n, kind, name) for i, n, kind, name, _ in lines] == [
         (i + 1, 8, "done", nm) for i, nm in enumerate(names)
@@ -275,7 +291,7 @@ def test_sweep_shows_runs_done_of_total_and_resumes_as_reused(tmp_path, capsys, 
     assert all(left for *_, left in lines[:-1]) and lines[-1][4] is None
     # resumed: every run is reused, and with nothing trained there is no estimate
     (tmp_path / "runs" / "b" / "lrx2-s0" / "log.jsonl").unlink()
-    sweep(configs, [0.5, 2.0], seeds=[0, 1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=1)
+    sweep(configs, [0.5, 2.0], seeds=[1, 2], roles=["attention"], train_fn=fake_train, tune_seeds=[0])
     lines = _run_lines(capsys.readouterr().err)
     kinds = [(i, kind, name, left is not None) for i, _, kind, name, left in lines]
     assert kinds == [

@@ -28,7 +28,9 @@ def test_hand_built_groups_and_recipes_give_a_rule_the_same_defaults():
     from equiopt.recipes.schema import normalize_settings
 
     for rule in eo.optim.RULES:
-        shape = (4, 3) if rule in eo.optim.MATRIX_RULES else (3,)
+        if rule == "torch_muon" and not hasattr(torch.optim, "Muon"):
+            continue
+        shape = (4, 3) if rule in eo.optim.MATRIX_RULES + ("torch_muon",) else (3,)
         opt = eo.EquivariantOptimizer([{"params": [torch.zeros(shape, requires_grad=True)], "rule": rule, "lr": 0.1}])
         group = opt.param_groups[0]
         recipe = normalize_settings({"rule": rule, "lr": 0.1}, "matrix")

@@ -106,7 +106,7 @@ PAPER_ROWS = [
 
 def test_every_paper_recipe_exists_and_validates():
     names = list_recipes()
-    for name in PAPER_NAMES + ["muon", "adamw"]:
+    for name in PAPER_NAMES + ["muon", "adamw", "peer:adamw", "peer:muon"]:
         assert name in names
         recipe = get_recipe(name)
         assert isinstance(recipe, Recipe) and recipe.name == name

@@ -114,9 +114,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
     cmp = sub.add_parser("compare", help="train several configs (or seeds) and print the final-loss table and figures")
-    cmp.add_argument("configs", nargs="+")
+    cmp.add_argument("configs", nargs="*")
     cmp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    cmp.add_argument("--seeds", type=int, default=1, help="run each config with seeds 0..N-1")
+    cmp.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        metavar="N|S1,S2,...",
+        help="evaluation seeds: N runs seeds 0..N-1 (default: the config's own seed)",
+    )
+    cmp.add_argument(
+        "--protocol",
+        default=None,
+        metavar="PROTOCOL.toml",
+        help="run the study a protocol file fixes (configs, grid, tuning and evaluation seeds, claims); "
+        "the report records the file's SHA-256",
+    )
+    cmp.add_argument(
+        "--allow-seed-overlap",
+        action="store_true",
+        help="accept evaluation seeds that also tuned the lrs (refused otherwise; the report says so first)",
+    )
     cmp.add_argument("--force", action="store_true", help="retrain runs that are already done")
     cmp.add_argument("--out", default=None, help="directory for the figures")
     cmp.add_argument(
@@ -136,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     cmp.add_argument(
         "--tune-seeds",
-        type=int,
+        type=_seed_list,
         default=None,
-        metavar="K",
-        help="with --sweep-lr: run the grid on seeds 0..K-1 only, then the other seeds at each arm's chosen multiplier",
+        metavar="K|S1,S2,...",
+        help="with --sweep-lr: the grid's seeds (K: seeds 0..K-1), disjoint from --seeds; the evaluation "
+        "seeds then run at each arm's chosen multiplier",
     )
     cmp.add_argument(
         "--sweep-roles", default=None, metavar="ROLE,...", help="roles whose lr the sweep multiplies (default: all)"
@@ -249,58 +268,133 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _seed_list(text: str) -> list[int]:
+    """``N`` (seeds 0..N-1) or ``S1,S2,...``."""
+    try:
+        if "," not in text:
+            n = int(text)
+            if n < 1:
+                raise ValueError
+            return list(range(n))
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N (seeds 0..N-1) or a list S1,S2,..., got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r}")
+    return seeds
+
+
 def _compare(args, argv) -> int:
     """``equiopt compare``: train (or reuse) the runs, print the table, paired differences and figures."""
-    from .study.compare_table import compare_rows, compare_table
-    from .study.paired import RunProgress, paired_rows, paired_table, sweep, sweep_report
-    from .study.plots import plot_runs
+    from .study.paired import sweep, sweep_report
 
     sets = _parse_sets(args.set)
     command = "equiopt " + " ".join(sys.argv[1:] if argv is None else argv)
-    seeds = list(range(args.seeds))
+    protocol = None
+    if args.protocol:
+        from .study.protocol import load_protocol
+
+        fixed = [
+            f for f in ("configs", "seeds", "tune_seeds", "sweep_lr", "sweep_roles", "baseline") if getattr(args, f)
+        ]
+        if fixed:
+            raise SystemExit(
+                f"equiopt compare --protocol: the protocol fixes {', '.join('--' + f.replace('_', '-') for f in fixed)}; "
+                "edit the protocol (before its runs) instead"
+            )
+        try:
+            protocol = load_protocol(args.protocol, allow_overlap=args.allow_seed_overlap)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"equiopt compare: {err}") from None
+        args.configs, args.baseline, args.metric = protocol.configs, protocol.baseline, protocol.metric
+        args.seeds = protocol.eval_seeds
+        sets = {**_parse_sets([f"{k}={_toml_value(v)}" for k, v in protocol.sets.items()]), **sets}
+        if protocol.sweeps:
+            args.sweep_lr = ",".join(f"{m:g}" for m in protocol.multipliers)
+            args.sweep_roles = ",".join(protocol.roles) if protocol.roles else None
+            args.tune_seeds = protocol.tune_seeds
+    if not args.configs:
+        raise SystemExit("equiopt compare: give the configs to compare, or --protocol")
     if args.sweep_lr:
         if not args.baseline:
             raise SystemExit("equiopt compare --sweep-lr: name the baseline with --baseline")
         mults = [float(m) for m in args.sweep_lr.split(",") if m.strip()]
         roles = [r.strip() for r in args.sweep_roles.split(",")] if args.sweep_roles else None
+        tune = args.tune_seeds
+        if tune is not None and not args.protocol and args.seeds is None:
+            raise SystemExit(
+                "equiopt compare --tune-seeds: give the evaluation seeds too (--seeds), disjoint from them"
+            )
         try:
             arms = sweep(
                 args.configs,
                 mults,
-                seeds,
+                args.seeds if args.seeds is not None else [0],
                 roles=roles,
                 sets=sets,
                 force=args.force,
-                tune_seeds=args.tune_seeds,
+                tune_seeds=tune,
                 metric=args.metric,
+                allow_overlap=args.allow_seed_overlap,
             )
             baseline = _baseline_label(args.baseline, args.configs, arms)
-            print(sweep_report(arms, baseline, args.metric, out=args.report, command=command))
+            print(sweep_report(arms, baseline, args.metric, out=args.report, command=command, protocol=protocol))
         except ValueError as err:
             raise SystemExit(f"equiopt compare: {err}") from None
         if args.report:
             print(f"report: {args.report}")
         return 0
+    overlap = sorted(set(protocol.tune_seeds) & set(args.seeds)) if protocol is not None else []
+    return _compare_fixed(args, sets, command, protocol, overlap)
+
+
+def _toml_value(value) -> str:
+    from ._tomlw import toml_value
+
+    return toml_value(value)
+
+
+def _compare_fixed(args, sets, command, protocol, overlap) -> int:
+    """``equiopt compare`` without a sweep: every config on every evaluation seed, as configured."""
+    from .study.compare_table import compare_rows, compare_table
+    from .study.paired import RunProgress, paired_rows, paired_table
+    from .study.plots import plot_runs
+
+    seeds = args.seeds if args.seeds is not None else [None]
     out_dirs = []
     runs = RunProgress(len(args.configs) * len(seeds))
     for config in args.configs:
         for seed in seeds:
             start = time.time()
-            dirs = _run_seed(config, sets, seed if args.seeds > 1 else None, args.force)
+            dirs = _run_seed(config, sets, seed, args.force)
             runs.done(", ".join(Path(d).name for d in dirs), reused=all(_untouched_since(d, start) for d in dirs))
             out_dirs += dirs
     table = compare_table(out_dirs, metric=args.metric)
-    text = [table]
+    text = []
+    if overlap:
+        text += [
+            f"**Seed overlap: evaluation seed(s) {', '.join(map(str, overlap))} also tuned the learning rates "
+            "(allowed explicitly); the differences are optimistic for the tuned arms.**",
+            "",
+        ]
+    if protocol is not None:
+        text += protocol.header() + [""]
+    text += [table]
+    pairs = []
     if args.baseline:
         rows = compare_rows(out_dirs, metric=args.metric)
         labels = {}
-        for config, row_label in zip(args.configs, _labels_by_config(args.configs, rows, out_dirs, args.seeds)):
+        per_config = len(seeds)
+        for config, row_label in zip(args.configs, _labels_by_config(args.configs, rows, out_dirs, per_config)):
             labels[config] = row_label
         baseline = labels.get(args.baseline, args.baseline)
         try:
-            text += ["", paired_table(paired_rows(rows, baseline, metric=args.metric))]
+            pairs = paired_rows(rows, baseline, metric=args.metric)
         except ValueError as err:
             raise SystemExit(f"equiopt compare: {err}") from None
+        text += ["", paired_table(pairs)]
+        if protocol is not None:
+            text += [""] + protocol.verdict_lines(pairs)
     print("\n".join(text))
     figures = plot_runs(out_dirs, args.out or str(Path(out_dirs[0]).parent / "plots"))
     for path in figures:
@@ -308,15 +402,20 @@ def _compare(args, argv) -> int:
     if args.report:
         report = Path(args.report)
         report.parent.mkdir(parents=True, exist_ok=True)
-        runs = "\n".join(f"- `{d}`" for d in out_dirs)
+        listed = "\n".join(f"- `{d}`" for d in out_dirs)
         figs = "\n".join(
             f"![{Path(p).stem}]({Path(os.path.relpath(Path(p).resolve(), report.parent.resolve())).as_posix()})"
             for p in figures
         )
+        body = "\n".join(text)
+        first = ""
+        if body.startswith("**Seed overlap"):
+            first, body = body.split("\n", 1)
+            first += "\n\n"
         report.write_text(
-            f"# Comparison\n\nCommand:\n\n```bash\n{command}\n```\n\n"
-            + "\n".join(text)
-            + f"\n\nRuns (each value is the last record of the metric in its `log.jsonl`):\n\n{runs}\n\n"
+            f"{first}# Comparison\n\nCommand:\n\n```bash\n{command}\n```\n\n"
+            + body
+            + f"\n\nRuns (each value is the last record of the metric in its `log.jsonl`):\n\n{listed}\n\n"
             + figs
             + "\n"
         )

@@ -84,7 +84,7 @@ def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None)
     rule, steps = key.rule, key.steps
     if rule == "row":
         return 4 * batch * m * n
-    if rule == "spectral":
+    if rule in ("spectral", "torch_muon"):
         s = min(m, n)
         return batch * steps * (4 * m * n * s + 2 * s**3)
     rows = m if gram_rows is None else gram_rows

@@ -28,7 +28,8 @@ from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, mome
 from .costs import replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
-from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
+from .fields import ELEMENTWISE_RULES, MATRIX_RULES, PEER_RULES, default
+from .peers import build_peer, check_peer_param, step_peer
 from .rules import MapKey, map_key, precentred, reducible, shape_factor, validate_group
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
 
@@ -216,6 +217,7 @@ class EquivariantOptimizer(Optimizer):
         self._shardings: dict[int, Sharding] = {}
         self._plans: dict[tuple, Plan] = {}
         self._update_skips: torch.Tensor | None = None
+        self._peers: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}
         defaults = dict(
             lr=lr,
             rule=rule,
@@ -295,6 +297,8 @@ class EquivariantOptimizer(Optimizer):
                 layout = parse_layout(spec)
             except ValueError as err:
                 raise ValueError(f"parameter {names[j]!r}: {err}") from None
+            if group["rule"] in PEER_RULES:
+                check_peer_param(group["rule"], p, names[j], sharding.kind == "sharded" and sharding.is_sharded)
             if group["rule"] in MATRIX_RULES:
                 if p.ndim < 2:
                     raise ValueError(
@@ -310,7 +314,7 @@ class EquivariantOptimizer(Optimizer):
     # ------------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
-        if state:
+        if state or group["rule"] in PEER_RULES:  # a peer's torch optimizer makes its own
             return state
         dtype = self._state_dtype(p)
         zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -416,7 +420,7 @@ class EquivariantOptimizer(Optimizer):
                 state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
-    _CACHES = ("_compiled_step", "_lr_cache", "_last_flags", "_shardings", "_plans")
+    _CACHES = ("_compiled_step", "_lr_cache", "_last_flags", "_shardings", "_plans", "_peers")
 
     def __getstate__(self) -> dict:
         """torch's state (defaults, state, param groups) and this optimizer's own settings,
@@ -431,7 +435,7 @@ class EquivariantOptimizer(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._compiled_step = None
-        self._lr_cache, self._last_flags, self._shardings, self._plans = {}, [], {}, {}
+        self._lr_cache, self._last_flags, self._shardings, self._plans, self._peers = {}, [], {}, {}, {}
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -454,6 +458,7 @@ class EquivariantOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_peers()
         lrs = self._lr_tensors()
         backend = self._resolve_compile()
         if not backend:
@@ -475,6 +480,19 @@ class EquivariantOptimizer(Optimizer):
             self._compile_failed = True
             self._step_impl(lrs)
         return loss
+
+    @torch._dynamo.disable
+    def _step_peers(self) -> None:
+        """Step the groups of the peer rules with torch's own optimizers (eager, see :mod:`.peers`)."""
+        for index, group in enumerate(self.param_groups):
+            if group["rule"] not in PEER_RULES:
+                continue
+            key = (group["rule"], tuple(id(p) for p in group["params"]))
+            cached = self._peers.get(index)
+            if cached is None or cached[0] != key:
+                cached = self._peers[index] = (key, build_peer(group))
+            inner = cached[1]
+            step_peer(inner, group, self.state)
 
     def _resolve_compile(self) -> str | None:
         """The ``torch.compile`` backend of the step, or None for eager."""
@@ -523,7 +541,7 @@ class EquivariantOptimizer(Optimizer):
         whole: list[WholeTask] = []
         for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
-            if not live:
+            if not live or group["rule"] in PEER_RULES:
                 continue
             params = [group["params"][j] for j in live]
             names = [group["names"][j] for j in live]

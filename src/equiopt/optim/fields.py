@@ -25,6 +25,7 @@ __all__ = [
     "RULES",
     "MATRIX_RULES",
     "ELEMENTWISE_RULES",
+    "PEER_RULES",
     "LR_SCALES",
     "NONFINITE_POLICIES",
     "RULE_FIELDS",
@@ -39,10 +40,15 @@ __all__ = [
 
 MATRIX_RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid")
 ELEMENTWISE_RULES: tuple[str, ...] = ("adamw", "sgd")
-RULES: tuple[str, ...] = MATRIX_RULES + ELEMENTWISE_RULES
+#: torch's own optimizers as rules, the outside reference arms of a comparison
+#: (:mod:`equiopt.optim.peers`): ``torch_adamw`` steps a group with ``torch.optim.AdamW``,
+#: ``torch_muon`` with ``torch.optim.Muon`` (torch >= 2.9).
+PEER_RULES: tuple[str, ...] = ("torch_adamw", "torch_muon")
+RULES: tuple[str, ...] = MATRIX_RULES + ELEMENTWISE_RULES + PEER_RULES
 LR_SCALES: tuple[str, ...] = ("none", "spectral", "match_adamw")
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
 _MOMENTUM_RULES = MATRIX_RULES + ("sgd",)
+_OWN_RULES = MATRIX_RULES + ELEMENTWISE_RULES
 _GRAM_RULES = ("right", "left", "hybrid")
 
 #: Inner solvers each rule accepts: ``spectral`` computes a polar factor
@@ -173,6 +179,11 @@ def _dtype(value: Any, rule: str) -> Any:
     return dtype
 
 
+def _lr_scales(rule: str) -> Sequence[str]:
+    # torch's Muon knows Jordan's factor ("original") and Moonlight's ("match_rms_adamw") only
+    return LR_SCALES if rule != "torch_muon" else ("spectral", "match_adamw")
+
+
 def _methods(rule: str) -> Sequence[str]:
     return RULE_METHODS.get(rule, ())
 
@@ -188,21 +199,21 @@ FIELDS: dict[str, Field] = {
             None,
             _choice("rule", RULES),
             "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
-            "adamw, sgd",
+            "adamw, sgd; torch_adamw, torch_muon (torch's own optimizers, as peer arms)",
         ),
         Field("lr", _ALL, 1e-3, _at_least(0.0, strict=False), "learning rate (a recipe must give it)"),
         Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
         Field(
             "beta",
-            _MOMENTUM_RULES,
+            _MOMENTUM_RULES + ("torch_muon",),
             0.95,
             interval(0.0, 1.0, False, "in [0, 1)"),
             "EMA momentum M = beta M + (1 - beta) G",
         ),
         Field(
             "nesterov",
-            _MOMENTUM_RULES,
-            {**{r: False for r in _ALL}, "spectral": True},
+            _MOMENTUM_RULES + ("torch_muon",),
+            {**{r: False for r in _ALL}, "spectral": True, "torch_muon": True},
             _boolean,
             "map beta M + (1 - beta) G instead of M (Muon's default)",
         ),
@@ -234,7 +245,9 @@ FIELDS: dict[str, Field] = {
             _choice("method", _methods),
             "polar-factor method (spectral) or Gram inverse-square-root method",
         ),
-        Field("steps", ("spectral",) + _GRAM_RULES, 5, integer_at_least(1), "iterations of the method"),
+        Field(
+            "steps", ("spectral",) + _GRAM_RULES + ("torch_muon",), 5, integer_at_least(1), "iterations of the method"
+        ),
         Field(
             "order",
             ("hybrid",),
@@ -245,9 +258,9 @@ FIELDS: dict[str, Field] = {
         Field("eta", ("row", "hybrid"), "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
         Field(
             "lr_scale",
-            ("spectral",),
+            ("spectral", "torch_muon"),
             "spectral",
-            _choice("lr_scale", LR_SCALES),
+            _choice("lr_scale", _lr_scales),
             "shape factor: spectral sqrt(max(1, rows/cols)), match_adamw 0.2 sqrt(max(rows, cols)), none",
         ),
         Field(
@@ -265,14 +278,14 @@ FIELDS: dict[str, Field] = {
             "relative: eps times the mean eigenvalue of the Gram, tr(C) / min(m, n); absolute: the paper's eps",
             optional=True,
         ),
-        Field("betas", ("adamw",), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
-        Field("adam_eps", ("adamw",), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
+        Field("betas", ("adamw", "torch_adamw"), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
+        Field("adam_eps", ("adamw", "torch_adamw"), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
         Field(
             "polar_dtype", ("spectral",), None, _dtype, "dtype of the polar iterations (None: bfloat16)", optional=True
         ),
         Field(
             "nonfinite",
-            _ALL,
+            _OWN_RULES,
             "skip",
             _choice("nonfinite policy", NONFINITE_POLICIES),
             "skip: leave a parameter with a NaN/Inf gradient untouched and count it; raise: name it",

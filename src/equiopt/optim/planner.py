@@ -25,6 +25,7 @@ import torch
 
 from ..distributed.placements import Sharding
 from .costs import map_flops, reduce_bytes
+from .fields import MATRIX_RULES
 from .rules import map_key
 from .sharded import group_ranks, owner_batches, owner_units
 
@@ -93,7 +94,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         for j, p in enumerate(group["params"]):
             sharding = optimizer._sharding(p)
             how = None
-            if group["rule"] not in ("adamw", "sgd") and sharding.kind == "sharded":
+            if group["rule"] in MATRIX_RULES and sharding.kind == "sharded":
                 how = optimizer.plan_of(group, group["layouts"][j], sharding)
             entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
     coords: dict[int, dict[int, tuple]] = {}
@@ -136,7 +137,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 totals[3] += numel
                 dtype = optimizer._state_dtype(p)
                 item = torch.empty((), dtype=dtype).element_size()
-                if group["rule"] == "adamw":
+                if group["rule"] in ("adamw", "torch_adamw"):
                     add(name, 0, ADAMW_FLOPS * numel, 2 * numel * item)
                     continue
                 state = numel * item

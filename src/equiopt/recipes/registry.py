@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 
+from ..optim.fields import RULE_FIELDS
 from .recipe import Recipe
 from .tomlio import parse_recipe_toml, read_recipe_text
 
@@ -15,6 +16,8 @@ __all__ = [
     "default_recipe",
     "muon_recipe",
     "adamw_recipe",
+    "peer_adamw_recipe",
+    "peer_muon_recipe",
     "DEFAULT_RECIPE",
     "load_recipe_toml",
     "loads_recipe_toml",
@@ -129,6 +132,47 @@ def adamw_recipe() -> Recipe:
     )
 
 
+def _as_peer(settings: dict) -> dict:
+    """Settings of equiopt's AdamW / Muon for torch's classes (the rule's fields only)."""
+    rule = {"adamw": "torch_adamw", "spectral": "torch_muon"}[settings["rule"]]
+    keep = RULE_FIELDS[rule] + ("schedule",)
+    return {**{k: v for k, v in settings.items() if k in keep}, "rule": rule}
+
+
+def peer_adamw_recipe() -> Recipe:
+    """``peer:adamw``: torch's own ``torch.optim.AdamW`` (fused on CUDA, foreach otherwise)
+    on every role, with the settings of :func:`adamw_recipe`: an outside reference arm.
+
+    Returns:
+        A new :class:`Recipe` named ``peer:adamw``.
+    """
+    base = adamw_recipe()
+    return Recipe(
+        name="peer:adamw",
+        description="torch.optim.AdamW everywhere, with the adamw recipe's settings (lr 3e-4, betas (0.9, 0.95), "
+        "wd 0.1 on matrices), warmup-cosine",
+        roles={role: _as_peer(base.settings(role)) for role in base.roles},
+    )
+
+
+def peer_muon_recipe() -> Recipe:
+    """``peer:muon``: torch's own ``torch.optim.Muon`` (torch >= 2.9) on every hidden 2-D
+    matrix as torch documents it, ``torch.optim.AdamW`` elsewhere, with the settings of
+    :func:`muon_recipe` (lr 0.02 with ``sqrt(max(1, rows/cols))``, momentum 0.95, Nesterov,
+    5 Newton-Schulz steps): the reference against which equiopt's Muon is compared.
+    Stacked expert weights are refused (torch's Muon steps 2-D matrices only).
+
+    Returns:
+        A new :class:`Recipe` named ``peer:muon``.
+    """
+    base = muon_recipe()
+    return Recipe(
+        name="peer:muon",
+        description="torch.optim.Muon on hidden matrices, torch.optim.AdamW elsewhere, with the muon recipe's settings",
+        roles={role: _as_peer(base.settings(role)) for role in base.roles},
+    )
+
+
 _REGISTRY: dict[str, Recipe] | None = None
 
 
@@ -137,7 +181,10 @@ def _registry() -> dict[str, Recipe]:
     if _REGISTRY is None:
         from .paper import paper_recipes
 
-        reg = {r.name: r for r in (default_recipe(), muon_recipe(), adamw_recipe())}
+        reg = {
+            r.name: r
+            for r in (default_recipe(), muon_recipe(), adamw_recipe(), peer_adamw_recipe(), peer_muon_recipe())
+        }
         for recipe in paper_recipes():
             reg[recipe.name] = recipe
         _REGISTRY = reg
@@ -145,7 +192,8 @@ def _registry() -> dict[str, Recipe]:
 
 
 def list_recipes() -> list[str]:
-    """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, then the paper's, then the user's.
+    """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, ``peer:adamw``, ``peer:muon``,
+    then the paper's, then the user's.
 
     Returns:
         The names, in registration order; each is accepted by :func:`get_recipe`.

@@ -12,14 +12,16 @@ tools answer both:
 
 :func:`sweep` / :func:`sweep_report`
     Each arm (a run config) is trained at every multiplier of a learning-rate grid (the
-    multiplier scales the lr of the chosen roles, all roles by default) and every tuning
-    seed (all seeds by default, or the first ``tune_seeds``; the other seeds are then run
-    at the chosen multiplier only); a run whose log already ends with ``status: done`` is
-    skipped, so an interrupted sweep resumes. Each arm's best multiplier is the one with
-    the lowest mean final metric over the tuning seeds (a run that diverged counts as
-    +inf); the report then compares best against best, paired by seed over all seeds, and
-    lists every number with the run directory whose ``log.jsonl`` holds it. The lr is
-    chosen on the same validation batches that the comparison reports; the report says so.
+    multiplier scales the lr of the chosen roles, all roles by default) on the tuning
+    seeds, then at its chosen multiplier on the evaluation seeds; a run whose log already
+    ends with ``status: done`` is skipped, so an interrupted sweep resumes. Each arm's best
+    multiplier is the one with the lowest mean final metric over the tuning seeds (a run
+    that diverged counts as +inf); the report then compares best against best, paired by
+    seed over the evaluation seeds only, and lists every number with the run directory
+    whose ``log.jsonl`` holds it. Tuning and evaluation seeds must be disjoint unless the
+    overlap is allowed explicitly (:func:`seed_split`); the report's first line says so
+    then. The lr is chosen on the same validation batches that the comparison reports (on
+    other seeds); the report says so.
 
 :class:`RunProgress`
     Runs done out of the total and the time left, for a sweep or ``equiopt compare``: one
@@ -54,6 +56,7 @@ __all__ = [
     "sweep",
     "sweep_report",
     "select_baseline",
+    "seed_split",
     "RunProgress",
 ]
 
@@ -316,13 +319,51 @@ class RunProgress:
 @dataclass
 class SweepArm:
     """One config swept over lr multipliers: ``runs[mult][seed] = run directory``; the
-    multiplier is chosen on ``tune_seeds`` (every seed of the grid when empty)."""
+    multiplier is chosen on ``tune_seeds`` (every seed of the grid when empty) and the arm
+    is judged on ``eval_seeds`` at that multiplier (every seed run there when empty)."""
 
     label: str
     config: str
     base_lrs: dict[str, float]
     runs: dict[float, dict[int, str]] = field(default_factory=dict)
     tune_seeds: list[int] = field(default_factory=list)
+    eval_seeds: list[int] = field(default_factory=list)
+
+
+def seed_split(
+    seeds: Sequence[int], tune_seeds: int | Sequence[int] | None, allow_overlap: bool = False
+) -> tuple[list[int], list[int], list[int]]:
+    """``(tuning, evaluation, overlap)`` seeds of a sweep.
+
+    ``seeds`` are the evaluation seeds; ``tune_seeds`` the seeds the lr grid runs on: a
+    list, ``k`` (seeds ``0..k-1``) or None (the evaluation seeds themselves). A seed in
+    both would choose an arm's lr and then judge it, which flatters every tuned arm by the
+    noise it was selected on; that is refused unless ``allow_overlap``.
+
+    Raises:
+        ValueError: for an empty seed list, or overlapping seeds without ``allow_overlap``.
+    """
+    evaluation = list(dict.fromkeys(int(s) for s in seeds))
+    if not evaluation:
+        raise ValueError("no evaluation seeds")
+    if tune_seeds is None:
+        tuning = list(evaluation)
+    elif isinstance(tune_seeds, int) and not isinstance(tune_seeds, bool):
+        if tune_seeds < 1:
+            raise ValueError(f"tune_seeds must be >= 1, got {tune_seeds}")
+        tuning = list(range(tune_seeds))
+    else:
+        tuning = list(dict.fromkeys(int(s) for s in tune_seeds))
+        if not tuning:
+            raise ValueError("tune_seeds is empty")
+    overlap = [s for s in evaluation if s in tuning]
+    if overlap and not allow_overlap:
+        raise ValueError(
+            f"evaluation seed(s) {', '.join(map(str, overlap))} are also tuning seeds: each arm's lr would be "
+            "chosen on the seeds that then judge it; give disjoint tuning seeds (e.g. --tune-seeds 100,101 "
+            "--seeds 5) or allow the overlap explicitly (--allow-seed-overlap; the report says so first)"
+        )
+    return tuning, evaluation, overlap
 
 
 def _base_lrs(cfg, roles: Sequence[str] | None) -> dict[str, float]:
@@ -365,33 +406,33 @@ def sweep(
     force: bool = False,
     train_fn=None,
     progress: bool = True,
-    tune_seeds: int | None = None,
+    tune_seeds: int | Sequence[int] | None = None,
     metric: str = "val/loss",
+    allow_overlap: bool = False,
 ) -> list[SweepArm]:
-    """Train every config at every lr multiplier and seed (resumable, see the module docstring).
+    """Train every config at every lr multiplier and tuning seed, then at its chosen
+    multiplier on every evaluation seed (resumable, see the module docstring).
 
     The run of config ``c`` at multiplier ``m`` and seed ``s`` goes to
     ``<c's out_dir>/lrx<m>-s<s>`` with run name ``<c's name>-lrx<m>-s<s>``; its
     ``optim.overrides`` set ``lr = m * base lr`` for each swept role on top of the config's
     own overrides. A run that diverges (``nonfinite``) is kept as a result, not retried.
-    With ``tune_seeds = k`` the grid runs on ``seeds[:k]`` only; the multiplier with the
-    best mean ``metric`` there is then run on the remaining seeds. With ``progress`` each
+    ``seeds`` are the evaluation seeds and ``tune_seeds`` the grid's (see :func:`seed_split`:
+    overlapping seeds are refused unless ``allow_overlap``); the multiplier with the best
+    mean ``metric`` over the tuning seeds is then run on every evaluation seed. With ``progress`` each
     run shows its own progress and a :class:`RunProgress` reports the runs done and the time left.
     """
     from ..train.config import load_config
     from ..train.loop import NonFiniteLossError, train
 
     train_fn = train_fn or train
-    seeds = list(seeds)
-    if tune_seeds is not None and not 1 <= tune_seeds <= len(seeds):
-        raise ValueError(f"tune_seeds must be between 1 and the number of seeds ({len(seeds)}), got {tune_seeds}")
-    tuning = seeds if tune_seeds is None else seeds[:tune_seeds]
-    runs = RunProgress(len(configs) * (len(multipliers) * len(tuning) + len(seeds) - len(tuning)), enabled=progress)
+    tuning, seeds, overlap = seed_split(seeds, tune_seeds, allow_overlap)
+    runs = RunProgress(len(configs) * (len(multipliers) * len(tuning) + len(seeds) - len(overlap)), enabled=progress)
     arms = []
     for path in configs:
         base_cfg = load_config(path, sets or {})
         base = _base_lrs(base_cfg, roles)
-        arm = SweepArm(base_cfg.run.name, str(path), base, tune_seeds=list(tuning))
+        arm = SweepArm(base_cfg.run.name, str(path), base, tune_seeds=list(tuning), eval_seeds=list(seeds))
 
         def run(mult: float, seed: int) -> None:
             overrides = json.loads(json.dumps(base_cfg.optim.overrides or {}))
@@ -422,9 +463,9 @@ def sweep(
         for mult in multipliers:
             for seed in tuning:
                 run(mult, seed)
-        if len(tuning) < len(seeds):
-            best, _ = _best(arm, metric)
-            for seed in seeds[len(tuning) :]:
+        best, _ = _best(arm, metric)
+        for seed in seeds:
+            if seed not in arm.runs[best]:
                 run(best, seed)
         arms.append(arm)
     return arms
@@ -513,17 +554,33 @@ def sweep_report(
     out: str | Path | None = None,
     command: str = "",
     digits: int = 4,
+    protocol=None,
 ) -> str:
     """The markdown report of a sweep (see the module docstring); figures go next to
-    ``out`` (the report's path) when it is given, and the report is written there."""
+    ``out`` (the report's path) when it is given, and the report is written there.
+
+    The comparison is over each arm's evaluation seeds. Its first line says so when an
+    evaluation seed was also a tuning seed; with ``protocol`` (a
+    :class:`~equiopt.study.protocol.Protocol`) the report names the protocol file and its
+    SHA-256 and ends with one verdict line per claim of the protocol."""
     best, grid = {}, {}
     for arm in arms:
         best[arm.label], grid[arm.label] = _best(arm, metric)
-    lines = ["# Learning-rate sweep and paired comparison", ""]
+    overlap = sorted({s for arm in arms for s in arm.eval_seeds if s in arm.tune_seeds})
+    lines = []
+    if overlap:
+        lines += [
+            f"**Seed overlap: evaluation seed(s) {', '.join(map(str, overlap))} also chose the learning rates; "
+            "the differences below are optimistic for every tuned arm (allowed explicitly).**",
+            "",
+        ]
+    lines += ["# Learning-rate sweep and paired comparison", ""]
+    if protocol is not None:
+        lines += protocol.header() + [""]
     if command:
         lines += ["Command:", "", "```bash", command, "```", ""]
     tuning = sorted({s for arm in arms for s in arm.tune_seeds})
-    extra = sorted({s for arm in arms for by_seed in arm.runs.values() for s in by_seed} - set(tuning))
+    evaluation = sorted({s for arm in arms for s in arm.eval_seeds})
     lines += [
         f"Metric: final `{metric}` of each run (the last record of its `log.jsonl` holding it). "
         "Each arm's lr multiplier is chosen by the lowest mean over the tuning seeds on this same metric "
@@ -531,11 +588,12 @@ def sweep_report(
         "chosen runs seed by seed. Selecting and reporting on the same validation batches favours "
         "every arm alike, slightly optimistically."
     ]
-    if tuning and extra:
+    if tuning and evaluation:
         lines += [
             "",
-            f"Tuning seeds: {', '.join(map(str, tuning))}; seeds {', '.join(map(str, extra))} ran at each "
-            "arm's chosen multiplier only, after it was chosen (the grid's mean column is over the tuning seeds).",
+            f"Tuning seeds: {', '.join(map(str, tuning))}; evaluation seeds: {', '.join(map(str, evaluation))} "
+            "(run at each arm's chosen multiplier after it was chosen; the grid's mean column is over the "
+            "tuning seeds, the comparison over the evaluation seeds only).",
         ]
     lines += ["", "## Grid", ""]
     header = ["arm", "multiplier", "lrs", "mean", "per seed (seed: value, run directory)"]
@@ -554,7 +612,7 @@ def sweep_report(
     rows = []
     for arm in arms:
         by_seed = arm.runs[best[arm.label]]
-        seeds = sorted(by_seed)
+        seeds = sorted(s for s in by_seed if not arm.eval_seeds or s in arm.eval_seeds)
         values = [_final(by_seed[s], metric) for s in seeds]
         finite = [v for v in values if math.isfinite(v)]
         rows.append(
@@ -586,6 +644,8 @@ def sweep_report(
             + " |"
         )
     lines += ["", paired_table(pairs, digits), ""]
+    if protocol is not None:
+        lines += protocol.verdict_lines(pairs) + [""]
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -608,6 +668,11 @@ def sweep_report(
                         for a, g in grid.items()
                     },
                     "paired": [{k: v for k, v in p.as_dict().items()} for p in pairs],
+                    "tuning_seeds": tuning,
+                    "evaluation_seeds": evaluation,
+                    "seed_overlap": overlap,
+                    "protocol": None if protocol is None else protocol.identity(),
+                    "verdicts": [] if protocol is None else protocol.verdicts(pairs),
                     "command": command,
                 },
                 indent=2,

@@ -1,0 +1,290 @@
+"""Study protocols: what a comparison will run and how it will be judged, fixed before its data.
+
+A protocol is a TOML file committed before the runs it governs. ``equiopt compare
+--protocol FILE`` runs exactly what it says and writes the file's SHA-256 into the report,
+so a reader can check that the arms, grids, seeds, metric and decision rule were not
+changed after the results came in::
+
+    [study]
+    name = "qwen3-a"
+    question = "Does RowNormM or HybridPolarGradM on embedding and LM head beat AdamW there?"
+    configs = ["configs/cpu/qwen3/a-iii.toml", "configs/cpu/qwen3/a-i.toml"]
+    baseline = "qwen3-a-iii"           # a run name or one of the configs
+    metric = "val/loss"                # the last logged value of each run
+    set = { "train.steps" = 400 }      # overrides for every run (optional)
+
+    [tuning]                           # optional: without it the configs' lrs are used as given
+    multipliers = [0.5, 1, 2]          # of each arm's learning rates
+    roles = ["embedding", "lm_head"]   # whose lrs are multiplied (default: all)
+    seeds = [100, 101]                 # the grid's seeds
+
+    [evaluation]
+    seeds = [0, 1, 2, 3, 4]            # disjoint from the tuning seeds
+
+    [analysis]
+    statistic = "paired difference arm - baseline over the evaluation seeds, 95 % Student-t interval"
+    decision = "reproduces / reverses when the interval excludes 0 on the paper's / the other side"
+
+    [[claims]]                         # one per claim of the paper the study tests
+    arm = "qwen3-a-i"
+    says = "RowNormM on embedding and head reaches a lower validation loss than AdamW there"
+    paper = "3.41 vs 3.46 (Table 2)"
+    direction = "lower"                # the paper's sign of arm - baseline in the metric
+
+Each claim gets a verdict from the paired interval of its arm against the baseline:
+``reproduces`` when the interval lies on the paper's side of 0, ``reverses`` when it lies on
+the other, ``inconclusive at this scale`` otherwise (and with one seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..train.config import tomllib
+
+__all__ = ["Claim", "Protocol", "load_protocol", "verdict", "VERDICTS"]
+
+VERDICTS = ("reproduces", "reverses", "inconclusive at this scale")
+_SECTIONS = {
+    "study": {"name", "question", "configs", "baseline", "metric", "set", "budget"},
+    "tuning": {"multipliers", "roles", "seeds"},
+    "evaluation": {"seeds", "tuned_on"},
+    "analysis": {"statistic", "decision"},
+}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of the paper: ``arm`` against the protocol's baseline, in ``direction``."""
+
+    arm: str
+    says: str
+    paper: str
+    direction: str  # "lower" or "higher": the sign of arm - baseline the paper reports
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A parsed protocol file (see the module docstring)."""
+
+    path: str
+    sha256: str
+    name: str
+    question: str
+    configs: list[str]
+    baseline: str
+    metric: str
+    sets: dict[str, Any]
+    multipliers: list[float]
+    roles: list[str] | None
+    tune_seeds: list[int]
+    eval_seeds: list[int]
+    statistic: str
+    decision: str
+    claims: list[Claim] = field(default_factory=list)
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether the protocol tunes each arm's learning rates on a grid."""
+        return bool(self.multipliers)
+
+    def identity(self) -> dict[str, str]:
+        return {"path": self.path, "sha256": self.sha256, "name": self.name}
+
+    def header(self) -> list[str]:
+        """The report's protocol lines: file, hash, question, statistic and decision rule."""
+        lines = [
+            f"Protocol: `{self.path}` (SHA-256 `{self.sha256}`), study **{self.name}**, committed before its runs.",
+            "",
+            f"Question: {self.question}",
+        ]
+        if self.statistic:
+            lines += ["", f"Statistic: {self.statistic}"]
+        if self.decision:
+            lines += ["", f"Decision rule: {self.decision}"]
+        return lines
+
+    def verdicts(self, pairs: Sequence[Any]) -> list[dict[str, Any]]:
+        """One record per claim: the paper's number, ours with its interval, the verdict."""
+        out = []
+        for claim in self.claims:
+            match = [p for p in pairs if p.label == claim.arm or claim.arm in p.label]
+            pair = match[0] if len(match) == 1 else None
+            out.append(
+                {
+                    "arm": claim.arm,
+                    "says": claim.says,
+                    "paper": claim.paper,
+                    "direction": claim.direction,
+                    "mean": None if pair is None else pair.mean,
+                    "ci": None if pair is None else pair.ci,
+                    "n": 0 if pair is None else pair.n,
+                    "verdict": "not run" if pair is None else verdict(pair.ci, claim.direction),
+                }
+            )
+        return out
+
+    def verdict_lines(self, pairs: Sequence[Any], digits: int = 4) -> list[str]:
+        """Markdown: one line per claim (see :meth:`verdicts`)."""
+        if not self.claims:
+            return []
+        lines = ["## Claims", "", "| claim | paper | ours: mean diff [95 % CI], seeds | verdict |", "|---|---|---|---|"]
+        for v in self.verdicts(pairs):
+            if v["mean"] is None:
+                ours = "-"
+            elif v["ci"] is None:
+                ours = f"{v['mean']:+.{digits}f} (one seed)"
+            else:
+                lo, hi = v["ci"]
+                ours = f"{v['mean']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}], {v['n']} seeds"
+            lines.append(f"| {v['arm']}: {v['says']} | {v['paper']} | {ours} | {v['verdict']} |")
+        return lines
+
+
+def verdict(ci: tuple[float, float] | None, direction: str) -> str:
+    """``reproduces`` / ``reverses`` / ``inconclusive at this scale`` for a paired interval of
+    arm - baseline and the sign the paper reports (``"lower"``: arm below baseline)."""
+    if direction not in ("lower", "higher"):
+        raise ValueError(f"direction must be 'lower' or 'higher', got {direction!r}")
+    if ci is None or not all(math.isfinite(c) for c in ci):
+        return VERDICTS[2]
+    lo, hi = ci
+    below, above = hi < 0, lo > 0
+    if (below and direction == "lower") or (above and direction == "higher"):
+        return VERDICTS[0]
+    if below or above:
+        return VERDICTS[1]
+    return VERDICTS[2]
+
+
+def _seeds(value: Any, where: str) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in value)
+    ):
+        raise ValueError(f"{where}: expected a non-empty list of integer seeds, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{where}: repeated seeds in {value!r}")
+    return list(value)
+
+
+def _text(table: dict, key: str, where: str, required: bool = True) -> str:
+    value = table.get(key, "" if not required else None)
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise ValueError(f"{where}, field {key!r}: expected {'a non-empty' if required else 'a'} string, got {value!r}")
+    return value
+
+
+def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
+    """Read and check a protocol file; errors name the file, the section and the field.
+
+    Args:
+        path: the ``.toml`` file.
+        allow_overlap: accept evaluation seeds that are also tuning seeds.
+
+    Returns:
+        The :class:`Protocol`, with the SHA-256 of the file's bytes.
+
+    Raises:
+        ValueError: for a missing or unknown section or field, a bad value, a config that
+            does not exist, or overlapping tuning and evaluation seeds.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    where = str(path)
+    unknown = set(doc) - set(_SECTIONS) - {"claims"}
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown section(s) {', '.join(sorted(unknown))}; valid: {', '.join(_SECTIONS)}, claims"
+        )
+    for section, keys in _SECTIONS.items():
+        extra = set(doc.get(section, {})) - keys
+        if extra:
+            raise ValueError(
+                f"{where}, [{section}]: unknown field(s) {', '.join(sorted(extra))}; valid: {', '.join(sorted(keys))}"
+            )
+    study = doc.get("study")
+    if not isinstance(study, dict):
+        raise ValueError(f"{where}: missing [study] section")
+    name = _text(study, "name", f"{where}, [study]")
+    configs = study.get("configs")
+    if not isinstance(configs, list) or not configs or not all(isinstance(c, str) for c in configs):
+        raise ValueError(
+            f"{where}, [study], field 'configs': expected a non-empty list of config paths, got {configs!r}"
+        )
+    resolved = []
+    for c in configs:
+        candidate = Path(c) if Path(c).exists() else path.parent / c
+        if not candidate.exists():
+            raise ValueError(f"{where}, [study], field 'configs': {c!r} does not exist")
+        resolved.append(str(candidate) if not Path(c).exists() else c)
+    sets = study.get("set", {})
+    if not isinstance(sets, dict):
+        raise ValueError(f"{where}, [study], field 'set': expected a table SECTION.FIELD = value, got {sets!r}")
+    tuning = doc.get("tuning", {})
+    multipliers = tuning.get("multipliers", [])
+    if tuning and (
+        not isinstance(multipliers, list)
+        or not multipliers
+        or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in multipliers)
+    ):
+        raise ValueError(f"{where}, [tuning], field 'multipliers': expected positive numbers, got {multipliers!r}")
+    roles = tuning.get("roles")
+    if roles is not None and (not isinstance(roles, list) or not all(isinstance(r, str) for r in roles)):
+        raise ValueError(f"{where}, [tuning], field 'roles': expected a list of role names, got {roles!r}")
+    evaluation = doc.get("evaluation")
+    if not isinstance(evaluation, dict):
+        raise ValueError(f"{where}: missing [evaluation] section (its seeds)")
+    eval_seeds = _seeds(evaluation.get("seeds"), f"{where}, [evaluation], field 'seeds'")
+    if tuning:
+        tune_seeds = _seeds(tuning.get("seeds"), f"{where}, [tuning], field 'seeds'")
+    else:
+        tune_seeds = (
+            _seeds(evaluation["tuned_on"], f"{where}, [evaluation], field 'tuned_on'")
+            if "tuned_on" in evaluation
+            else []
+        )
+    overlap = sorted(set(tune_seeds) & set(eval_seeds))
+    if overlap and not allow_overlap:
+        raise ValueError(
+            f"{where}: evaluation seed(s) {', '.join(map(str, overlap))} are also tuning seeds; make them disjoint "
+            "(or pass --allow-seed-overlap, and the report says so first)"
+        )
+    claims = []
+    for k, c in enumerate(doc.get("claims", [])):
+        cw = f"{where}, claims[{k}]"
+        extra = set(c) - {"arm", "says", "paper", "direction"}
+        if extra:
+            raise ValueError(f"{cw}: unknown field(s) {', '.join(sorted(extra))}")
+        direction = _text(c, "direction", cw)
+        if direction not in ("lower", "higher"):
+            raise ValueError(f"{cw}, field 'direction': expected 'lower' or 'higher', got {direction!r}")
+        claims.append(Claim(_text(c, "arm", cw), _text(c, "says", cw), _text(c, "paper", cw), direction))
+    analysis = doc.get("analysis", {})
+    return Protocol(
+        path=str(path),
+        sha256=hashlib.sha256(data).hexdigest(),
+        name=name,
+        question=_text(study, "question", f"{where}, [study]"),
+        configs=resolved,
+        baseline=_text(study, "baseline", f"{where}, [study]"),
+        metric=study.get("metric", "val/loss"),
+        sets=dict(sets),
+        multipliers=[float(m) for m in multipliers],
+        roles=roles,
+        tune_seeds=tune_seeds,
+        eval_seeds=eval_seeds,
+        statistic=_text(analysis, "statistic", f"{where}, [analysis]", required=False),
+        decision=_text(analysis, "decision", f"{where}, [analysis]", required=False),
+        claims=claims,
+    )
