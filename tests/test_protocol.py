@@ -53,6 +53,12 @@ def test_verdict_follows_the_side_of_zero_the_interval_lies_on():
     assert verdict((-0.01, 0.02), "lower") == "inconclusive at this scale"
     assert verdict((0.01, 0.03), "higher") == "reproduces"
     assert verdict(None, "lower") == "inconclusive at this scale"
+    assert verdict((-0.004, 0.003), "equal", 0.005) == "equivalent (within +-0.005)"
+    assert verdict((-0.004, 0.007), "equal", 0.005) == "inconclusive"
+    assert verdict((0.001, 0.003), "equal", 0.005) == "equivalent (within +-0.005)"  # small but bounded
+    assert verdict((0.004, 0.009), "equal", 0.005) == "differs"
+    with pytest.raises(ValueError, match="margin"):
+        verdict((0.0, 1.0), "equal")
     with pytest.raises(ValueError, match="direction"):
         verdict((0.0, 1.0), "smaller")
 
@@ -122,7 +128,7 @@ def test_compare_runs_a_protocols_sweep_and_reports_hash_and_verdicts(tmp_path, 
     sha = hashlib.sha256(p.read_bytes()).hexdigest()
     assert f"SHA-256 `{sha}`" in text and "Question: Does arm beat base?" in text
     assert "Tuning seeds: 100; evaluation seeds: 0, 1, 2" in text
-    assert "| arm: arm is lower | 3.1 vs 3.2 | -0.0500 [" in text and "| reproduces |" in text
+    assert "| arm vs base: arm is lower | 3.1 vs 3.2 | -0.0500 [" in text and "| reproduces |" in text
     data = json.loads(report.with_suffix(".json").read_text())
     assert data["protocol"]["sha256"] == sha and data["evaluation_seeds"] == [0, 1, 2]
     assert data["verdicts"][0]["verdict"] == "reproduces" and data["paired"][0]["seeds"] == [0, 1, 2]
@@ -163,7 +169,7 @@ def test_compare_refuses_overlapping_seeds_unless_allowed_and_then_says_so_first
     )
     text = report.read_text()
     assert text.startswith("**Seed overlap: evaluation seed(s) 0 also tuned the learning rates")
-    assert "| arm: arm is lower | 3.1 vs 3.2 |" in text
+    assert "| arm vs base: arm is lower | 3.1 vs 3.2 |" in text
 
 
 def test_sweep_flags_need_disjoint_seeds(tmp_path, monkeypatch):
@@ -176,3 +182,42 @@ def test_sweep_flags_need_disjoint_seeds(tmp_path, monkeypatch):
         cli.main(["compare", *configs, "--baseline", "base", "--sweep-lr", "1,2", "--tune-seeds", "100"])
     with pytest.raises(SystemExit):
         cli.main(["compare", *configs, "--seeds", "1,1"])
+
+
+def test_per_config_grids_and_claims_against_another_arm(tmp_path, monkeypatch):
+    import equiopt.train.loop as loop
+    from equiopt import cli
+
+    monkeypatch.delenv("RANK", raising=False)
+    trained = []
+
+    def fake_train(cfg, progress=False):
+        trained.append(cfg.run.name)
+        arm = cfg.run.name.split("-")[0]
+        shift = {"base": 0.0, "arm": -0.05, "other": 0.02}[arm]
+        write_run(cfg.out_path, cfg.run.name, cfg.run.seed, 5.0 + shift + 0.001 * (cfg.run.seed % 5))
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    configs = _configs(tmp_path, ("base", "arm", "other"))
+    p = _protocol(
+        tmp_path,
+        configs,
+        tuning=f'[tuning]\nmultipliers = [1]\nroles = ["attention"]\nseeds = [100]\ngrids = {{ "{configs[1]}" = [0.5, 1, 2] }}\n',
+    )
+    p.write_text(
+        p.read_text()
+        + '[[claims]]\narm = "other"\nbaseline = "arm"\nsays = "other beats arm"\npaper = "-"\ndirection = "lower"\n'
+    )
+    report = tmp_path / "r.md"
+    cli.main(["compare", "--protocol", str(p), "--report", str(report)])
+    assert sorted(n for n in trained if n.startswith("arm-") and n.endswith("s100")) == [
+        "arm-lrx0.5-s100",
+        "arm-lrx1-s100",
+        "arm-lrx2-s100",
+    ]
+    assert [n for n in trained if n.startswith("base-") and n.endswith("s100")] == ["base-lrx1-s100"]
+    text = report.read_text()
+    assert "| other vs arm: other beats arm | - | +0.0700 [" in text and "| reverses |" in text
+    p.write_text(p.read_text().replace(f'grids = {{ "{configs[1]}"', 'grids = { "elsewhere.toml"'))
+    with pytest.raises(ValueError, match="'elsewhere.toml' is not one of \\[study\\] configs"):
+        load_protocol(p)

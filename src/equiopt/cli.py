@@ -310,7 +310,7 @@ def _compare(args, argv) -> int:
         args.seeds = protocol.eval_seeds
         sets = {**_parse_sets([f"{k}={_toml_value(v)}" for k, v in protocol.sets.items()]), **sets}
         if protocol.sweeps:
-            args.sweep_lr = ",".join(f"{m:g}" for m in protocol.multipliers)
+            args.sweep_lr = protocol.multipliers
             args.sweep_roles = ",".join(protocol.roles) if protocol.roles else None
             args.tune_seeds = protocol.tune_seeds
     if not args.configs:
@@ -318,7 +318,11 @@ def _compare(args, argv) -> int:
     if args.sweep_lr:
         if not args.baseline:
             raise SystemExit("equiopt compare --sweep-lr: name the baseline with --baseline")
-        mults = [float(m) for m in args.sweep_lr.split(",") if m.strip()]
+        mults = (
+            args.sweep_lr
+            if not isinstance(args.sweep_lr, str)
+            else [float(m) for m in args.sweep_lr.split(",") if m.strip()]
+        )
         roles = [r.strip() for r in args.sweep_roles.split(",")] if args.sweep_roles else None
         tune = args.tune_seeds
         if tune is not None and not args.protocol and args.seeds is None:
@@ -394,7 +398,7 @@ def _compare_fixed(args, sets, command, protocol, overlap) -> int:
             raise SystemExit(f"equiopt compare: {err}") from None
         text += ["", paired_table(pairs)]
         if protocol is not None:
-            text += [""] + protocol.verdict_lines(pairs)
+            text += [""] + protocol.verdict_lines(rows)
     print("\n".join(text))
     figures = plot_runs(out_dirs, args.out or str(Path(out_dirs[0]).parent / "plots"))
     for path in figures:

@@ -40,7 +40,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,7 +399,7 @@ def mult_tag(mult: float) -> str:
 
 def sweep(
     configs: Sequence[str],
-    multipliers: Sequence[float],
+    multipliers: Sequence[float] | Mapping[str, Sequence[float]],
     seeds: Sequence[int],
     roles: Sequence[str] | None = None,
     sets: dict | None = None,
@@ -417,7 +417,8 @@ def sweep(
     ``<c's out_dir>/lrx<m>-s<s>`` with run name ``<c's name>-lrx<m>-s<s>``; its
     ``optim.overrides`` set ``lr = m * base lr`` for each swept role on top of the config's
     own overrides. A run that diverges (``nonfinite``) is kept as a result, not retried.
-    ``seeds`` are the evaluation seeds and ``tune_seeds`` the grid's (see :func:`seed_split`:
+    ``multipliers`` is one grid for every config, or a grid per config path. ``seeds`` are
+    the evaluation seeds and ``tune_seeds`` the grid's (see :func:`seed_split`:
     overlapping seeds are refused unless ``allow_overlap``); the multiplier with the best
     mean ``metric`` over the tuning seeds is then run on every evaluation seed. With ``progress`` each
     run shows its own progress and a :class:`RunProgress` reports the runs done and the time left.
@@ -427,7 +428,13 @@ def sweep(
 
     train_fn = train_fn or train
     tuning, seeds, overlap = seed_split(seeds, tune_seeds, allow_overlap)
-    runs = RunProgress(len(configs) * (len(multipliers) * len(tuning) + len(seeds) - len(overlap)), enabled=progress)
+    grids = {str(c): list(multipliers[str(c)] if isinstance(multipliers, Mapping) else multipliers) for c in configs}
+    if isinstance(multipliers, Mapping):
+        stray = [k for k in multipliers if k not in grids]
+        if stray:
+            raise ValueError(f"grids given for configs not compared: {', '.join(stray)}")
+    total = sum(len(g) * len(tuning) + len(seeds) - len(overlap) for g in grids.values())
+    runs = RunProgress(total, enabled=progress)
     arms = []
     for path in configs:
         base_cfg = load_config(path, sets or {})
@@ -460,7 +467,7 @@ def sweep(
             runs.done(cfg.run.name, reused)
             arm.runs.setdefault(mult, {})[seed] = str(cfg.out_path)
 
-        for mult in multipliers:
+        for mult in grids[str(path)]:
             for seed in tuning:
                 run(mult, seed)
         best, _ = _best(arm, metric)
@@ -645,7 +652,7 @@ def sweep_report(
         )
     lines += ["", paired_table(pairs, digits), ""]
     if protocol is not None:
-        lines += protocol.verdict_lines(pairs) + [""]
+        lines += protocol.verdict_lines(rows) + [""]
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -672,7 +679,7 @@ def sweep_report(
                     "evaluation_seeds": evaluation,
                     "seed_overlap": overlap,
                     "protocol": None if protocol is None else protocol.identity(),
-                    "verdicts": [] if protocol is None else protocol.verdicts(pairs),
+                    "verdicts": [] if protocol is None else protocol.verdicts(rows),
                     "command": command,
                 },
                 indent=2,

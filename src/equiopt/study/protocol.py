@@ -15,6 +15,7 @@ changed after the results came in::
 
     [tuning]                           # optional: without it the configs' lrs are used as given
     multipliers = [0.5, 1, 2]          # of each arm's learning rates
+    grids = { "configs/cpu/qwen3/a-i.toml" = [1, 2, 4] }   # per-config grids (optional)
     roles = ["embedding", "lm_head"]   # whose lrs are multiplied (default: all)
     seeds = [100, 101]                 # the grid's seeds
 
@@ -30,10 +31,13 @@ changed after the results came in::
     says = "RowNormM on embedding and head reaches a lower validation loss than AdamW there"
     paper = "3.41 vs 3.46 (Table 2)"
     direction = "lower"                # the paper's sign of arm - baseline in the metric
+    # baseline = "qwen3-a-ii"          # another arm to compare with (default: the study's)
 
-Each claim gets a verdict from the paired interval of its arm against the baseline:
+Each claim gets a verdict from the paired interval of its arm against its baseline:
 ``reproduces`` when the interval lies on the paper's side of 0, ``reverses`` when it lies on
-the other, ``inconclusive at this scale`` otherwise (and with one seed).
+the other, ``inconclusive at this scale`` otherwise (and with one seed). A claim of no
+difference (``direction = "equal"`` with a ``margin``) is ``equivalent`` when the interval
+lies inside ``[-margin, margin]``, ``differs`` when it excludes 0, ``inconclusive`` otherwise.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ from ..train.config import tomllib
 __all__ = ["Claim", "Protocol", "load_protocol", "verdict", "VERDICTS"]
 
 VERDICTS = ("reproduces", "reverses", "inconclusive at this scale")
+DIRECTIONS = ("lower", "higher", "equal")
 _SECTIONS = {
     "study": {"name", "question", "configs", "baseline", "metric", "set", "budget"},
-    "tuning": {"multipliers", "roles", "seeds"},
+    "tuning": {"multipliers", "grids", "roles", "seeds"},
     "evaluation": {"seeds", "tuned_on"},
     "analysis": {"statistic", "decision"},
 }
@@ -65,7 +70,9 @@ class Claim:
     arm: str
     says: str
     paper: str
-    direction: str  # "lower" or "higher": the sign of arm - baseline the paper reports
+    direction: str  # "lower", "higher" (the sign of arm - baseline the paper reports) or "equal"
+    baseline: str = ""  # the arm compared with ("": the protocol's baseline)
+    margin: float = 0.0  # the equivalence margin of an "equal" claim
 
 
 @dataclass(frozen=True)
@@ -80,13 +87,14 @@ class Protocol:
     baseline: str
     metric: str
     sets: dict[str, Any]
-    multipliers: list[float]
+    multipliers: list[float] | dict[str, list[float]]
     roles: list[str] | None
     tune_seeds: list[int]
     eval_seeds: list[int]
     statistic: str
     decision: str
     claims: list[Claim] = field(default_factory=list)
+    budget: str = ""
 
     @property
     def sweeps(self) -> bool:
@@ -103,38 +111,55 @@ class Protocol:
             "",
             f"Question: {self.question}",
         ]
+        if self.budget:
+            lines += ["", f"Budget: {self.budget}"]
         if self.statistic:
             lines += ["", f"Statistic: {self.statistic}"]
         if self.decision:
             lines += ["", f"Decision rule: {self.decision}"]
         return lines
 
-    def verdicts(self, pairs: Sequence[Any]) -> list[dict[str, Any]]:
-        """One record per claim: the paper's number, ours with its interval, the verdict."""
+    def verdicts(self, rows: Sequence[Any]) -> list[dict[str, Any]]:
+        """One record per claim: the paper's number, ours (the paired difference of the
+        claim's arm and baseline over their common seeds, with its 95 % interval), the verdict.
+        ``rows``: the comparison's :class:`~equiopt.study.compare_table.CompareRow` per arm."""
+        from .paired import paired_rows
+
         out = []
         for claim in self.claims:
-            match = [p for p in pairs if p.label == claim.arm or claim.arm in p.label]
+            baseline = claim.baseline or self.baseline
+            try:
+                pairs = paired_rows(rows, baseline, metric=self.metric)
+            except ValueError:
+                pairs = []
+            match = [p for p in pairs if p.label == claim.arm] or [p for p in pairs if claim.arm in p.label]
             pair = match[0] if len(match) == 1 else None
             out.append(
                 {
                     "arm": claim.arm,
+                    "baseline": baseline,
                     "says": claim.says,
                     "paper": claim.paper,
                     "direction": claim.direction,
                     "mean": None if pair is None else pair.mean,
                     "ci": None if pair is None else pair.ci,
                     "n": 0 if pair is None else pair.n,
-                    "verdict": "not run" if pair is None else verdict(pair.ci, claim.direction),
+                    "verdict": "not run" if pair is None else verdict(pair.ci, claim.direction, claim.margin),
                 }
             )
         return out
 
-    def verdict_lines(self, pairs: Sequence[Any], digits: int = 4) -> list[str]:
+    def verdict_lines(self, rows: Sequence[Any], digits: int = 4) -> list[str]:
         """Markdown: one line per claim (see :meth:`verdicts`)."""
         if not self.claims:
             return []
-        lines = ["## Claims", "", "| claim | paper | ours: mean diff [95 % CI], seeds | verdict |", "|---|---|---|---|"]
-        for v in self.verdicts(pairs):
+        lines = [
+            "## Claims",
+            "",
+            f"| claim | paper | ours: mean diff in {self.metric} [95 % CI], seeds | verdict |",
+            "|---|---|---|---|",
+        ]
+        for v in self.verdicts(rows):
             if v["mean"] is None:
                 ours = "-"
             elif v["ci"] is None:
@@ -142,18 +167,29 @@ class Protocol:
             else:
                 lo, hi = v["ci"]
                 ours = f"{v['mean']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}], {v['n']} seeds"
-            lines.append(f"| {v['arm']}: {v['says']} | {v['paper']} | {ours} | {v['verdict']} |")
+            lines.append(f"| {v['arm']} vs {v['baseline']}: {v['says']} | {v['paper']} | {ours} | {v['verdict']} |")
         return lines
 
 
-def verdict(ci: tuple[float, float] | None, direction: str) -> str:
-    """``reproduces`` / ``reverses`` / ``inconclusive at this scale`` for a paired interval of
-    arm - baseline and the sign the paper reports (``"lower"``: arm below baseline)."""
-    if direction not in ("lower", "higher"):
-        raise ValueError(f"direction must be 'lower' or 'higher', got {direction!r}")
-    if ci is None or not all(math.isfinite(c) for c in ci):
+def verdict(ci: tuple[float, float] | None, direction: str, margin: float = 0.0) -> str:
+    """The verdict of a paired interval of arm - baseline on a claim (see the module docstring):
+    ``direction`` ``"lower"`` (the paper has the arm below the baseline), ``"higher"``, or
+    ``"equal"`` (no difference beyond ``margin``)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    finite = ci is not None and all(math.isfinite(c) for c in ci)
+    if direction == "equal":
+        if not margin > 0:
+            raise ValueError(f"an 'equal' claim needs a margin > 0, got {margin!r}")
+        if not finite:
+            return "inconclusive"
+        lo, hi = ci  # type: ignore[misc]
+        if -margin <= lo and hi <= margin:
+            return f"equivalent (within +-{margin:g})"
+        return "differs" if lo > 0 or hi < 0 else "inconclusive"
+    if not finite:
         return VERDICTS[2]
-    lo, hi = ci
+    lo, hi = ci  # type: ignore[misc]
     below, above = hi < 0, lo > 0
     if (below and direction == "lower") or (above and direction == "higher"):
         return VERDICTS[0]
@@ -239,6 +275,21 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
         or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in multipliers)
     ):
         raise ValueError(f"{where}, [tuning], field 'multipliers': expected positive numbers, got {multipliers!r}")
+    grids = tuning.get("grids")
+    if grids is not None:
+        if not isinstance(grids, dict):
+            raise ValueError(
+                f"{where}, [tuning], field 'grids': expected a table config = [multipliers], got {grids!r}"
+            )
+        for c, grid in grids.items():
+            if c not in configs:
+                raise ValueError(f"{where}, [tuning], field 'grids': {c!r} is not one of [study] configs")
+            if (
+                not isinstance(grid, list)
+                or not grid
+                or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in grid)
+            ):
+                raise ValueError(f"{where}, [tuning], field 'grids': {c!r}: expected positive numbers, got {grid!r}")
     roles = tuning.get("roles")
     if roles is not None and (not isinstance(roles, list) or not all(isinstance(r, str) for r in roles)):
         raise ValueError(f"{where}, [tuning], field 'roles': expected a list of role names, got {roles!r}")
@@ -263,13 +314,27 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
     claims = []
     for k, c in enumerate(doc.get("claims", [])):
         cw = f"{where}, claims[{k}]"
-        extra = set(c) - {"arm", "says", "paper", "direction"}
+        extra = set(c) - {"arm", "says", "paper", "direction", "baseline", "margin"}
         if extra:
             raise ValueError(f"{cw}: unknown field(s) {', '.join(sorted(extra))}")
         direction = _text(c, "direction", cw)
-        if direction not in ("lower", "higher"):
-            raise ValueError(f"{cw}, field 'direction': expected 'lower' or 'higher', got {direction!r}")
-        claims.append(Claim(_text(c, "arm", cw), _text(c, "says", cw), _text(c, "paper", cw), direction))
+        if direction not in DIRECTIONS:
+            raise ValueError(f"{cw}, field 'direction': expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
+        margin = c.get("margin", 0.0)
+        if direction == "equal" and (
+            not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 < margin < math.inf
+        ):
+            raise ValueError(f"{cw}, field 'margin': an 'equal' claim needs a margin > 0, got {margin!r}")
+        claims.append(
+            Claim(
+                _text(c, "arm", cw),
+                _text(c, "says", cw),
+                _text(c, "paper", cw),
+                direction,
+                _text(c, "baseline", cw, required=False),
+                float(margin),
+            )
+        )
     analysis = doc.get("analysis", {})
     return Protocol(
         path=str(path),
@@ -280,11 +345,16 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
         baseline=_text(study, "baseline", f"{where}, [study]"),
         metric=study.get("metric", "val/loss"),
         sets=dict(sets),
-        multipliers=[float(m) for m in multipliers],
+        multipliers=(
+            {resolved[configs.index(c)]: [float(m) for m in (grids or {}).get(c, multipliers)] for c in configs}
+            if grids
+            else [float(m) for m in multipliers]
+        ),
         roles=roles,
         tune_seeds=tune_seeds,
         eval_seeds=eval_seeds,
         statistic=_text(analysis, "statistic", f"{where}, [analysis]", required=False),
         decision=_text(analysis, "decision", f"{where}, [analysis]", required=False),
         claims=claims,
+        budget=_text(study, "budget", f"{where}, [study]", required=False),
     )
