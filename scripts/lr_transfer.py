@@ -10,7 +10,11 @@ AdamW warm-up is shortened to fit the short runs. For each size, the embedding's
 swept on a grid for each update size in ``--scales``: ``nu`` (the paper's nu^alpha),
 ``rms`` (the scale-transferable option ``scale = "rms"``, with the recipe's alpha = 1) and
 ``rms-alpha0`` (``scale = "rms"`` without the rho^alpha factor). The final validation loss of every run is
-written to ``results.csv``; ``summary.json`` has the best lr per size and how far it moves.
+written to ``results.csv``; ``summary.json`` has the best lr per size and, per update size,
+the statistic that answers "does it transfer": the regression exponents of log2(best lr) on
+log2(width) and log2(vocabulary), with seed-bootstrap intervals and an equivalence verdict
+against +-0.1 (ratios of extremes are kept for reference: they grow with the number of sizes
+and with the seed noise).
 
 The rest of the model can be put in a width-transferable setting: ``--head-lr`` with
 ``--head-lr-base-width`` (the head's lr as 1 / width), ``--init-base-width`` (init std as
@@ -356,7 +360,55 @@ def _bootstrap(sizes: dict, half: int = 1, draws: int = 2000, seed: int = 0) -> 
         "ratio": points(2 ** (table.max(0) - table.min(0))),
         "noise_only_ratio": points(2 ** (centred.max(0) - centred.min(0))),
         "by_size": {size: points(2**v) for size, v in logs.items()},
+        "log2_draws": logs,
     }
+
+
+# An exponent within +-0.1 changes the best lr by at most 2^0.1 = 7 % per doubling of the size.
+TRANSFER_MARGIN = 0.1
+
+
+def _transfer_verdict(ci: list[float]) -> str:
+    lo, hi = ci
+    if -TRANSFER_MARGIN <= lo and hi <= TRANSFER_MARGIN:
+        return f"transfers (the 95 % interval lies within +-{TRANSFER_MARGIN:g})"
+    if lo > TRANSFER_MARGIN or hi < -TRANSFER_MARGIN:
+        return f"does not transfer (the 95 % interval lies beyond +-{TRANSFER_MARGIN:g})"
+    return f"inconclusive (the 95 % interval crosses +-{TRANSFER_MARGIN:g})"
+
+
+def slopes(log2_best: dict, draws: dict | None) -> dict:
+    """Least-squares exponents of the best lr in width and vocabulary:
+    ``log2(best lr) = a + b log2(width) + c log2(vocab)`` over the sizes (a term is left out
+    when only one width or one vocabulary was run). ``b = c = 0`` is perfect transfer; each
+    exponent comes with the 2.5 / 97.5 % points of its seed bootstrap (the same draws as the
+    ratio's) and an equivalence verdict against +-:data:`TRANSFER_MARGIN`.
+
+    ``log2_best``: ``{(vocab, width): log2 of the fitted best lr}``; ``draws``: the same keys,
+    each an array of bootstrap draws (or None)."""
+    import numpy as np
+
+    sizes = sorted(log2_best)
+    terms = [("width", 1), ("vocab", 0)]
+    used = [(name, k) for name, k in terms if len({s[k] for s in sizes}) > 1]
+    if not used:
+        return {}
+    X = np.array([[1.0] + [math.log2(s[k]) for _, k in used] for s in sizes])
+    if np.linalg.matrix_rank(X) < X.shape[1]:
+        return {}
+    point = np.linalg.lstsq(X, np.array([log2_best[s] for s in sizes]), rcond=None)[0]
+    boot = None
+    if draws is not None and all(s in draws for s in sizes):
+        Y = np.array([draws[s] for s in sizes])
+        boot = np.linalg.lstsq(X, Y, rcond=None)[0]
+    out = {}
+    for j, (name, _) in enumerate(used, start=1):
+        entry = {"slope": float(point[j])}
+        if boot is not None:
+            ci = [float(q) for q in np.percentile(boot[j], [2.5, 97.5])]
+            entry.update({"ci_95": ci, "verdict": _transfer_verdict(ci)})
+        out[name] = entry
+    return out
 
 
 def _shared_lr(best: dict) -> dict | None:
@@ -405,6 +457,13 @@ def summarise(rows: list[dict]) -> dict:
                 "mean_val_loss_by_lr": dict(zip(map(str, grid), means)),
             }
         boot, boot5 = _bootstrap(sizes), _bootstrap(sizes, half=2)
+        log2_best = {
+            (b["vocab"], b["width"]): math.log2(b["fit_lr"] if b["fit_lr"] is not None else b["best_lr"])
+            for b in best.values()
+        }
+        exponents = slopes(log2_best, boot and boot.pop("log2_draws"))
+        if boot5:
+            boot5.pop("log2_draws")
         for (vocab, width), q in (boot["by_size"] if boot else {}).items():
             best[f"v{vocab}-d{width}"]["fit_lr_bootstrap_2.5_50_97.5"] = q
         lrs = [b["best_lr"] for b in best.values()]
@@ -419,6 +478,7 @@ def summarise(rows: list[dict]) -> dict:
             "fit5_lr_ratio_bootstrap_2.5_50_97.5": boot5 and boot5["ratio"],
             "fit_lr_noise_only_ratio_2.5_50_97.5": boot and boot["noise_only_ratio"],
             "shared_lr": _shared_lr(best),
+            "slopes": exponents,
         }
     return out
 
@@ -479,6 +539,27 @@ def markdown(summary: dict) -> str:
                 f"| {scale} | {b['vocab']} | {b['width']} | {b['seeds']} | {b['best_lr']:g}{edge} | {fit} | {interval} | {fit5} | "
                 f"{b['best_val_loss']:.4f} |"
             )
+    lines += [
+        "",
+        "Transfer as a slope: the least-squares exponents `b`, `c` of `log2(best lr) = a + b log2(width) + "
+        "c log2(vocab)` over the sizes (parabola-fit best lrs; `b = c = 0` is perfect transfer), with seed-"
+        f"bootstrap 95 % intervals and an equivalence verdict against +-{TRANSFER_MARGIN:g}:",
+        "",
+        "| update size | exponent in width | 95 % interval | verdict | exponent in vocabulary | 95 % interval | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for scale in UPDATE_SIZES:
+        if scale not in summary:
+            continue
+        cells = []
+        for name in ("width", "vocab"):
+            e = summary[scale].get("slopes", {}).get(name)
+            if e is None:
+                cells += ["-", "-", "-"]
+                continue
+            ci = e.get("ci_95")
+            cells += [f"{e['slope']:+.3f}", f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "-", e.get("verdict", "-")]
+        lines.append(f"| {scale} | " + " | ".join(cells) + " |")
     lines.append("")
     for scale in UPDATE_SIZES:
         if scale in summary:
