@@ -1,4 +1,4 @@
-"""The ``equiopt`` command: demo, data, train, compare, plot, roles, plan, bench."""
+"""The ``equiopt`` command: demo, data, train, compare, plot, roles, coord-check, plan, bench."""
 
 from __future__ import annotations
 
@@ -179,6 +179,30 @@ def main(argv: list[str] | None = None) -> int:
         "--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)"
     )
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
+    coord = sub.add_parser(
+        "coord-check",
+        help="train a few steps at several widths and show whether each role's activation and update RMS "
+        "stay flat in width (muP-style)",
+    )
+    coord.add_argument("model", help="FAMILY[:SIZE] of equiopt.models (default size small), e.g. qwen3:small")
+    coord.add_argument(
+        "--recipe", default="equiopt:default", help="recipe, the same lrs at every width (default %(default)s)"
+    )
+    coord.add_argument("--widths", default="64,128,256,512", help="hidden sizes (default %(default)s)")
+    coord.add_argument("--steps", type=int, default=10, help="optimizer steps per width (default %(default)s)")
+    coord.add_argument("--batch", type=int, default=4)
+    coord.add_argument("--seq", type=int, default=64)
+    coord.add_argument("--seed", type=int, default=0)
+    coord.add_argument("--device", default="cpu")
+    coord.add_argument(
+        "--init-base-width",
+        type=int,
+        default=None,
+        metavar="W",
+        help="draw weights with std 0.02 sqrt(W / width) (muP's 1/sqrt(fan_in)) instead of 0.02",
+    )
+    coord.add_argument("--tolerance", type=float, default=0.25, help="flag |exponent in width| above this")
+    coord.add_argument("--out", default=None, help="write coord_check.md, .json and .png here")
     plan = sub.add_parser(
         "plan", help="what an optimizer step sends and computes per rank on a device mesh of any size"
     )
@@ -257,6 +281,30 @@ def main(argv: list[str] | None = None) -> int:
         print(planning.format_plan(doc))
         if args.json:
             planning.write_json(doc, args.json)
+    elif args.command == "coord-check":
+        from .study.coord_check import coord_check, coord_table, write_outputs
+
+        try:
+            widths = [int(w) for w in args.widths.split(",") if w.strip()]
+            result = coord_check(
+                args.model,
+                args.recipe,
+                widths,
+                steps=args.steps,
+                batch=args.batch,
+                seq=args.seq,
+                seed=args.seed,
+                device=args.device,
+                init_base_width=args.init_base_width,
+                tail=min(3, args.steps),
+                tolerance=args.tolerance,
+            )
+        except (ValueError, FloatingPointError) as err:
+            raise SystemExit(f"equiopt coord-check: {err}") from None
+        print(coord_table(result), end="")
+        if args.out:
+            for path in write_outputs(result, args.out):
+                print(path)
     elif args.command == "fields":
         from .optim.fields import fields_table
 
