@@ -281,7 +281,22 @@ def test_compare_table_text(tmp_path):
     rownorm = next(line for line in lines if line.startswith("| rownorm "))
     assert "| 3 | 4.0530 ± 0.0012 | 4.0516 |" in rownorm
     hybrid = next(line for line in lines if line.startswith("| hybrid "))
-    assert "**4.0464 ± 0.0031**" in hybrid  # best configuration in bold, as in the paper's table
+    assert "**4.0464 ± 0.0031**" in hybrid  # best, and separated from both others by its paired interval
+
+
+def test_compare_table_bolds_nothing_its_interval_does_not_separate(tmp_path):
+    close = {"a": [4.00, 4.05, 4.02], "b": [4.01, 4.03, 4.03]}  # a is lower on average, not on every seed
+    dirs = [
+        make_run(
+            tmp_path, f"{c}-s{s}", seed=s, recipe=f"paper:gemma3:b-{'i' if c == 'a' else 'ii'}", val_losses=[5.0, v]
+        )
+        for c, vals in close.items()
+        for s, v in enumerate(vals)
+    ]
+    assert "**" not in compare_table(dirs)
+    one_seed = [make_run(tmp_path / "one", "x", recipe="paper:gemma3:b-i", val_losses=[5.0, 3.0])]
+    one_seed.append(make_run(tmp_path / "one", "y", recipe="paper:gemma3:b-ii", val_losses=[5.0, 4.0]))
+    assert "**" not in compare_table(one_seed)  # one seed: no interval, no bold
 
 
 def test_grouping_of_seeds(tmp_path):

@@ -203,6 +203,20 @@ def compare_rows(
     return rows
 
 
+def _separated(best: CompareRow, other: CompareRow, higher: bool) -> bool:
+    """Whether the 95 % Student-t interval of ``best - other`` over their common seeds
+    (finite values, at least two) lies strictly on ``best``'s side of 0."""
+    from .paired import t_quantile
+
+    theirs = {s: v for s, v in zip(other.seeds, other.values) if math.isfinite(v)}
+    diffs = [v - theirs[s] for s, v in zip(best.seeds, best.values) if s in theirs and math.isfinite(v)]
+    if len(diffs) < 2:
+        return False
+    mean = statistics.fmean(diffs)
+    half = t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean - half > 0 if higher else mean + half < 0
+
+
 def _fmt(v: float | None, digits: int) -> str:
     if v is None or not math.isfinite(v):
         return "-" if v is None else str(v)
@@ -228,11 +242,18 @@ def compare_table(
     """The rows of :func:`compare_rows` as a markdown table (one line per configuration):
     configuration, number of seeds, final ``metric`` as mean ± sample std ("-" for one
     seed), the best seed's value, each seed's value, mean final training loss, tokens and
-    run status. The best configuration's mean is in bold when there are several."""
+    run status. The best configuration's mean is in bold only when the data separate it
+    from every other: the 95 % Student-t interval of its paired differences (over at least
+    two common seeds) excludes 0 against each. One seed, or an interval that reaches 0,
+    bolds nothing."""
     rows = compare_rows(run_dirs, metric=metric, ignore=ignore, sort=sort)
     higher = metric in HIGHER_IS_BETTER
     means = [r.mean for r in rows if r.mean is not None]
     winner = (max(means) if higher else min(means)) if len(rows) > 1 and means else None
+    if winner is not None:
+        best = next(r for r in rows if r.mean == winner)
+        if not all(_separated(best, r, higher) for r in rows if r is not best):
+            winner = None
     header = [
         "configuration",
         "seeds",
