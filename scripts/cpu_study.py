@@ -98,8 +98,14 @@ def main(argv=None) -> int:
 
 # ------------------------------------------------------------------ report
 # study -> (metrics at the final validation, [(arm, baseline)] pairs for paired differences)
+_ROUTER = ["router/lb", "router/z", "router/dead", "router/max_load", "router/entropy", "router/cv", "router/logit_rms"]
+_LOGITS = ["logits/rms", "logits/centred_rms", "logits/max_lse"]
 METRICS = {
     "qwen3_a": ["val/loss", "ood/loss"],
+    "qwen3_a_heldout": ["val/loss", "ood/loss"],
+    "peers": ["val/loss", "ood/loss"],
+    "gemma3_b": ["val/loss", *_LOGITS, "ood/loss"],
+    "gpt_oss": ["val/loss", *_ROUTER, "ood/loss"],
     "gpt_oss_router": [
         "val/loss",
         "router/lb",
@@ -115,6 +121,7 @@ METRICS = {
 # metrics also summarised over the whole run: each run's mean over its validations
 RUN_MEAN = {
     "gpt_oss_router": ["router/lb", "router/z", "router/dead", "router/max_load"],
+    "gpt_oss": ["router/lb", "router/z", "router/dead", "router/max_load"],
     "gemma3_logits": ["logits/rms", "logits/centred_rms", "logits/max_lse"],
 }
 PAIRS = {
@@ -122,15 +129,37 @@ PAIRS = {
 }
 CURVES = {
     "qwen3_a": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
+    "qwen3_a_heldout": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
+    "peers": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
+    "gemma3_b": ["val/loss", *_LOGITS],
+    "gpt_oss": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
     "gpt_oss_router": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
     "gemma3_logits": ["val/loss", "logits/rms", "logits/centred_rms", "logits/max_lse"],
 }
 
 
 def _run_dirs(study: str) -> list[Path]:
-    """The study's finished runs; for a learning-rate sweep only each arm's chosen multiplier."""
+    """The study's finished runs; for a learning-rate sweep only each arm's chosen multiplier
+    (and for a protocol's sweep only its evaluation seeds)."""
     logs = OUT / study / "logs"
     sweep = OUT / study / "sweep.json"
+    protocol = OUT / study / "protocol-report.json"
+    if protocol.exists():
+        from equiopt.study.paired import mult_tag
+
+        report = json.loads(protocol.read_text())
+        family, names = STUDIES[study]
+        dirs = []
+        for entry in names:
+            name = entry.partition("=")[0]
+            label = next(k for k in report["chosen"] if k.endswith(f"-{name}"))
+            tag = mult_tag(report["chosen"][label])
+            dirs += [
+                logs / name / f"{tag}-s{s}"
+                for s in report["evaluation_seeds"]
+                if _finished(logs / name / f"{tag}-s{s}")
+            ]
+        return dirs
     if sweep.exists():
         from equiopt.study.paired import mult_tag
 
@@ -178,7 +207,7 @@ def _section(study: str, title: str, rows, metric: str) -> list[str]:
         lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
     lines.append("")
     labels = {r.label for r in rows}
-    for arm, base in PAIRS.get(study) or [(None, f"{family}-{names[0]}")]:
+    for arm, base in PAIRS.get(study) or [(None, f"{family}-{names[0].partition('=')[0]}")]:
         if not any(base in label for label in labels) or (arm is not None and arm not in labels):
             continue  # an arm of the study that was not run
         lines += [paired_table([p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]), ""]
@@ -275,6 +304,7 @@ def _sweep_arms(study: str):
             str((OUT / study / "configs" / f"{name}.toml").relative_to(ROOT)),
             _base_lrs(cfg, roles),
             tune_seeds=[0],
+            eval_seeds=[0, 1, 2],  # seed 0 both chose and judged: the report's first line says so
         )
         for d in sorted((OUT / study / "logs" / name).glob("lrx*-s*")):
             m = re.fullmatch(r"lrx([0-9.e+-]+)-s(\d+)", d.name)
