@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--quick", action="store_true", help="the optimizer-only demo on a synthetic problem (a minute)")
     demo.add_argument("--steps", type=int, default=None)
     demo.add_argument("--out", default="runs/demo")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--seed", type=int, default=None, help="default: 10 (an evaluation seed of the held-out study), 0 with --quick"
+    )
     sub.add_parser(
         "data",
         help="prepare token shards: equiopt data prepare --corpus poetry --tokenizer gpt2 --out DIR",
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             from .demos.quick import main as quick_demo
 
-            quick_demo(steps=args.steps or 300, seed=args.seed)
+            quick_demo(steps=args.steps or 300, seed=0 if args.seed is None else args.seed)
         else:
             from .demos.pretrain import main as train_demo
 
