@@ -103,7 +103,9 @@ class Factored(NamedTuple):
 
     ``x`` has shape ``(..., m, n)``; ``row`` ``(..., m, 1)``, ``left`` ``(..., m, m)``,
     ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional, and at most one
-    of ``row``, ``left``, ``right`` is set.
+    of ``row``, ``left``, ``right`` is set. ``low``, when set, is ``x`` rounded to a low
+    precision (``gram_dtype="bfloat16"``): the product with ``left`` or ``right`` is then
+    taken in that precision (float32 accumulation), see :func:`low_product`.
     """
 
     x: torch.Tensor
@@ -111,6 +113,60 @@ class Factored(NamedTuple):
     left: torch.Tensor | None = None
     right: torch.Tensor | None = None
     shift: torch.Tensor | None = None
+    low: torch.Tensor | None = None
+
+
+GRAM_DTYPES = ("float32", "bfloat16")
+
+# torch.mm / torch.bmm with out_dtype: low-precision operands, a float32 result (CUDA)
+_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def _low(x: torch.Tensor, gram_dtype: str | None) -> torch.Tensor | None:
+    """``x`` in the Gram precision, or None for float32 (or wider) Grams."""
+    if gram_dtype in (None, "float32") or x.dtype == torch.float64:
+        return None
+    if gram_dtype != "bfloat16":
+        raise ValueError(f"unknown gram_dtype {gram_dtype!r}; valid: {', '.join(GRAM_DTYPES)}")
+    return x.to(torch.bfloat16)
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *t.shape[-2:]) if t.ndim != 3 else t
+
+
+def low_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for bfloat16 operands, accumulated in float32, returned in float32 to
+    float32 precision (what a Gram needs: rounding its entries to bfloat16, a relative
+    2^-9, would swamp its small eigenvalues and can leave it indefinite).
+
+    On CUDA with ``out_dtype`` support that is one product; elsewhere two: ``hi = a @ b``
+    rounded to bfloat16, then the residual ``a @ b - hi`` (one more product, whose beta term
+    is added in float32 before rounding), so ``hi + residual`` is within about 2^-17 of the
+    float32 product of the same operands.
+    """
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = _as_3d(a.expand(*lead, *a.shape[-2:]))
+    b3 = _as_3d(b.expand(*lead, *b.shape[-2:]))
+    if _OUT_DTYPE_MM and a.is_cuda:
+        out = torch.bmm(a3, b3, out_dtype=torch.float32)
+    else:
+        hi = torch.bmm(a3, b3)
+        out = hi.float() + torch.baddbmm(hi, a3, b3, beta=-1.0).float()
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+def low_times(low: torch.Tensor, factor: torch.Tensor, right: bool = True) -> torch.Tensor:
+    """``low @ factor`` (or ``factor @ low``) in float32, for a bfloat16 ``low`` and a float32
+    ``factor`` (the small ``R``): the factor is split as ``hi + lo``, both bfloat16, so its
+    own rounding (which the condition number would amplify like the operand's) is gone; the
+    two products accumulate in float32 and round to bfloat16 once each.
+    """
+    hi = factor.to(low.dtype)
+    lo = (factor - hi.float()).to(low.dtype)
+    if right:
+        return (low @ hi).float() + (low @ lo).float()
+    return (hi @ low).float() + (lo @ low).float()
 
 
 def materialize(f: Factored) -> torch.Tensor:
@@ -127,11 +183,12 @@ def materialize(f: Factored) -> torch.Tensor:
             return torch.addcmul(-f.shift, f.x, f.row)
         return f.x * f.row
     if f.right is not None:
-        u = f.x @ f.right
+        u = f.x @ f.right if f.low is None else low_times(f.low, f.right)
     elif f.left is not None:
-        u = f.left @ f.x
+        u = f.left @ f.x if f.low is None else low_times(f.low, f.left, right=False)
     else:
         return f.x if f.shift is None else f.x - f.shift
+    u = u.to(f.x.dtype)
     return u if f.shift is None else u.sub_(f.shift)
 
 
@@ -389,6 +446,7 @@ def _one_sided(
     rows: torch.Tensor | None = None,
     reducer: RowReducer | None = None,
     damping: str = "relative",
+    gram_dtype: str | None = None,
 ) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
@@ -408,6 +466,13 @@ def _one_sided(
     With ``reducer`` (a row-sharded ``x``) only the right side can be formed from shards:
     the partial Grams are summed by ``reducer``, ``R`` is computed from the reduced Gram
     on every rank and ``x R`` stays local.
+
+    ``gram_dtype="bfloat16"``: the Gram is formed from ``x`` rounded to bfloat16 (float32
+    accumulation and a float32-precise result, :func:`low_product`) and the final product
+    ``x R`` is taken in bfloat16 too; the inverse square root, ``nu`` and the shift stay in
+    float32. The rounding of ``x`` costs accuracy in the directions of its small singular
+    values: the relative error grows like ``2^-9`` times the condition number (docs: "Gram
+    precision").
     """
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
@@ -422,11 +487,14 @@ def _one_sided(
         )
     if method == "gram_newton_schulz":
         return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows)
+    low = _low(x, gram_dtype)
     if left:
-        C = x @ x.mT
+        C = x @ x.mT if low is None else low_product(low, low.mT)
     else:
-        part = _take(reducer, x)
-        C = x.mT @ x if reducer is None else reducer.sum(part.mT @ part)
+        part = _take(reducer, x if low is None else low)
+        C = part.mT @ part if low is None else low_product(part.mT, part)
+        if reducer is not None:
+            C = reducer.sum(C)
     C, half = _normalized_gram(C)
     trace = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)  # ||D||_F^2, normalised
     A = C
@@ -448,8 +516,8 @@ def _one_sided(
         factor = half * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)
     R = R * factor[..., None, None]
     if left:
-        return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None)
-    return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None)
+        return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None, low=low)
+    return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None, low=low)
 
 
 def _scale(
@@ -518,6 +586,7 @@ def one_sided_factored(
     reducer: RowReducer | None = None,
     centered_input: bool = False,
     damping: str = "relative",
+    gram_dtype: str | None = None,
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
@@ -537,12 +606,16 @@ def one_sided_factored(
         centered_input: ``D`` already has zero column means (``centred_input=``: the
             deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
+        gram_dtype: ``"float32"`` (default) or ``"bfloat16"``: the precision of the Gram
+            and of the final product (see :func:`_one_sided`).
 
     Returns:
         The update as a :class:`Factored`.
     """
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
-    return _one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping)
+    return _one_sided(
+        x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping, gram_dtype=gram_dtype
+    )
 
 
 ONE_SIDED_METHODS = ("polar_express", "newton_schulz", "exact", "gram_newton_schulz")
@@ -558,6 +631,7 @@ def right_spectral(
     gram: str = "auto",
     scale: str = "nu",
     damping: str = "relative",
+    gram_dtype: str | None = None,
 ) -> torch.Tensor:
     """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
 
@@ -578,14 +652,15 @@ def right_spectral(
         gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
         scale: ``"nu"`` (``nu^alpha``) or ``"rms"`` (an update of RMS about 1).
         damping: ``"relative"`` (default) or ``"absolute"``.
+        gram_dtype: ``"float32"`` (default) or ``"bfloat16"`` (the Gram and the final
+            product from bfloat16 operands; see :func:`_one_sided` for what it costs).
 
     Returns:
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "right_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping)).to(
-        D.dtype
-    )
+    f = one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping, gram_dtype=gram_dtype)
+    return materialize(f).to(D.dtype)
 
 
 def left_spectral(
@@ -598,6 +673,7 @@ def left_spectral(
     gram: str = "auto",
     scale: str = "nu",
     damping: str = "relative",
+    gram_dtype: str | None = None,
 ) -> torch.Tensor:
     """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
 
@@ -618,14 +694,14 @@ def left_spectral(
         gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
         scale: ``"nu"`` or ``"rms"``.
         damping: ``"relative"`` (default) or ``"absolute"``.
+        gram_dtype: ``"float32"`` (default) or ``"bfloat16"``, as in :func:`right_spectral`.
 
     Returns:
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "left_spectral")
-    return materialize(one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping)).to(
-        D.dtype
-    )
+    f = one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping, gram_dtype=gram_dtype)
+    return materialize(f).to(D.dtype)
 
 
 def spectral(
@@ -660,6 +736,7 @@ def hybrid(
     gram: str = "auto",
     scale: str = "nu",
     damping: str = "relative",
+    gram_dtype: str | None = None,
 ) -> torch.Tensor:
     """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
 
@@ -694,24 +771,30 @@ def hybrid(
         gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
         scale: ``"nu"`` or ``"rms"``.
         damping: ``"relative"`` (default) or ``"absolute"``.
+        gram_dtype: ``"float32"`` (default) or ``"bfloat16"``: the precision of the
+            one-sided stage's Gram and product, as in :func:`right_spectral`.
 
     Returns:
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "hybrid")
-    return materialize(
-        hybrid_factored(D, order, eps, alpha, center, method, steps, eta, gram, scale, damping=damping)
-    ).to(D.dtype)
+    f = hybrid_factored(
+        D, order, eps, alpha, center, method, steps, eta, gram, scale, damping=damping, gram_dtype=gram_dtype
+    )
+    return materialize(f).to(D.dtype)
 
 
 def _clean_stage(f: Factored) -> Factored:
-    """``f`` with the NaN and Inf entries of its materialised first stage ``f.x`` zeroed in place.
+    """``f`` with the NaN and Inf entries of its materialised first stage ``f.x`` (and of its
+    low-precision copy) zeroed in place.
 
     The second stage's factors were formed from ``f.x`` as it was, so they carry any
     non-finite value (the optimizer's finite check reads them); the cleaned ``f.x`` keeps
     ``0 * NaN`` out of the product when such an update is skipped.
     """
     torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
+    if f.low is not None:
+        torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
     return f
 
 
@@ -730,6 +813,7 @@ def hybrid_factored(
     reducer: RowReducer | None = None,
     centered_input: bool = False,
     damping: str = "relative",
+    gram_dtype: str | None = None,
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
@@ -751,6 +835,7 @@ def hybrid_factored(
         centered_input: ``D`` already has zero column means (``centred_input=``: the
             deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
+        gram_dtype: ``"float32"`` (default) or ``"bfloat16"`` (the one-sided stage).
 
     Returns:
         The update as a :class:`Factored`.
@@ -766,8 +851,14 @@ def hybrid_factored(
             rows = (
                 _row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)
             ).clamp_min(1.0)
-        return _clean_stage(_one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping))
-    z = materialize(_one_sided(x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping))
+        return _clean_stage(
+            _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping, gram_dtype)
+        )
+    z = materialize(
+        _one_sided(
+            x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping, gram_dtype=gram_dtype
+        )
+    )
     f = _clean_stage(_row_factors(z, eta, eps, center, reducer))
     if scale == "rms":  # rows of unit RMS
         k = z.shape[-1] ** 0.5
@@ -796,4 +887,7 @@ __all__ = [
     "ONE_SIDED_METHODS",
     "SCALES",
     "DAMPINGS",
+    "GRAM_DTYPES",
+    "low_product",
+    "low_times",
 ]

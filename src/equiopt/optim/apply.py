@@ -91,6 +91,8 @@ def _guarded(f: Factored) -> tuple[Factored, torch.Tensor]:
     names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
     ok = finite_flags([getattr(f, k) for k in names] or [f.x], INF_NORM).all()
     if names:
+        if f.low is not None:  # a fresh copy of x: a NaN there would survive the zeroed factor
+            torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
         return f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0) for k in names}), ok
     torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
     return f, ok
@@ -111,12 +113,19 @@ def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> torch.Te
     return ok | (coef == 0)
 
 
+def _scaled(t: torch.Tensor | None, coef: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t * coef
+
+
 def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
     if pw.dtype != f.x.dtype:
         # Low-precision weights: form the update in the compute dtype, round once.
         pw.add_((materialize(f) * coef).to(pw.dtype))
         return
-    if f.row is not None:
+    if f.low is not None and (f.right is not None or f.left is not None):
+        # bfloat16 operands (gram_dtype): the product in float32, then one add
+        pw.add_(materialize(f._replace(shift=None, right=_scaled(f.right, coef), left=_scaled(f.left, coef))))
+    elif f.row is not None:
         pw.addcmul_(f.x, f.row * coef)
     elif f.right is not None:
         if not _gemm_(pw, f.x, f.right * coef):

@@ -159,6 +159,7 @@ class EquivariantOptimizer(Optimizer):
         nonfinite: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         scale: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         damping: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        gram_dtype: group default: the precision of the one-sided and hybrid maps' Gram and final product.
         lazy: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         state_dtype: dtype of momentum and Adam moments (default: float32, float64 for float64 parameters).
         eager_state: create every state tensor at construction.
@@ -195,6 +196,7 @@ class EquivariantOptimizer(Optimizer):
         nonfinite: str = default("nonfinite"),
         scale: str | None = None,
         damping: str = default("damping"),
+        gram_dtype: str = default("gram_dtype", "right"),
         lazy: bool = default("lazy"),
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
@@ -241,6 +243,7 @@ class EquivariantOptimizer(Optimizer):
             nonfinite=nonfinite,
             scale=scale,
             damping=damping,
+            gram_dtype=gram_dtype,
             lazy=lazy,
         )
         super().__init__(params, defaults)

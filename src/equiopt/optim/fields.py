@@ -179,6 +179,15 @@ def _dtype(value: Any, rule: str) -> Any:
     return dtype
 
 
+def _gram_dtype(value: Any, rule: str) -> str:
+    """``"float32"`` or ``"bfloat16"``, from a name or a torch dtype (``"bf16"``, ``torch.bfloat16``)."""
+    dtype = _dtype(value, rule) if value is not None else None
+    name = "float32" if dtype is None else str(dtype).removeprefix("torch.")
+    if name not in maps.GRAM_DTYPES:
+        raise ValueError(f"expected one of {', '.join(maps.GRAM_DTYPES)}, got {value!r}")
+    return name
+
+
 def _lr_scales(rule: str) -> Sequence[str]:
     # torch's Muon knows Jordan's factor ("original") and Moonlight's ("match_rms_adamw") only
     return LR_SCALES if rule != "torch_muon" else ("spectral", "match_adamw")
@@ -276,6 +285,15 @@ FIELDS: dict[str, Field] = {
             "relative",
             _choice("damping", maps.DAMPINGS),
             "relative: eps times the mean eigenvalue of the Gram, tr(C) / min(m, n); absolute: the paper's eps",
+            optional=True,
+        ),
+        Field(
+            "gram_dtype",
+            _GRAM_RULES,
+            "float32",
+            _gram_dtype,
+            "precision of the Gram and the final product: float32, or bfloat16 (float32 accumulation; "
+            "safe to condition numbers of about 100, see the docs)",
             optional=True,
         ),
         Field("betas", ("adamw", "torch_adamw"), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),

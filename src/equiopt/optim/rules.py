@@ -56,6 +56,7 @@ class MapKey(NamedTuple):
     polar_dtype: torch.dtype | None
     scale: str
     damping: str
+    gram_dtype: str = "float32"
 
 
 def map_key(group: dict) -> MapKey:
@@ -74,6 +75,7 @@ def map_key(group: dict) -> MapKey:
         polar_dtype=group.get("polar_dtype"),
         scale=group["scale"],
         damping=group.get("damping", "relative"),
+        gram_dtype=group.get("gram_dtype") or "float32",
     )
 
 
@@ -101,7 +103,7 @@ def factored_map(
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
     ``col_reducer``: the same for a split of the columns (row-norm only)."""
-    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping = key
+    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping, gram_dtype = key
     done = center == PRECENTRED
     center = bool(center)
     if rule == "spectral":
@@ -120,6 +122,7 @@ def factored_map(
             reducer=reducer,
             centered_input=done,
             damping=damping,
+            gram_dtype=gram_dtype,
         )
     if col_reducer is not None and rule != "row":
         raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
@@ -140,6 +143,7 @@ def factored_map(
         reducer=reducer,
         centered_input=done,
         damping=damping,
+        gram_dtype=gram_dtype,
     )
 
 
