@@ -110,41 +110,28 @@ def factored_map(
         if reducer is not None:
             raise ValueError("the spectral map needs the whole matrix; gather a row-sharded one first")
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
-    if rule in ("right", "left"):
-        return maps.one_sided_factored(
-            D,
-            eps=eps,
-            alpha=alpha,
-            center=center,
-            method=method,
-            steps=steps,
-            scale=scale,
-            reducer=reducer,
-            centered_input=done,
-            damping=damping,
-            gram_dtype=gram_dtype,
-        )
-    if col_reducer is not None and rule != "row":
-        raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
-    if rule == "row":
-        return maps.row_norm_factored(
-            D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done, col_reducer=col_reducer
-        )
-    return maps.hybrid_factored(
-        D,
-        order=order,
+    # the settings the one-sided maps and the hybrids share
+    common = dict(
         eps=eps,
         alpha=alpha,
         center=center,
         method=method,
         steps=steps,
-        eta=eta,
         scale=scale,
         reducer=reducer,
         centered_input=done,
         damping=damping,
         gram_dtype=gram_dtype,
     )
+    if rule in ("right", "left"):
+        return maps.one_sided_factored(D, **common)
+    if col_reducer is not None and rule != "row":
+        raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
+    if rule == "row":
+        return maps.row_norm_factored(
+            D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done, col_reducer=col_reducer
+        )
+    return maps.hybrid_factored(D, order=order, eta=eta, **common)
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:

@@ -203,18 +203,16 @@ def compare_rows(
     return rows
 
 
-def _separated(best: CompareRow, other: CompareRow, higher: bool) -> bool:
-    """Whether the 95 % Student-t interval of ``best - other`` over their common seeds
-    (finite values, at least two) lies strictly on ``best``'s side of 0."""
-    from .paired import t_quantile
+def _separated(best: CompareRow, other: CompareRow, metric: str) -> bool:
+    """Whether the paired 95 % Student-t interval of ``best - other`` (see
+    :class:`~equiopt.study.paired.PairedRow`; at least two common seeds) lies strictly on
+    ``best``'s side of 0."""
+    from .paired import _pair
 
-    theirs = {s: v for s, v in zip(other.seeds, other.values) if math.isfinite(v)}
-    diffs = [v - theirs[s] for s, v in zip(best.seeds, best.values) if s in theirs and math.isfinite(v)]
-    if len(diffs) < 2:
+    ci = _pair(best, other, metric).ci
+    if ci is None:
         return False
-    mean = statistics.fmean(diffs)
-    half = t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return mean - half > 0 if higher else mean + half < 0
+    return ci[0] > 0 if metric in HIGHER_IS_BETTER else ci[1] < 0
 
 
 def _fmt(v: float | None, digits: int) -> str:
@@ -252,7 +250,7 @@ def compare_table(
     winner = (max(means) if higher else min(means)) if len(rows) > 1 and means else None
     if winner is not None:
         best = next(r for r in rows if r.mean == winner)
-        if not all(_separated(best, r, higher) for r in rows if r is not best):
+        if not all(_separated(best, r, metric) for r in rows if r is not best):
             winner = None
     header = [
         "configuration",

@@ -330,15 +330,25 @@ class SweepArm:
     eval_seeds: list[int] = field(default_factory=list)
 
 
+_OVERLAP_REMEDY = (
+    "give disjoint tuning seeds (e.g. --tune-seeds 100,101 --seeds 5) or allow the overlap explicitly "
+    "(--allow-seed-overlap; the report says so first)"
+)
+
+
 def seed_split(
-    seeds: Sequence[int], tune_seeds: int | Sequence[int] | None, allow_overlap: bool = False
+    seeds: Sequence[int],
+    tune_seeds: int | Sequence[int] | None,
+    allow_overlap: bool = False,
+    remedy: str = _OVERLAP_REMEDY,
 ) -> tuple[list[int], list[int], list[int]]:
     """``(tuning, evaluation, overlap)`` seeds of a sweep.
 
     ``seeds`` are the evaluation seeds; ``tune_seeds`` the seeds the lr grid runs on: a
     list, ``k`` (seeds ``0..k-1``) or None (the evaluation seeds themselves). A seed in
     both would choose an arm's lr and then judge it, which flatters every tuned arm by the
-    noise it was selected on; that is refused unless ``allow_overlap``.
+    noise it was selected on; that is refused unless ``allow_overlap`` (the error ends with
+    ``remedy``).
 
     Raises:
         ValueError: for an empty seed list, or overlapping seeds without ``allow_overlap``.
@@ -360,8 +370,7 @@ def seed_split(
     if overlap and not allow_overlap:
         raise ValueError(
             f"evaluation seed(s) {', '.join(map(str, overlap))} are also tuning seeds: each arm's lr would be "
-            "chosen on the seeds that then judge it; give disjoint tuning seeds (e.g. --tune-seeds 100,101 "
-            "--seeds 5) or allow the overlap explicitly (--allow-seed-overlap; the report says so first)"
+            f"chosen on the seeds that then judge it; {remedy}"
         )
     return tuning, evaluation, overlap
 

@@ -305,12 +305,18 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
             if "tuned_on" in evaluation
             else []
         )
-    overlap = sorted(set(tune_seeds) & set(eval_seeds))
-    if overlap and not allow_overlap:
-        raise ValueError(
-            f"{where}: evaluation seed(s) {', '.join(map(str, overlap))} are also tuning seeds; make them disjoint "
-            "(or pass --allow-seed-overlap, and the report says so first)"
-        )
+    if tune_seeds:
+        from .paired import seed_split
+
+        try:
+            seed_split(
+                eval_seeds,
+                tune_seeds,
+                allow_overlap,
+                remedy="make them disjoint in the protocol (or pass --allow-seed-overlap, and the report says so first)",
+            )
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
     claims = []
     for k, c in enumerate(doc.get("claims", [])):
         cw = f"{where}, claims[{k}]"
