@@ -147,6 +147,7 @@ def _check_case(case, family, recipe, costs, rank):
         opt_waited, _ = equiopt.build_optimizer(waited, recipe, overrides=FLOAT32, cost_model=costs)
         opt_waited.overlap = False
     vocab_bytes = ref.get_input_embeddings().weight.numel() * 4
+    mapped = _count_owner_maps() if case == "hsdp" else None
     for step in range(STEPS):
         grads = global_grads(ref, step, seed=2000)
         if waited is not None:
@@ -167,6 +168,8 @@ def _check_case(case, family, recipe, costs, rank):
             if r.op != "all_to_all" and math.prod(r.shape[-2:]) * r.dtype.itemsize >= vocab_bytes / 2
         ]
         assert not big, (case, recipe, big)
+    if mapped is not None:
+        _check_replicas_divide(opt, mapped)
     if waited is not None:
         assert any(how.how == "owner" for how in _plans(opt).values())
         for (name, p), q in zip(sharded.named_parameters(), waited.parameters()):
@@ -193,6 +196,44 @@ def _check_case(case, family, recipe, costs, rank):
                     mine, theirs = in_quotient(mine, opt_ref, want[name]), in_quotient(theirs, opt_ref, want[name])
                 assert rel(mine, theirs) <= 1e-5, (case, recipe, name, key)
     return sharded
+
+
+def _count_owner_maps():
+    """Count the work matrices this rank's owner maps run on (patches ``map_whole``)."""
+    from equiopt.optim import distribute
+
+    counted = [0]
+    inner = distribute.map_whole
+
+    def counting(jobs):
+        counted[0] += len(jobs)
+        return inner(jobs)
+
+    distribute.map_whole = counting
+    return counted, inner
+
+
+def _check_replicas_divide(opt, mapped):
+    """HSDP: the replicas divide the owner maps. Summed over the 4 ranks, every owner-mapped
+    work matrix was mapped once per step, not once per replica group."""
+    from equiopt.optim import distribute
+
+    counted, inner = mapped
+    distribute.map_whole = inner
+    owners = [
+        (group, layout, p)
+        for group in opt.param_groups
+        if group["rule"] not in ("adamw", "sgd")
+        for p, layout in zip(group["params"], group["layouts"])
+        if opt.plan_of(group, layout, opt._sharding(p)).how == "owner"
+    ]
+    assert owners, "no owner-mapped parameter under HSDP"
+    for group, layout, p in owners:
+        how = opt.plan_of(group, layout, opt._sharding(p))
+        assert [opt._sharding(p).axis_name(a) for a in how.replicas] == ["dp_replicate"], how
+    total = torch.tensor(counted[0])
+    dist.all_reduce(total)
+    assert total.item() == STEPS * sum(len(layout.work_shapes(p.shape)) for _, layout, p in owners), total
 
 
 def _plans(opt):

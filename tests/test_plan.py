@@ -226,3 +226,65 @@ def test_a_split_that_is_not_one_block_fails_by_name():
             EquivariantOptimizer([{"params": [w], "names": ["mlp.up_proj.weight"]}], rule="hybrid")
     finally:
         dist.destroy_process_group()
+
+
+class _Mesh:
+    """The part of a DeviceMesh the owner batching reads: the rank grid."""
+
+    def __init__(self, *shape):
+        self.mesh = torch.arange(math.prod(shape)).view(shape)
+
+
+def _hsdp(shape, replicas, shards, at, mesh):
+    """A (dp_replicate, dp_shard) HSDP Sharding of a ``shape`` matrix at coordinate ``at``."""
+    ranges = {(i,): row_range(shape[0], shards, i) for i in range(shards)}
+    return Sharding(
+        "w",
+        "sharded",
+        tuple(shape),
+        (ranges[(at[1],)], (0, shape[1])),
+        mesh,
+        (replicas, shards),
+        ("dp_replicate", "dp_shard"),
+        at,
+        (None, 0),
+        {0: Split((1,), ranges)},
+        "(Replicate(), Shard(dim=0))",
+    )
+
+
+@pytest.mark.parametrize(
+    ("replicas", "shards", "tasks", "bandwidth", "divided"),
+    [
+        (2, 2, 32, 1e12, True),  # many maps, bandwidth to spare: the replicas share the maps
+        (8, 8, 2, 1e9, False),  # two maps over 64 ranks: an owner would return 8 copies; repeat
+    ],
+)
+def test_replicas_divide_owner_work_where_cheaper(replicas, shards, tasks, bandwidth, divided):
+    """HSDP owner work (Muon on row-split matrices): over every replica where the busiest
+    rank's time falls, each map then run once in the mesh, each distinct block sent by one
+    holder and the update returned to all; within each replica otherwise."""
+    from equiopt.optim.sharded import owner_batches
+
+    costs = CostModel(bandwidth=bandwidth, flops=1e11)
+    mesh, layout, how = _Mesh(replicas, shards), parse_layout("row"), Plan("owner", rows=(1,), replicas=(0,))
+    owned = 0
+    for r in range(replicas):
+        for s in range(shards):
+            sharding = _hsdp((256, 256), replicas, shards, (r, s), mesh)
+            batches = owner_batches(
+                [(sharding, how, layout, torch.float32, None, MUON)] * tasks,
+                costs=costs,
+                coordinate_of=lambda x: x.coordinate,
+            )
+            assert {b.axes for b in batches} == {(0, 1) if divided else (1,)}
+            for b in batches:
+                owned += sum(o == b.me for o in b.owners)
+                size = replicas * shards if divided else shards
+                assert all(len(bl) == size for bl in b.blocks)
+                for k, src in enumerate(b.sources):
+                    # one holder per distinct block; the owner's own block from itself
+                    assert sorted(b.blocks[k][q] for q in src) == sorted(set(b.blocks[k]))
+                    if b.owners[k] in [q for q in range(size) if b.blocks[k][q] == b.blocks[k][b.owners[k]]]:
+                        assert b.owners[k] in src
+    assert owned == tasks * (1 if divided else replicas)

@@ -31,6 +31,7 @@ import torch
 from .. import maps
 from ..distributed.placements import Sharding, mesh_group, row_range
 from ..layouts import Layout
+from .costs import resolve_cost_model
 from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
@@ -137,12 +138,20 @@ def map_whole(jobs: list[tuple[MapKey, Any, torch.Tensor]]) -> list[torch.Tensor
 
 
 def run(
-    buckets: dict[BucketKey, list[WorkItem]], whole: list[WholeTask], add: Add, *, replicas=None, overlap: bool = True
+    buckets: dict[BucketKey, list[WorkItem]],
+    whole: list[WholeTask],
+    add: Add,
+    *,
+    replicas=None,
+    overlap: bool = True,
+    cost_model=None,
 ) -> None:
     """Map every queued work matrix and add its update through ``add``.
 
     ``replicas``: the process group of ``DIVIDED`` and ``ROWS`` buckets; ``overlap``: start
-    the owner exchanges asynchronously, in waves (results bitwise those of waiting)."""
+    the owner exchanges asynchronously, in waves (results bitwise those of waiting);
+    ``cost_model``: the optimizer's (:func:`~.costs.resolve_cost_model`), which decides
+    whether replicas divide owner work."""
     divided = []
     for key, items in buckets.items():
         if key.mode == DIVIDED:
@@ -156,13 +165,14 @@ def run(
     if divided:
         _run_divided(divided, add, replicas, overlap)
     if whole:
-        _run_whole(whole, add, overlap)
+        _run_whole(whole, add, overlap, cost_model)
 
 
-def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
+def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None) -> None:
     """Maps of split parameters that need whole work matrices, spread over the ranks that
-    hold their pieces: each parameter is mapped on one owner rank (:mod:`.owners`), which
-    receives the blocks in one all-to-all and returns the update's blocks in another."""
+    hold their pieces (and over replicas, where ``cost_model`` finds that cheaper): each
+    parameter is mapped on one owner rank (:mod:`.owners`), which receives the blocks in
+    one all-to-all and returns the update's blocks in another."""
     units = []  # one per owner task: a whole parameter, or one expert of a stack
     for t in tasks:
         start = t.sharding.block[0][0]
@@ -180,13 +190,18 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
                     )
                 )
     tasks = [t for t, _ in units]
-    batches = list(owner_batches([(t.sharding, t.plan, t.layout, t.direction.dtype, lead) for t, lead in units]))
+    costs = resolve_cost_model(cost_model, getattr(tasks[0].sharding.mesh, "device_type", "cpu")) if tasks else None
+    batches = list(
+        owner_batches(
+            [(t.sharding, t.plan, t.layout, t.direction.dtype, lead, t.key) for t, lead in units], costs=costs
+        )
+    )
 
     def send(batch):
         members = [tasks[i] for i in batch.members]
-        pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
+        pg = mesh_group(members[0].sharding.mesh, batch.axes)
         return start_to_owners(
-            [t.direction for t in members], batch.blocks, batch.owners, batch.me, pg, async_op=overlap
+            [t.direction for t in members], batch.blocks, batch.owners, batch.me, pg, overlap, batch.sources
         )
 
     def receive(members, pending):
@@ -200,7 +215,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool) -> None:
     returning = None
     for k, batch in enumerate(batches):
         members = [tasks[i] for i in batch.members]
-        pg = mesh_group(members[0].sharding.mesh, members[0].plan.axes)
+        pg = mesh_group(members[0].sharding.mesh, batch.axes)
         arrived = incoming.wait()  # type: ignore[union-attr]  # started for every batch
         incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
         updates = {}

@@ -566,7 +566,9 @@ class EquivariantOptimizer(Optimizer):
                 continue
             for k, (j, p, st) in enumerate(zip(live, params, states)):
                 self._matrix_step(group, lr, j, p, st, okfs[0][k], buckets, whole)
-        distribute.run(buckets, whole, self._add, replicas=self._replicas, overlap=self.overlap)
+        distribute.run(
+            buckets, whole, self._add, replicas=self._replicas, overlap=self.overlap, cost_model=self.cost_model
+        )
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
@@ -614,7 +616,8 @@ class EquivariantOptimizer(Optimizer):
         if sharding.kind != "sharded" or not sharding.is_sharded:
             return
         mesh_group(sharding.mesh, sharding.split_axes)
-        for axes in (how.row_sum_axes, how.cols) if how.how == "reduce" else (how.axes,):
+        within = tuple(a for a in how.axes if a not in how.replicas)  # owner work that replicas repeat
+        for axes in (how.row_sum_axes, how.cols) if how.how == "reduce" else (how.axes, within):
             if axes:
                 mesh_group(sharding.mesh, axes)
 

@@ -9,7 +9,9 @@ anything) and the owners' results are shared:
 - sharded parameters (FSDP2, TP, EP blocks): :func:`to_owners` sends every rank's block
   of each task to its owner in one all-to-all, the owner maps the whole matrices, and
   :func:`from_owners` returns every rank's block of the update in a second all-to-all
-  (gather to owner -> map -> scatter, with one collective each way per step);
+  (gather to owner -> map -> scatter, with one collective each way per step). Under
+  HSDP the group spans the replicas too: one holder of each block sends it, and every
+  holder gets its block of the update back, so the replicas divide the maps;
 - replicated parameters (DDP): the owner maps its tasks and :func:`share` broadcasts each
   owner's results (one broadcast per owner), so every rank adds the same update and the
   weights stay bit-identical across ranks.
@@ -110,17 +112,24 @@ def start_to_owners(
     me: int,
     group,
     async_op: bool = True,
+    sources: Sequence[Sequence[int]] | None = None,
 ) -> Pending:
     """Start :func:`to_owners`; ``wait()`` on the result gives its ``{task: tensor}``."""
     n = len(blocks[0]) if blocks else 1
     like = shards[0]
+    senders = [range(n) if sources is None else sources[t] for t in range(len(blocks))]
+
+    def sent(t: int, s: int) -> int:
+        return _numel(blocks[t][s]) if s in senders[t] else 0
+
     send: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for t, shard in enumerate(shards):
-        send[owners[t]].append(shard.reshape(-1))
+        if me in senders[t]:
+            send[owners[t]].append(shard.reshape(-1))
     mine = [t for t in range(len(shards)) if owners[t] == me]
     work, recv = _all_to_all(
         [torch.cat(s) if s else like.new_empty(0) for s in send],
-        [sum(_numel(blocks[t][s]) for t in mine) for s in range(n)],
+        [sum(sent(t, s) for t in mine) for s in range(n)],
         group,
         like,
         async_op,
@@ -132,25 +141,32 @@ def start_to_owners(
             joint = joint_block(blocks[t])
             out[t] = like.new_empty(tuple(b - a for a, b in joint))
         for s, flat in enumerate(recv):
-            for t, part in zip(mine, torch.split(flat, [_numel(blocks[t][s]) for t in mine])):
-                block = blocks[t][s]
-                out[t][_within(block, joint_block(blocks[t]))] = part.view(tuple(b - a for a, b in block))
+            for t, part in zip(mine, torch.split(flat, [sent(t, s) for t in mine])):
+                if s in senders[t]:
+                    block = blocks[t][s]
+                    out[t][_within(block, joint_block(blocks[t]))] = part.view(tuple(b - a for a, b in block))
         return out
 
     return Pending(work, finish)
 
 
 def to_owners(
-    shards: Sequence[torch.Tensor], blocks: Sequence[Sequence[Block]], owners: Sequence[int], me: int, group
+    shards: Sequence[torch.Tensor],
+    blocks: Sequence[Sequence[Block]],
+    owners: Sequence[int],
+    me: int,
+    group,
+    sources: Sequence[Sequence[int]] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Whole tensors of the tasks this rank owns, ``{task: tensor}``.
 
     Task ``t`` is split over the group: member ``s`` holds the block ``blocks[t][s]``
     (global ranges), this rank ``shards[t]``; the owner gets the tasks' joint block
     (:func:`joint_block`). One all-to-all moves every block to its task's owner; all
-    tensors share one dtype.
+    tensors share one dtype. ``sources[t]``: the members that send (default: all); where
+    several members hold the same block (replicas), one of them suffices.
     """
-    return start_to_owners(shards, blocks, owners, me, group, async_op=False).wait()
+    return start_to_owners(shards, blocks, owners, me, group, async_op=False, sources=sources).wait()
 
 
 def start_from_owners(

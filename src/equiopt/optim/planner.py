@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..distributed.placements import Sharding
-from .costs import map_flops, reduce_bytes
+from .costs import map_flops, reduce_bytes, resolve_cost_model
 from .fields import MATRIX_RULES
+from .owners import joint_block
 from .rules import map_key
 from .sharded import group_ranks, owner_batches, owner_units
 
@@ -107,6 +108,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             table = coords[id(s.mesh)] = _coordinates(s.mesh)
         return table.get(rank)
 
+    def owner_costs(tasks):  # the cost model of the step's owner work (distribute.run's)
+        device = getattr(tasks[0][0].mesh, "device_type", "cpu") if tasks else "cpu"
+        return resolve_cost_model(optimizer.cost_model, device)
+
     per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}
     per_rank: dict[int, tuple[int, int, int, int]] = {}
     flag_max = 0
@@ -161,20 +166,20 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     units = owner_units(s, layout, block)
                     for k, lead in enumerate(units):
                         part = numel if lead is None else numel // max(block[0][1] - block[0][0], 1)
-                        owner_tasks.append((s, how, layout, dtype, lead))
+                        owner_tasks.append((s, how, layout, dtype, lead, key))
                         owner_info.append((name, key, part, item, state if k == 0 else 0))
         owned: dict[str, list[int]] = {}  # per parameter: the sum over its owner tasks
-        for batch in owner_batches(owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache):
+        batches = owner_batches(
+            owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache, costs=owner_costs(owner_tasks)
+        )
+        for batch in batches:
             for k, i in enumerate(batch.members):
                 name, key, numel, item, state = owner_info[i]
-                sent, flops = numel * item, ELEMENTWISE_FLOPS * numel
-                if batch.owners[k] == batch.me:
-                    joint = [
-                        (min(b[d][0] for b in batch.blocks[k]), max(b[d][1] for b in batch.blocks[k]))
-                        for d in range(len(batch.blocks[k][0]))
-                    ]
-                    whole = tuple(b - a for a, b in joint)
-                    sent += math.prod(whole) * item
+                sent = numel * item if batch.me in batch.sources[k] else 0  # its block, to the owner
+                flops = ELEMENTWISE_FLOPS * numel
+                if batch.owners[k] == batch.me:  # the update's blocks, to every holder
+                    sent += sum(math.prod(b - a for a, b in block) for block in batch.blocks[k]) * item
+                    whole = tuple(b - a for a, b in joint_block(batch.blocks[k]))
                     flops += sum(map_flops(key, w) for w in owner_tasks[i][2].work_shapes(whole))
                 row = owned.setdefault(name, [0, 0, 0])
                 row[0], row[1], row[2] = row[0] + sent, row[1] + flops, row[2] + state

@@ -35,7 +35,7 @@ import torch
 
 from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group, row_range
 from ..layouts import Col, Experts, Heads, Layout, Row
-from .costs import CostModel, prefers_reduce
+from .costs import CostModel, map_flops, prefers_reduce
 from .owners import assign, joint_block, map_cost
 from .rules import MapKey, reducible
 
@@ -89,8 +89,9 @@ class Plan(NamedTuple):
     Gram/column sums), the work columns (``cols``, summed over by row norms) and the
     replica axes that divide the Gram among themselves (``replicas``: each replica sums
     a slice of its rows; HSDP's ``dp_replicate``); for
-    ``"owner"``, the axes that cut the rows (``rows``) and those that cut anything else
-    (``cols``): the ranks of all of them (:attr:`axes`) share the owner work."""
+    ``"owner"``, the axes that cut the rows (``rows``), those that cut anything else
+    (``cols``) and the replica axes (``replicas``): the ranks of all of them (:attr:`axes`)
+    share the owner work, so replicas divide it instead of repeating it."""
 
     how: str
     rows: tuple[int, ...] = ()
@@ -99,7 +100,8 @@ class Plan(NamedTuple):
 
     @property
     def axes(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.rows) | set(self.cols)))
+        """Every mesh axis whose ranks take part: those that cut the work and the replicas."""
+        return tuple(sorted(set(self.rows) | set(self.cols) | set(self.replicas)))
 
     @property
     def row_sum_axes(self) -> tuple[int, ...]:
@@ -156,15 +158,17 @@ def plan(key: MapKey, layout: Layout, sharding: Sharding, costs: CostModel | Non
     cut = cuts(layout, sharding)
     if not (cut["rows"] or cut["cols"] or cut["opaque"]):
         return LOCAL
-    owner = Plan("owner", rows=cut["rows"], cols=tuple(sorted(set(cut["cols"]) | set(cut["opaque"]))))
+    replicas = tuple(a for a in sharding.replicate_axes if sharding.mesh_shape[a] > 1)
+    owner = Plan(
+        "owner", rows=cut["rows"], cols=tuple(sorted(set(cut["cols"]) | set(cut["opaque"]))), replicas=replicas
+    )
     if cut["opaque"]:
         return owner
     shapes = layout.work_shapes(sharding.shape)
     m, n = shapes[0][-2:]
     if not cut["cols"] and reducible(key, m, n):
         # Gram maps: replicas of the same rows sum one slice each instead of all of them
-        replicas = tuple(a for a in sharding.replicate_axes if sharding.mesh_shape[a] > 1) if key.rule != "row" else ()
-        reduce = Plan("reduce", rows=cut["rows"], replicas=replicas)
+        reduce = Plan("reduce", rows=cut["rows"], replicas=replicas if key.rule != "row" else ())
     elif key.rule == "row":
         reduce = Plan("reduce", rows=cut["rows"], cols=cut["cols"])
     else:
@@ -239,12 +243,32 @@ WAVES = 4
 class OwnerBatch(NamedTuple):
     """Owner-mapped parameters that share one process group and dtype, one wave of them
     (:data:`WAVES`): one all-to-all each way. ``members`` index the tasks; ``me`` is this rank's place in the group;
-    ``blocks[k][s]`` is group member ``s``'s block of member ``k``; ``owners[k]`` its owner."""
+    ``blocks[k][s]`` is group member ``s``'s block of member ``k``; ``owners[k]`` its owner;
+    ``sources[k]`` the members that send their blocks to it: one holder of each distinct
+    block (replicas hold the same blocks; every holder gets the update back)."""
 
     members: list[int]
     me: int
     blocks: list[list[tuple]]
     owners: list[int]
+    sources: list[tuple[int, ...]]
+    axes: tuple[int, ...]  # the group's mesh axes, on the first member's mesh
+
+
+def _sources(blocks: list[tuple], coords: list[tuple[int, ...]], owner: int) -> tuple[int, ...]:
+    """One holder of each distinct block of a task, the one nearest its ``owner``: the owner
+    itself if it holds the block, else the holder whose mesh coordinates differ from the
+    owner's on the fewest axes (the same replica: HSDP's replicas span nodes), then the
+    lowest member."""
+
+    def distance(s: int) -> tuple[int, int]:
+        return sum(a != b for a, b in zip(coords[s], coords[owner])), s
+
+    chosen: dict[tuple, int] = {}
+    for s, b in enumerate(blocks):
+        if b not in chosen or distance(s) < distance(chosen[b]):
+            chosen[b] = s
+    return tuple(sorted(chosen.values()))
 
 
 def owner_units(sharding: Sharding, layout: Layout, block: tuple) -> list:
@@ -259,48 +283,111 @@ def owner_units(sharding: Sharding, layout: Layout, block: tuple) -> list:
     return [(e, e + 1) for e in range(*block[0])]
 
 
-def owner_batches(tasks: list[tuple], coordinate_of=None, cache: dict | None = None) -> list[OwnerBatch]:
-    """Batches of ``(sharding, plan, layout, dtype, lead)`` owner tasks, in the order the
-    step runs them, with each task's owner (longest map first to the least-loaded rank,
-    from global shapes only); ``lead`` is the task's range of dimension 0 (None: all of
-    the rank's block, see :func:`owner_units`). ``coordinate_of(sharding)`` is the rank's
-    coordinate on that sharding's mesh (default: this rank's); the planner passes any
-    rank's, and a ``cache`` shared by the ranks of one group (their batches differ only in
-    ``me``)."""
-    where = coordinate_of or (lambda s: s.coordinate)
+def _arrangement(tasks: list[tuple], members: list[int], plans: list[Plan], where) -> tuple:
+    """The owner work of ``members`` (tasks of one process group) as the group lays it out:
+    its coordinates, every member's block of each task, the tasks' map costs, owners and
+    sources, all from global shapes. The tasks may sit on different meshes over the same
+    ranks (a dense parameter on the dp_shard sub-mesh, an expert stack on the whole mesh):
+    each task's members in its own coordinates, in the group's (increasing rank) order."""
 
     def block(task, c):
         b = task[0].block_at(c)
         return b if task[4] is None else (task[4],) + b[1:]
 
+    places = [group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]), plans[i].axes) for i in members]
+    blocks = [[block(tasks[i], c) for c in cs] for i, cs in zip(members, places)]
+    joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
+    costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
+    owners = assign(costs, len(places[0]))
+    sources = [_sources(bl, cs, o) for bl, cs, o in zip(blocks, places, owners)]
+    return blocks, joints, costs, owners, sources
+
+
+def _busiest(tasks: list[tuple], members: list[int], arrangement: tuple, model: CostModel) -> float:
+    """Seconds the busiest member of a group spends on its owner work under ``model``: the
+    blocks it sources, the update blocks it returns to every holder, its maps."""
+    blocks, joints, _, owners, sources = arrangement
+    seconds = [0.0] * len(blocks[0]) if blocks else [0.0]
+    for k, i in enumerate(members):
+        item = torch.empty((), dtype=tasks[i][3]).element_size()
+        sizes = [math.prod(b - a for a, b in block) * item for block in blocks[k]]
+        for s in sources[k]:
+            seconds[s] += sizes[s] / model.bandwidth
+        flops = sum(map_flops(tasks[i][5], w) for w in tasks[i][2].work_shapes(joints[k]))
+        seconds[owners[k]] += sum(sizes) / model.bandwidth + flops / model.flops
+    return max(seconds)
+
+
+def _replica_plans(tasks: list[tuple], where, model: CostModel, cache: dict | None) -> list[Plan]:
+    """Each task's plan with its replica axes kept where the replicas divide the owner work
+    more cheaply than each repeats it: per process group of such tasks, the busiest rank's
+    time (:func:`_busiest`) with owners spread over every replica (each update's blocks go
+    back to all holders) against owners within each replica. Few large tasks on many
+    replicas are repeated (an owner would return one matrix per replica), many are divided."""
+    plans = [t[1] for t in tasks]
+    families: dict[tuple, list[int]] = {}
+    for i, (sharding, how, _, dtype, *_) in enumerate(tasks):
+        if how.replicas:
+            families.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
+    for signature, members in families.items():
+        found = None if cache is None else cache.get(("replicas", signature, tuple(members)))
+        if found is None:
+            alone = list(plans)
+            for i in members:
+                alone[i] = plans[i]._replace(replicas=())
+            divided = _busiest(tasks, members, _arrangement(tasks, members, plans, where), model)
+            # within one replica: the members that share this rank's group (the others' are alike)
+            mine = group_ranks(tasks[members[0]][0], alone[members[0]].axes, where(tasks[members[0]][0]))
+            same = [i for i in members if group_ranks(tasks[i][0], alone[i].axes, where(tasks[i][0])) == mine]
+            repeated = _busiest(tasks, same, _arrangement(tasks, same, alone, where), model)
+            found = divided < repeated
+            if cache is not None:
+                cache[("replicas", signature, tuple(members))] = found
+        if not found:
+            for i in members:
+                plans[i] = plans[i]._replace(replicas=())
+    return plans
+
+
+def owner_batches(
+    tasks: list[tuple], coordinate_of=None, cache: dict | None = None, costs: CostModel | None = None
+) -> list[OwnerBatch]:
+    """Batches of ``(sharding, plan, layout, dtype, lead, key)`` owner tasks, in the order
+    the step runs them, with each task's owner (longest map first to the least-loaded rank,
+    from global shapes only); ``lead`` is the task's range of dimension 0 (None: all of
+    the rank's block, see :func:`owner_units`). Replica axes of a plan divide its owner work
+    where ``costs`` finds that cheaper (:func:`_replica_plans`; default: always).
+    ``coordinate_of(sharding)`` is the rank's coordinate on that sharding's mesh (default:
+    this rank's); the planner passes any rank's, and a ``cache`` shared by the ranks of one
+    group (their batches differ only in ``me``)."""
+    where = coordinate_of or (lambda s: s.coordinate)
+    plans = [t[1] for t in tasks] if costs is None else _replica_plans(tasks, where, costs, cache)
     batches: dict[tuple, list[int]] = {}
-    for i, (sharding, how, _, dtype, _) in enumerate(tasks):
-        batches.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
+    for i, (sharding, _, _, dtype, *_) in enumerate(tasks):
+        batches.setdefault((group_ranks(sharding, plans[i].axes, where(sharding)), dtype), []).append(i)
     out = []
     for signature, members in batches.items():
-        first, how = tasks[members[0]][0], tasks[members[0]][1]
-        coords = group_coordinates(first.mesh_shape, where(first), how.axes)
+        first, axes = tasks[members[0]][0], plans[members[0]].axes
+        coords = group_coordinates(first.mesh_shape, where(first), axes)
         found = None if cache is None else cache.get((signature, tuple(members)))
         if found is None:
-            # the tasks of one group may sit on different meshes over the same ranks (a dense
-            # parameter on the dp_shard sub-mesh, an expert stack on the whole mesh): each
-            # task's members in its own coordinates, in the group's (increasing rank) order
-            blocks = [
-                [
-                    block(tasks[i], c)
-                    for c in group_coordinates(tasks[i][0].mesh_shape, where(tasks[i][0]), tasks[i][1].axes)
-                ]
-                for i in members
-            ]
-            joints = [tuple(b - a for a, b in joint_block(bl)) for bl in blocks]
-            costs = [sum(map_cost(s) for s in tasks[i][2].work_shapes(j)) for i, j in zip(members, joints)]
-            order = sorted(range(len(members)), key=lambda k: (-costs[k], k))
+            blocks, _, costs_, owners, sources = _arrangement(tasks, members, plans, where)
+            order = sorted(range(len(members)), key=lambda k: (-costs_[k], k))
             waves = [sorted(order[w::WAVES]) for w in range(min(WAVES, len(members)))]
-            found = (blocks, assign(costs, len(coords)), waves)
+            found = (blocks, owners, sources, waves)
             if cache is not None:
                 cache[(signature, tuple(members))] = found
-        blocks, owners, waves = found
+        blocks, owners, sources, waves = found
         me = coords.index(tuple(where(first)))
         for wave in waves:
-            out.append(OwnerBatch([members[k] for k in wave], me, [blocks[k] for k in wave], [owners[k] for k in wave]))
+            out.append(
+                OwnerBatch(
+                    [members[k] for k in wave],
+                    me,
+                    [blocks[k] for k in wave],
+                    [owners[k] for k in wave],
+                    [sources[k] for k in wave],
+                    axes,
+                )
+            )
     return out
