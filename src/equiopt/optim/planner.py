@@ -113,6 +113,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         return resolve_cost_model(optimizer.cost_model, device)
 
     per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}
+    owner_axes: dict[str, tuple[str, ...]] = {}
     per_rank: dict[int, tuple[int, int, int, int]] = {}
     flag_max = 0
     batch_cache: dict = {}
@@ -173,8 +174,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache, costs=owner_costs(owner_tasks)
         )
         for batch in batches:
+            mesh_of = owner_tasks[batch.members[0]][0]
             for k, i in enumerate(batch.members):
                 name, key, numel, item, state = owner_info[i]
+                owner_axes[name] = tuple(mesh_of.axis_name(a) for a in batch.axes)  # replicas kept or not
                 sent = numel * item if batch.me in batch.sources[k] else 0  # its block, to the owner
                 flops = ELEMENTWISE_FLOPS * numel
                 if batch.owners[k] == batch.me:  # the update's blocks, to every holder
@@ -191,6 +194,6 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     params = []
     for group, name, p, _layout, s, how in entries:
         label = "replicated" if s.kind == "replicated" else ("local" if how is None else how.how)
-        axes = tuple(s.axis_name(a) for a in how.axes) if how is not None else ()
+        axes = owner_axes.get(name) or (tuple(s.axis_name(a) for a in how.axes) if how is not None else ())
         params.append(ParamPlan(name, tuple(p.shape), s.placements, group["rule"], label, axes, *per_param[name]))
     return StepPlan(params, per_rank, flag_max)
