@@ -169,13 +169,15 @@ def test_equiopt_plan_reads_a_transformers_config_path(tmp_path):
 
 
 def test_equiopt_plan_rejects_bad_meshes():
-    from equiopt.planning import parse_mesh
+    from equiopt.planning import parse_mesh, world_size
 
     assert list(parse_mesh("tp=8,dp_shard=64")) == ["dp_shard", "tp"]
-    for bad in ("dp=2", "tp=0", "tp", ""):
+    for bad in ("dp=2", "tp=0", "tp", "", "dp_shard=4,ep=3"):
         with pytest.raises(ValueError, match="--mesh"):
             parse_mesh(bad)
-    assert math.prod(parse_mesh("dp_replicate=2,dp_shard=4,ep=2,tp=2").values()) == 32
+    # ep is carved out of dp_shard x tp (torchtitan): it adds no ranks
+    assert world_size(parse_mesh("dp_replicate=2,dp_shard=4,ep=2,tp=2")) == 16
+    assert world_size(parse_mesh("dp_shard=4,tp=2,ep=8")) == 8
 
 
 def test_meta_blocks_of_a_fake_mesh_match_torch():
@@ -277,7 +279,7 @@ def test_replicas_divide_owner_work_where_cheaper(replicas, shards, tasks, bandw
                 costs=costs,
                 coordinate_of=lambda x: x.coordinate,
             )
-            assert {b.axes for b in batches} == {(0, 1) if divided else (1,)}
+            assert {p.axes for b in batches for p in b.plans} == {(0, 1) if divided else (1,)}
             for b in batches:
                 owned += sum(o == b.me for o in b.owners)
                 size = replicas * shards if divided else shards

@@ -408,6 +408,9 @@ def _check_mesh(kind, recipe, rank, world, directory):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
+    from equiopt.distributed import record_collectives
+    from equiopt.optim.planner import plan_step
+
     par = ParallelismConfig(
         spmd_backend="partial_dtensor",
         data_parallel_shard_degree=2,
@@ -477,9 +480,14 @@ def _check_mesh(kind, recipe, rank, world, directory):
     assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt_ref.param_groups]
     _compare(f"{kind} restored", restored, opt2, ref, opt_ref)
     give_grads(global_grads(ref, 1, seed=3000), ref, restored)
-    for c, s in ((container2, schedule2), (container_ref, schedule_ref)):
-        c.step()
-        s.step()
+    planned = plan_step(opt2, ranks=[rank]).per_rank[rank][0]
+    with record_collectives() as log:
+        container2.step()
+    # the plan of torchtitan's own layout (EP on its (efsdp, ep) mesh) is what the step sends
+    assert planned > 0 and log.total_bytes() == planned, (kind, log.summary(), planned)
+    schedule2.step()
+    container_ref.step()
+    schedule_ref.step()
     _compare(f"{kind} step 2 after restoring", restored, opt2, ref, opt_ref)
 
 

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mesh",
         required=True,
         metavar="dp_shard=64,tp=8[,ep=..,dp_replicate=..]",
-        help="mesh dimension sizes; the world is their product",
+        help="mesh dimension sizes; the world is their product, ep excepted (carved out of dp_shard x tp, as torchtitan does)",
     )
     plan.add_argument(
         "--ranks", default=None, metavar="R,...", help="ranks to plan (default: every rank; the busiest is reported)"

@@ -6,11 +6,14 @@ mesh's size (torch's ``fake`` backend, as used for memory estimation) with torch
 parallel functions: tensor parallelism as torchtitan applies it to Llama
 (``ColwiseParallel`` on q/k/v/gate/up and the LM head, ``RowwiseParallel`` on o/down and
 the embedding, ``SequenceParallel`` norms), ``fully_shard`` on ``dp_shard`` (HSDP with
-``dp_replicate``), and expert stacks (3-D parameters of MoE experts) placed as expert
-parallelism places them: ``Shard(0)`` on ``ep`` and FSDP on ``dp_shard`` (whole experts,
-or ``Shard(1)`` inside them when the experts are fewer than ``dp_shard x ep``). Then the
-optimizer is built as on a real mesh, and :func:`equiopt.optim.planner.plan_step` gives
-its own decisions per parameter and rank.
+``dp_replicate``). Expert parallelism is laid out as torchtitan lays it out: ``ep``
+adds no ranks but is carved out of ``dp_shard x tp`` (the world is
+``dp_replicate x dp_shard x tp``); expert stacks (3-D parameters of MoE experts) live on
+a second mesh over the same ranks, ``(dp_replicate, efsdp, ep)`` with
+``efsdp = dp_shard x tp / ep``: ``Shard(0)`` on ``ep`` and FSDP on ``efsdp`` (whole
+experts, or ``Shard(1)`` inside them when the experts are fewer than ``efsdp x ep``).
+Then the optimizer is built as on a real mesh, and
+:func:`equiopt.optim.planner.plan_step` gives its own decisions per parameter and rank.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MESH_DIMS", "parse_mesh", "shard_model", "plan_model", "format_plan"]
+__all__ = ["MESH_DIMS", "parse_mesh", "world_size", "shard_model", "plan_model", "format_plan"]
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv", "w1", "w3")
@@ -45,6 +48,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
         sizes[name] = int(value)
     if not sizes:
         raise ValueError(f"--mesh {spec!r}: no mesh dimension given")
+    _borrowed(sizes)
     return {name: sizes[name] for name in MESH_DIMS if name in sizes}
 
 
@@ -85,23 +89,43 @@ def _expert_stacks(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.ndim == 3 and "expert" in n]
 
 
-def _place_experts(model: torch.nn.Module, mesh, sizes: dict[str, int], names: list[str]) -> set:
+def _borrowed(sizes: dict[str, int]) -> int:
+    """The ranks ``ep`` is carved out of, ``dp_shard x tp``; ``ep`` must divide them."""
+    inner = sizes.get("dp_shard", 1) * sizes.get("tp", 1)
+    if inner % sizes.get("ep", 1):
+        raise ValueError(
+            f"--mesh: ep={sizes['ep']} must divide dp_shard x tp = {inner} (expert parallelism borrows those ranks)"
+        )
+    return inner
+
+
+def world_size(sizes: dict[str, int]) -> int:
+    """Ranks of a mesh of ``sizes``: ``ep`` is carved out of ``dp_shard x tp`` and adds none."""
+    return math.prod(v for k, v in sizes.items() if k != "ep")
+
+
+def _expert_mesh(sizes: dict[str, int]):
+    """torchtitan's mesh of expert stacks over the same ranks: ``(dp_replicate, efsdp, ep)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = sizes["ep"]
+    dims = {"dp_replicate": sizes.get("dp_replicate", 1), "efsdp": _borrowed(sizes) // ep, "ep": ep}
+    dims = {k: v for k, v in dims.items() if v > 1 or k != "dp_replicate"}
+    return init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def _place_experts(model: torch.nn.Module, mesh, names: list[str]) -> set:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     placed = set()
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
     for name in names:
         *path, leaf = name.split(".")
         owner = model.get_submodule(".".join(path))
         p = getattr(owner, leaf)
-        placements = []
-        whole = p.shape[0] % (sizes.get("dp_shard", 1) * sizes.get("ep", 1)) == 0
-        for dim in sizes:
-            if dim == "ep" or (dim == "dp_shard" and whole):
-                placements.append(Shard(0))
-            elif dim == "dp_shard":
-                placements.append(Shard(1))
-            else:
-                placements.append(Replicate())
+        whole = p.shape[0] % (sizes["efsdp"] * sizes["ep"]) == 0
+        by_dim = {"dp_replicate": Replicate(), "efsdp": Shard(0) if whole else Shard(1), "ep": Shard(0)}
+        placements = [by_dim[d] for d in mesh.mesh_dim_names]
         q = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements), requires_grad=p.requires_grad)
         setattr(owner, leaf, q)
         placed.add(q)
@@ -110,15 +134,17 @@ def _place_experts(model: torch.nn.Module, mesh, sizes: dict[str, int], names: l
 
 def shard_model(model: torch.nn.Module, sizes: dict[str, int]) -> torch.nn.Module:
     """Shard ``model`` in place over a mesh of ``sizes`` (see the module); needs an
-    initialised process group of ``prod(sizes)`` ranks."""
+    initialised process group of :func:`world_size` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from .train.parallel import fsdp2_api, transformer_blocks
 
-    names = tuple(sizes)
-    mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=names)
+    dense = {k: v for k, v in sizes.items() if k != "ep"}
     experts = _expert_stacks(model) if sizes.get("ep", 1) > 1 else []
-    ignored = _place_experts(model, mesh, sizes, experts) if experts else set()
+    ignored = _place_experts(model, _expert_mesh(sizes), experts) if experts else set()
+    if not dense:  # ep alone: one rank per expert group
+        dense = {"dp_shard": 1}
+    mesh = init_device_mesh("cpu", tuple(dense.values()), mesh_dim_names=tuple(dense))
     if sizes.get("tp", 1) > 1:
         _tensor_parallel(model, mesh["tp"])
     dp = [d for d in ("dp_replicate", "dp_shard") if d in sizes]
@@ -160,7 +186,7 @@ def plan_model(
 
     from .optim.planner import plan_step
 
-    world = math.prod(sizes.values())
+    world = world_size(sizes)
     start = time.perf_counter()
     _fake_world(world)
     try:

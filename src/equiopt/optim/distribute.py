@@ -199,7 +199,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
 
     def send(batch):
         members = [tasks[i] for i in batch.members]
-        pg = mesh_group(members[0].sharding.mesh, batch.axes)
+        pg = mesh_group(members[0].sharding.mesh, batch.plans[0].axes)
         return start_to_owners(
             [t.direction for t in members], batch.blocks, batch.owners, batch.me, pg, overlap, batch.sources
         )
@@ -215,7 +215,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
     returning = None
     for k, batch in enumerate(batches):
         members = [tasks[i] for i in batch.members]
-        pg = mesh_group(members[0].sharding.mesh, batch.axes)
+        pg = mesh_group(members[0].sharding.mesh, batch.plans[0].axes)
         arrived = incoming.wait()  # type: ignore[union-attr]  # started for every batch
         incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
         updates = {}

@@ -174,10 +174,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache, costs=owner_costs(owner_tasks)
         )
         for batch in batches:
-            mesh_of = owner_tasks[batch.members[0]][0]
             for k, i in enumerate(batch.members):
                 name, key, numel, item, state = owner_info[i]
-                owner_axes[name] = tuple(mesh_of.axis_name(a) for a in batch.axes)  # replicas kept or not
+                owner_axes[name] = tuple(owner_tasks[i][0].axis_name(a) for a in batch.plans[k].axes)
                 sent = numel * item if batch.me in batch.sources[k] else 0  # its block, to the owner
                 flops = ELEMENTWISE_FLOPS * numel
                 if batch.owners[k] == batch.me:  # the update's blocks, to every holder

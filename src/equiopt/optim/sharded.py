@@ -252,7 +252,7 @@ class OwnerBatch(NamedTuple):
     blocks: list[list[tuple]]
     owners: list[int]
     sources: list[tuple[int, ...]]
-    axes: tuple[int, ...]  # the group's mesh axes, on the first member's mesh
+    plans: list[Plan]  # each member's plan as run: its replica axes kept or not
 
 
 def _sources(blocks: list[tuple], coords: list[tuple[int, ...]], owner: int) -> tuple[int, ...]:
@@ -387,7 +387,7 @@ def owner_batches(
                     [blocks[k] for k in wave],
                     [owners[k] for k in wave],
                     [sources[k] for k in wave],
-                    axes,
+                    [plans[members[k]] for k in wave],
                 )
             )
     return out
