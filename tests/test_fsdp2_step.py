@@ -210,7 +210,43 @@ def _check_owner_based(world):
         assert rel(p.full_tensor(), ref.detach()) <= 1e-5
 
 
+def _check_gram_polar(world):
+    """Muon with the Gram Newton-Schulz polar factor on row-sharded tall matrices runs on
+    the shards: one ``c x c`` all-reduce of the Gram, one more per restart, nothing else;
+    a wide matrix (its Gram would be over the split rows) still goes to an owner. Both
+    equal one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from equiopt.distributed import record_collectives
+    from equiopt.linalg.polar import RESTART_EVERY
+    from equiopt.optim import EquivariantOptimizer
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(11)
+    kw = dict(lr=0.05, rule="spectral", method="gram_newton_schulz", steps=5, cost_model="reduce")
+    for shape, plan in (((301, 24), "reduce"), ((24, 301), "owner")):
+        base, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        w = torch.nn.Parameter(distribute_tensor(base.clone(), mesh, [Shard(0)]))
+        w.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        opt = EquivariantOptimizer([w], **kw)
+        assert opt.plan_of(opt.param_groups[0], opt.param_groups[0]["layouts"][0], opt._sharding(w)).how == plan
+        with record_collectives() as log:
+            opt.step()
+        if plan == "reduce":
+            grams = 1 + (kw["steps"] - 1) // RESTART_EVERY
+            assert log.ops() == ["all_reduce"] * (1 + grams), log.summary()
+            assert [tuple(r.shape) for r in log.records[1:]] == [(shape[1], shape[1])] * grams
+        else:
+            assert "all_to_all" in log.ops(), log.summary()
+        ref = torch.nn.Parameter(base.clone())
+        ref.grad = grad.clone()
+        EquivariantOptimizer([ref], **{k: v for k, v in kw.items() if k != "cost_model"}).step()
+        assert rel(w.full_tensor(), ref.detach()) <= 1e-5, (shape, rel(w.full_tensor(), ref.detach()))
+
+
 def _worker(rank, world):
+    _check_gram_polar(world)
     _check_owner_based(world)
     _check_equal_steps(world)
     return _check_communication(world) if world == 2 else None

@@ -46,6 +46,10 @@ def test_placements_decide_the_plan():
     assert plan(HYBRID, row, _rows_split((512, 64), 4)) == Plan("reduce", rows=(0,))
     assert plan(ROW, row, _rows_split((512, 64), 4)).how == "reduce"
     assert plan(MUON, row, _rows_split((512, 64), 4)) == Plan("owner", rows=(0,))
+    # Muon in Gram form: a tall matrix's c x c Gram is a sum over its rows; a wide one's is not
+    gram_muon = MUON._replace(method="gram_newton_schulz")
+    assert plan(gram_muon, row, _rows_split((512, 64), 4)) == Plan("reduce", rows=(0,))
+    assert plan(gram_muon, row, _rows_split((64, 512), 4)) == Plan("owner", rows=(0,))
     # columns split (Megatron's vocabulary Shard(1); FSDP on a down projection's work columns)
     assert plan(ROW, row, _rows_split((512, 64), 4, dim=1)) == Plan("reduce", cols=(0,))
     assert plan(HYBRID, row, _rows_split((512, 64), 4, dim=1)) == Plan("owner", cols=(0,))

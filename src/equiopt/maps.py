@@ -705,7 +705,11 @@ def left_spectral(
 
 
 def spectral(
-    D: torch.Tensor, method: str = "polar_express", steps: int = 5, dtype: torch.dtype | None = None
+    D: torch.Tensor,
+    method: str = "polar_express",
+    steps: int = 5,
+    dtype: torch.dtype | None = None,
+    reducer: RowReducer | None = None,
 ) -> torch.Tensor:
     """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
 
@@ -716,12 +720,14 @@ def spectral(
         method: the polar method (:data:`equiopt.linalg.POLAR_METHODS`).
         steps: iterations.
         dtype: the iteration's precision; None for the method's default.
+        reducer: the :class:`RowReducer` of a tall ``D`` split by rows (``D`` is this rank's
+            rows; ``method="gram_newton_schulz"`` only: the ``n x n`` Grams are summed).
 
     Returns:
         The polar factor, of ``D``'s shape and dtype.
     """
     _check(D, "spectral")
-    return polar(D, method=method, steps=steps, dtype=dtype)
+    return polar(D, method=method, steps=steps, dtype=dtype, reducer=reducer)
 
 
 def hybrid(

@@ -51,6 +51,8 @@ NORM_MARGIN = 1.01
 NORM_FLOOR = 1e-7
 # ``"newton_schulz_torch"``: the norm's lower clamp (torch.optim.Muon's default ``eps``).
 TORCH_NORM_EPS = 1e-7
+# ``"gram_newton_schulz"``: steps between recomputing the iterate and its Gram.
+RESTART_EVERY = 2
 
 
 def _coefficients(method: str, steps: int):
@@ -64,7 +66,8 @@ def polar(
     method: str = "polar_express",
     steps: int = 5,
     dtype: torch.dtype | None = None,
-    restart_every: int = 2,
+    restart_every: int = RESTART_EVERY,
+    reducer=None,
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype.
 
@@ -81,6 +84,11 @@ def polar(
         dtype: the iteration's precision; None for the method's default.
         restart_every: for ``"gram_newton_schulz"``, how many steps between recomputing
             the iterate and its Gram.
+        reducer: for ``"gram_newton_schulz"`` on a tall matrix split by rows across
+            ranks (``X`` is this rank's rows): the :class:`equiopt.maps.RowReducer` that
+            sums over them. The ``n x n`` Gram is all-reduced once and once per restart
+            (its trace gives the Frobenius norm), the iteration runs on it locally, and
+            the result is this rank's rows of the polar factor of the whole matrix.
 
     Returns:
         ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape and dtype.
@@ -106,6 +114,10 @@ def polar(
         return ((u * (sv > tol).to(u.dtype).unsqueeze(-2)) @ vh).to(out_dtype)
     if dtype is None:
         dtype = torch.float32 if method == "gram_newton_schulz" else torch.bfloat16
+    if reducer is not None:
+        if method != "gram_newton_schulz":
+            raise ValueError(f"a row-split polar factor needs method 'gram_newton_schulz', got {method!r}")
+        return _split_gram_iterate(X.mT, _coefficients("polar_express", steps), restart_every, dtype, reducer)
     tall = X.shape[-2] > X.shape[-1]
     x = X.mT if tall else X
     if method == "newton_schulz_torch":
@@ -128,6 +140,35 @@ def polar(
             x = torch.baddbmm(x, torch.baddbmm(g, g, g, beta=b, alpha=c), x, beta=a)
         x = x.reshape(*lead, *x.shape[-2:])
     return (x.mT if tall else x).to(out_dtype)
+
+
+def _split_gram_iterate(x: torch.Tensor, coeffs, restart_every: int, dtype: torch.dtype, reducer) -> torch.Tensor:
+    """:func:`_gram_iterate` of the wide ``x`` (``n x m``, the transpose of a tall matrix)
+    whose columns are split across ranks: every Gram ``x x^T`` is a sum over the columns,
+    completed by ``reducer``; returns this rank's rows of the polar factor, ``(Q x)^T``."""
+    take = getattr(reducer, "take", None)  # replicas of the same rows each sum a slice of them
+
+    def gram(x0: torch.Tensor) -> torch.Tensor:
+        part = x0 if take is None else take(x0, -1)
+        return reducer.sum(part @ part.mT)
+
+    wide = x.to(torch.promote_types(dtype, torch.float32))
+    raw = gram(wide)
+    norm = raw.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()[..., None, None]
+    scale = NORM_MARGIN * norm + NORM_FLOOR
+    x0 = (wide / scale).to(dtype)
+    g = (raw / scale.square()).to(dtype)
+    eye = torch.eye(x0.shape[-2], dtype=dtype, device=x0.device)
+    q = None
+    for k, (a, b, c) in enumerate(coeffs):
+        if q is not None and restart_every > 0 and k % restart_every == 0:
+            x0, q = q @ x0, None
+            g = gram(x0)
+        h = a * eye + b * g + c * (g @ g)
+        q = h if q is None else h @ q
+        g = h @ (g @ h)
+    out = x0 if q is None else q @ x0
+    return out.mT.to(x.dtype)
 
 
 def _gram_iterate(x0: torch.Tensor, coeffs, restart_every: int) -> torch.Tensor:

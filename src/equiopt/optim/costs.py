@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..linalg.polar import RESTART_EVERY
 from .rules import MapKey, factored_map
 
 __all__ = ["CostModel", "COST_MODELS", "resolve_cost_model", "map_flops", "reduce_bytes"]
@@ -86,6 +87,9 @@ def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None)
         return 4 * batch * m * n
     if rule in ("spectral", "torch_muon"):
         s = min(m, n)
+        if key.method == "gram_newton_schulz":  # Grams and products with the iterate at each restart
+            passes = 1 + (steps - 1) // RESTART_EVERY
+            return batch * (4 * passes * m * n * s + steps * 8 * s**3)
         return batch * steps * (4 * m * n * s + 2 * s**3)
     rows = m if gram_rows is None else gram_rows
     side = n if rows >= n else rows  # the smaller Gram, see maps.gram_side

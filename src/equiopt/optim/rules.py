@@ -107,9 +107,11 @@ def factored_map(
     done = center == PRECENTRED
     center = bool(center)
     if rule == "spectral":
-        if reducer is not None:
-            raise ValueError("the spectral map needs the whole matrix; gather a row-sharded one first")
-        return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype))
+        if col_reducer is not None or (reducer is not None and method != "gram_newton_schulz"):
+            raise ValueError(
+                "the spectral map needs the whole matrix, or its rows split with method 'gram_newton_schulz'"
+            )
+        return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype, reducer=reducer))
     # the settings the one-sided maps and the hybrids share
     common = dict(
         eps=eps,
@@ -138,14 +140,16 @@ def reducible(key: MapKey, rows: int, cols: int) -> bool:
     """Whether the map of ``key`` on an ``rows x cols`` work matrix split by rows across
     ranks runs on the shards with a :class:`~equiopt.maps.RowReducer` (sums over rows
     only): row-norm always; one-sided and hybrid maps when they form the right
-    (``cols x cols``) Gram with a damped inverse square root. Spectral maps, left Grams
-    and the Gram Newton-Schulz polar factor need the whole matrix."""
+    (``cols x cols``) Gram with a damped inverse square root; the spectral map of a tall
+    matrix (``rows >= cols``) with the Gram Newton-Schulz polar factor, whose iteration
+    runs on the summed ``cols x cols`` Gram. Other spectral maps, left Grams and the
+    one-sided maps' Gram Newton-Schulz need the whole matrix."""
     rule, method = key.rule, key.method
     if rule == "row":
         return True
     if rule in ("right", "left", "hybrid"):
         return method != "gram_newton_schulz" and maps.gram_side(rows, cols) == "right"
-    return False
+    return rule == "spectral" and method == "gram_newton_schulz" and rows >= cols
 
 
 def apply_map(key: MapKey, eta, D: torch.Tensor) -> torch.Tensor:
