@@ -150,3 +150,50 @@ def test_placements_and_recorder_on_one_rank(tmp_path):
 
 def test_placements_and_recorder_on_two_ranks(gloo):
     gloo(_worker, 2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlapped_reduce_maps_start_collectives_in_one_order(seed, monkeypatch):
+    """Maps that run in threads (overlapped reduce buckets) have their all-reduces started
+    in round-robin order over the maps, whatever the threads' timing: every rank then
+    issues the same collectives in the same order. Each map gets its own sums back."""
+    import random
+    import threading
+    import time
+
+    from equiopt.optim import distribute
+
+    started = []
+
+    class Handle:
+        def wait(self):
+            time.sleep(rng.random() * 0.002)
+
+    def fake_all_reduce(t, op=None, group=None, async_op=False):
+        started.append((int(t[0]), int(t[1])))
+        t.mul_(2)
+        return Handle()
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", fake_all_reduce)
+    rng = random.Random(seed)
+    counts = [3, 1, 0, 2]  # sums per map: map 2 sends nothing
+    turns = distribute._Turns(len(counts))
+    got = {}
+
+    def run(k):
+        try:
+            for i in range(counts[k]):
+                time.sleep(rng.random() * 0.003)  # compute of varying length
+                out = turns.sum(k, torch.tensor([k, i]), None)
+                got[(k, i)] = out.tolist()
+        finally:
+            turns.finish(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(counts))]
+    for t in threads:
+        t.start()
+    turns.issue()
+    for t in threads:
+        t.join()
+    assert started == [(0, 0), (1, 0), (3, 0), (0, 1), (3, 1), (0, 2)]
+    assert got == {(k, i): [2 * k, 2 * i] for k in range(len(counts)) for i in range(counts[k])}

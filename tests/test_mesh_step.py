@@ -135,6 +135,7 @@ def _check_case(case, family, recipe, costs, rank):
     import equiopt
     from equiopt.distributed import record_collectives
     from equiopt.models import build
+    from equiopt.optim import distribute
     from equiopt.optim.planner import plan_step
 
     ref = build(family, "tiny", seed=0)
@@ -148,6 +149,7 @@ def _check_case(case, family, recipe, costs, rank):
         opt_waited.overlap = False
     vocab_bytes = ref.get_input_embeddings().weight.numel() * 4
     mapped = _count_owner_maps() if case == "hsdp" else None
+    overlapped_reduces = _count_overlapped_reduces() if waited is not None else None
     for step in range(STEPS):
         grads = global_grads(ref, step, seed=2000)
         if waited is not None:
@@ -172,6 +174,10 @@ def _check_case(case, family, recipe, costs, rank):
         _check_replicas_divide(opt, mapped)
     if waited is not None:
         assert any(how.how == "owner" for how in _plans(opt).values())
+        # the reduce buckets' maps ran in threads with their all-reduces started in turn
+        counted, original = overlapped_reduces
+        distribute._Turns = original
+        assert counted[0] == STEPS, (case, recipe, counted)
         for (name, p), q in zip(sharded.named_parameters(), waited.parameters()):
             assert torch.equal(p.to_local(), q.to_local()), f"{case} {recipe}: {name} differs with overlap"
     plans = _plans(opt)
@@ -196,6 +202,21 @@ def _check_case(case, family, recipe, costs, rank):
                     mine, theirs = in_quotient(mine, opt_ref, want[name]), in_quotient(theirs, opt_ref, want[name])
                 assert rel(mine, theirs) <= 1e-5, (case, recipe, name, key)
     return sharded
+
+
+def _count_overlapped_reduces():
+    """Count the steps whose reduce buckets ran overlapped (patches ``distribute._Turns``)."""
+    from equiopt.optim import distribute
+
+    counted, original = [0], distribute._Turns
+
+    class Counting(original):
+        def issue(self):
+            counted[0] += 1
+            super().issue()
+
+    distribute._Turns = Counting
+    return counted, original
 
 
 def _count_owner_maps():

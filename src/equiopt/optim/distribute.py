@@ -22,6 +22,7 @@ matrix shapes run as one batched call.
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -152,20 +153,126 @@ def run(
     the owner exchanges asynchronously, in waves (results bitwise those of waiting);
     ``cost_model``: the optimizer's (:func:`~.costs.resolve_cost_model`), which decides
     whether replicas divide owner work."""
-    divided = []
+    divided, reduced = [], []
     for key, items in buckets.items():
         if key.mode == DIVIDED:
             divided.append((key.map, items))
         elif key.mode == ROWS:
             _run_rows(key.map, items, add)
+        elif key.mode == REDUCE:
+            reduced.append((key, items))
         else:
-            group, sums = items[0].group, items[0].sums
-            for item, f in zip(items, map_batched(key.map, group["eta"], [i.work for i in items], sums)):
+            group = items[0].group
+            for item, f in zip(items, map_batched(key.map, group["eta"], [i.work for i in items])):
                 add(item.view, f, item.coef)
+    if reduced:
+        _run_reduce(reduced, add, overlap)
     if divided:
         _run_divided(divided, add, replicas, overlap)
     if whole:
         _run_whole(whole, add, overlap, cost_model)
+
+
+def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overlap: bool) -> None:
+    """Maps of split work matrices on their shards, the sums inside them all-reduced.
+
+    With ``overlap`` and several buckets on CPU, each bucket's map runs in its own thread
+    and its all-reduces are started asynchronously by this thread, in one fixed order on
+    every rank (:class:`_Turns`), so one bucket's maps run while another's sums travel.
+    Each bucket computes exactly what it computes alone, so the updates are bitwise those
+    of the waited step; they are added here, in bucket order. (On CUDA the buckets run in
+    turn: a wait on the shared stream would hold every thread's kernels; a side stream per
+    bucket is the place for overlap there.)"""
+    on_cpu = all(items[0].work.device.type == "cpu" for _, items in buckets)
+    if not overlap or len(buckets) < 2 or not on_cpu:
+        for key, items in buckets:
+            group, sums = items[0].group, items[0].sums
+            for item, f in zip(items, map_batched(key.map, group["eta"], [i.work for i in items], sums)):
+                add(item.view, f, item.coef)
+        return
+    turns = _Turns(len(buckets))
+    results: list[Any] = [None] * len(buckets)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        key, items = buckets[k]
+        sums = tuple(None if r is None else _QueuedSum(r, turns, k) for r in items[0].sums)  # type: ignore[union-attr]
+        try:
+            with torch.no_grad():
+                results[k] = map_batched(key.map, items[0].group["eta"], [i.work for i in items], sums)
+        except BaseException as err:  # re-raised by the step's thread below
+            errors.append(err)
+        finally:
+            turns.finish(k)
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(buckets))]
+    for t in threads:
+        t.start()
+    turns.issue()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for (_, items), mapped in zip(buckets, results):
+        for item, f in zip(items, mapped):
+            add(item.view, f, item.coef)
+
+
+class _Turns:
+    """The all-reduces of maps running in threads, started by one thread in round-robin
+    order over the maps (a finished map leaves the round). Each map's sequence of sums
+    depends only on global shapes and settings, so every rank starts the same collectives
+    in the same order, whatever the threads' timing."""
+
+    def __init__(self, count: int):
+        self.cv = threading.Condition()
+        self.live = list(range(count))
+        self.asked: dict[int, list] = {}  # map -> [tensor, group, work handle once started]
+        self.finished: set[int] = set()
+
+    def sum(self, k: int, t: torch.Tensor, group) -> torch.Tensor:
+        """From map ``k``'s thread: wait for its turn, then for the all-reduce of ``t``."""
+        with self.cv:
+            self.asked[k] = [t, group, None]
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.asked[k][2] is not None)
+            handle = self.asked.pop(k)[2]
+        handle.wait()
+        return t
+
+    def finish(self, k: int) -> None:
+        with self.cv:
+            self.finished.add(k)
+            self.cv.notify_all()
+
+    def issue(self) -> None:
+        """From the step's thread: start every map's all-reduces, in turn, until all finish."""
+        import torch.distributed as dist
+
+        at = 0
+        with self.cv:
+            while self.live:
+                at %= len(self.live)
+                k = self.live[at]
+                self.cv.wait_for(lambda: k in self.finished or (k in self.asked and self.asked[k][2] is None))
+                if k in self.asked and self.asked[k][2] is None:
+                    t, group = self.asked[k][:2]
+                    self.asked[k][2] = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                    self.cv.notify_all()
+                    at += 1
+                else:
+                    self.live.pop(at)
+
+
+class _QueuedSum(ShardSum):
+    """A :class:`~.sharded.ShardSum` whose all-reduce :class:`_Turns` starts in its turn."""
+
+    def __init__(self, inner: ShardSum, turns: _Turns, k: int):
+        super().__init__(inner.group, inner.count, inner.part)
+        self.turns, self.k = turns, k
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.turns.sum(self.k, t.contiguous(), self.group)
 
 
 def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None) -> None:
