@@ -193,11 +193,13 @@ def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overl
     turns = _Turns(len(buckets))
     results: list[Any] = [None] * len(buckets)
     errors: list[BaseException] = []
+    threads_per_map = torch.get_num_threads()  # OpenMP's setting is per thread: carry it over
 
     def work(k: int) -> None:
         key, items = buckets[k]
         sums = tuple(None if r is None else _QueuedSum(r, turns, k) for r in items[0].sums)  # type: ignore[union-attr]
         try:
+            torch.set_num_threads(threads_per_map)
             with torch.no_grad():
                 results[k] = map_batched(key.map, items[0].group["eta"], [i.work for i in items], sums)
         except BaseException as err:  # re-raised by the step's thread below
