@@ -14,8 +14,9 @@
     maps divided among the ranks (``divide_work``) and, for reference, undivided; one
     thread per process on CPU (gloo), one GPU per process on CUDA (NCCL).
 (e) ``--overlap``: per-rank step time of the ``--stack`` model (or ``--model``) sharded by
-    FSDP2 over 2 and 4 gloo processes (``--worlds``), with the owner exchanges waited for at
-    once (``overlap=False``) and overlapped with the maps, the time spent inside the
+    FSDP2 over 2 and 4 gloo processes (``--worlds``), with the owner exchanges and the reduce
+    maps' all-reduces waited for at once (``overlap=False``) and overlapped with the maps
+    (``--cost-model owner`` or ``reduce`` picks which), the time spent inside the
     collectives of a waited step, and the share of it the overlap hides.
 (b) Accuracy of the right-spectral map and its nuclear-norm estimate ``nu`` against
     float64, for condition numbers 1e1, 1e3, 1e5 and entry scales 1e-4 to 1, for the
@@ -362,8 +363,9 @@ def _overlap_worker(
 
 
 def overlap(recipes, repeats: int, worlds, shape: str | None, cost_model: str) -> None:
-    """``--overlap``: per-rank step time of FSDP2-sharded stacks with the owner exchanges
-    waited for at once and overlapped with the maps, on gloo (one thread per process)."""
+    """``--overlap``: per-rank step time of FSDP2-sharded stacks with the collectives (owner
+    exchanges; the reduce maps' all-reduces) waited for at once and overlapped with the
+    maps, on gloo (one thread per process)."""
     print(
         f"(e) per-rank optimizer step time (ms, slowest rank), FSDP2 over all ranks, Qwen3-style model "
         f"{shape or 'of --stack'}, gloo, one thread per process, cost model {cost_model}, torch {torch.__version__}"
