@@ -142,7 +142,7 @@ def shard_model(model: torch.nn.Module, sizes: dict[str, int]) -> torch.nn.Modul
     dense = {k: v for k, v in sizes.items() if k != "ep"}
     experts = _expert_stacks(model) if sizes.get("ep", 1) > 1 else []
     ignored = _place_experts(model, _expert_mesh(sizes), experts) if experts else set()
-    if not dense:  # ep alone: one rank per expert group
+    if not dense:  # "ep=1" alone: one rank
         dense = {"dp_shard": 1}
     mesh = init_device_mesh("cpu", tuple(dense.values()), mesh_dim_names=tuple(dense))
     if sizes.get("tp", 1) > 1:

@@ -157,28 +157,23 @@ def _split_gram_iterate(x: torch.Tensor, coeffs, restart_every: int, dtype: torc
     norm = raw.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()[..., None, None]
     scale = NORM_MARGIN * norm + NORM_FLOOR
     x0 = (wide / scale).to(dtype)
-    g = (raw / scale.square()).to(dtype)
-    eye = torch.eye(x0.shape[-2], dtype=dtype, device=x0.device)
+    return _gram_iterate(x0, coeffs, restart_every, gram, (raw / scale.square()).to(dtype)).mT.to(x.dtype)
+
+
+def _local_gram(x: torch.Tensor) -> torch.Tensor:
+    return x @ x.mT
+
+
+def _gram_iterate(x0: torch.Tensor, coeffs, restart_every: int, gram=_local_gram, g=None) -> torch.Tensor:
+    """The Gram Newton-Schulz loop on ``x0`` (``m <= n``): ``gram(x)`` forms a Gram (summed
+    over shards for a split ``x0``), ``g`` is ``x0``'s when the caller already has it."""
+    eye = torch.eye(x0.shape[-2], dtype=x0.dtype, device=x0.device)
     q = None
+    g = gram(x0) if g is None else g
     for k, (a, b, c) in enumerate(coeffs):
         if q is not None and restart_every > 0 and k % restart_every == 0:
             x0, q = q @ x0, None
             g = gram(x0)
-        h = a * eye + b * g + c * (g @ g)
-        q = h if q is None else h @ q
-        g = h @ (g @ h)
-    out = x0 if q is None else q @ x0
-    return out.mT.to(x.dtype)
-
-
-def _gram_iterate(x0: torch.Tensor, coeffs, restart_every: int) -> torch.Tensor:
-    eye = torch.eye(x0.shape[-2], dtype=x0.dtype, device=x0.device)
-    q = None
-    g = x0 @ x0.mT
-    for k, (a, b, c) in enumerate(coeffs):
-        if q is not None and restart_every > 0 and k % restart_every == 0:
-            x0, q = q @ x0, None
-            g = x0 @ x0.mT
         h = a * eye + b * g + c * (g @ g)
         q = h if q is None else h @ q
         g = h @ (g @ h)

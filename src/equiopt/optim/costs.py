@@ -22,7 +22,7 @@ import torch
 from ..linalg.polar import RESTART_EVERY
 from .rules import MapKey, factored_map
 
-__all__ = ["CostModel", "COST_MODELS", "resolve_cost_model", "map_flops", "reduce_bytes"]
+__all__ = ["CostModel", "COST_MODELS", "resolve_cost_model", "mesh_cost_model", "map_flops", "reduce_bytes"]
 
 PREFER = ("cheaper", "reduce", "owner")
 
@@ -74,6 +74,11 @@ def resolve_cost_model(spec, device_type: str = "cpu") -> CostModel:
         f"unknown cost_model {spec!r}; valid: auto, reduce, owner, {', '.join(COST_MODELS)} "
         "or an equiopt.optim.costs.CostModel"
     )
+
+
+def mesh_cost_model(spec, mesh) -> CostModel:
+    """:func:`resolve_cost_model` for parameters on ``mesh`` (by its device type)."""
+    return resolve_cost_model(spec, getattr(mesh, "device_type", "cpu"))
 
 
 def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None) -> int:

@@ -32,7 +32,7 @@ import torch
 from .. import maps
 from ..distributed.placements import Sharding, mesh_group, row_range
 from ..layouts import Layout
-from .costs import resolve_cost_model
+from .costs import mesh_cost_model
 from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
@@ -162,15 +162,20 @@ def run(
         elif key.mode == REDUCE:
             reduced.append((key, items))
         else:
-            group = items[0].group
-            for item, f in zip(items, map_batched(key.map, group["eta"], [i.work for i in items])):
-                add(item.view, f, item.coef)
+            _run_bucket(key, items, add)
     if reduced:
         _run_reduce(reduced, add, overlap)
     if divided:
         _run_divided(divided, add, replicas, overlap)
     if whole:
         _run_whole(whole, add, overlap, cost_model)
+
+
+def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
+    """Map one bucket here (its sums, if split, waited for) and add its updates."""
+    mapped = map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums)
+    for item, f in zip(items, mapped):
+        add(item.view, f, item.coef)
 
 
 def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overlap: bool) -> None:
@@ -186,9 +191,7 @@ def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overl
     on_cpu = all(items[0].work.device.type == "cpu" for _, items in buckets)
     if not overlap or len(buckets) < 2 or not on_cpu:
         for key, items in buckets:
-            group, sums = items[0].group, items[0].sums
-            for item, f in zip(items, map_batched(key.map, group["eta"], [i.work for i in items], sums)):
-                add(item.view, f, item.coef)
+            _run_bucket(key, items, add)
         return
     turns = _Turns(len(buckets))
     results: list[Any] = [None] * len(buckets)
@@ -299,7 +302,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
                     )
                 )
     tasks = [t for t, _ in units]
-    costs = resolve_cost_model(cost_model, getattr(tasks[0].sharding.mesh, "device_type", "cpu")) if tasks else None
+    costs = mesh_cost_model(cost_model, tasks[0].sharding.mesh) if tasks else None
     batches = list(
         owner_batches(
             [(t.sharding, t.plan, t.layout, t.direction.dtype, lead, t.key) for t, lead in units], costs=costs

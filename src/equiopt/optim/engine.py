@@ -25,7 +25,7 @@ from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .costs import replica_division, resolve_cost_model
+from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
 from .fields import ELEMENTWISE_RULES, MATRIX_RULES, PEER_RULES, default
@@ -605,8 +605,9 @@ class EquivariantOptimizer(Optimizer):
         cache_key = (id(sharding), key, layout, self.cost_model)
         found = self._plans.get(cache_key)
         if found is None:
-            device = "cuda" if getattr(sharding.mesh, "device_type", "cpu") == "cuda" else "cpu"
-            found = self._plans[cache_key] = plan(key, layout, sharding, resolve_cost_model(self.cost_model, device))
+            found = self._plans[cache_key] = plan(
+                key, layout, sharding, mesh_cost_model(self.cost_model, sharding.mesh)
+            )
         return found
 
     @staticmethod

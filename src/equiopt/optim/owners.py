@@ -30,6 +30,8 @@ __all__ = [
     "assign",
     "map_cost",
     "joint_block",
+    "block_numel",
+    "elements_sent",
     "Pending",
     "start_to_owners",
     "to_owners",
@@ -62,8 +64,19 @@ def assign(costs: Sequence[int], ranks: int) -> list[int]:
 Block = tuple  # ((start, stop), ...) per tensor dimension, in global coordinates
 
 
-def _numel(block: Block) -> int:
+def block_numel(block: Block) -> int:
+    """Elements of a block."""
     return math.prod(b - a for a, b in block)
+
+
+def elements_sent(blocks: Sequence[Block], sources: Sequence[int], owner: int, member: int) -> int:
+    """Elements group member ``member`` sends for one task whose members hold ``blocks``:
+    its block to the ``owner`` in :func:`to_owners` if it is one of the ``sources``, and, if
+    it is the owner, every member's block of the update in :func:`from_owners`."""
+    out = block_numel(blocks[member]) if member in sources else 0
+    if member == owner:
+        out += sum(block_numel(b) for b in blocks)
+    return out
 
 
 def _within(block: Block, joint: Block) -> tuple[slice, ...]:
@@ -120,7 +133,7 @@ def start_to_owners(
     senders = [range(n) if sources is None else sources[t] for t in range(len(blocks))]
 
     def sent(t: int, s: int) -> int:
-        return _numel(blocks[t][s]) if s in senders[t] else 0
+        return block_numel(blocks[t][s]) if s in senders[t] else 0
 
     send: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for t, shard in enumerate(shards):
@@ -186,12 +199,14 @@ def start_from_owners(
         parts = [updates[t][_within(blocks[t][s], joint_block(blocks[t]))].reshape(-1) for t in mine]
         send.append(torch.cat(parts) if parts else like.new_empty(0))
     by_owner = [[t for t in range(len(blocks)) if owners[t] == q] for q in range(n)]
-    work, recv = _all_to_all(send, [sum(_numel(blocks[t][me]) for t in ts) for ts in by_owner], group, like, async_op)
+    work, recv = _all_to_all(
+        send, [sum(block_numel(blocks[t][me]) for t in ts) for ts in by_owner], group, like, async_op
+    )
 
     def finish() -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(blocks)
         for ts, flat in zip(by_owner, recv):
-            for t, part in zip(ts, torch.split(flat, [_numel(blocks[t][me]) for t in ts])):
+            for t, part in zip(ts, torch.split(flat, [block_numel(blocks[t][me]) for t in ts])):
                 out[t] = part.view(tuple(b - a for a, b in blocks[t][me]))
         return out  # type: ignore[return-value]
 

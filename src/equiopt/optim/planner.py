@@ -18,15 +18,14 @@ sharded over a fake process group of any size, is planned exactly like a real on
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 
 from ..distributed.placements import Sharding
-from .costs import map_flops, reduce_bytes, resolve_cost_model
+from .costs import map_flops, mesh_cost_model, reduce_bytes
 from .fields import MATRIX_RULES
-from .owners import joint_block
+from .owners import block_numel, elements_sent, joint_block
 from .rules import map_key
 from .sharded import group_ranks, owner_batches, owner_units
 
@@ -109,8 +108,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         return table.get(rank)
 
     def owner_costs(tasks):  # the cost model of the step's owner work (distribute.run's)
-        device = getattr(tasks[0][0].mesh, "device_type", "cpu") if tasks else "cpu"
-        return resolve_cost_model(optimizer.cost_model, device)
+        return mesh_cost_model(optimizer.cost_model, tasks[0][0].mesh if tasks else None)
 
     per_param: dict[str, list[int]] = {name: [0, 0, 0] for _, name, *_ in entries}
     owner_axes: dict[str, tuple[str, ...]] = {}
@@ -139,7 +137,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             for _, name, p, layout, s, how in members:
                 c = coordinate(s, rank)
                 block = s.block_at(c) if c is not None else s.block
-                numel = math.prod(b - a for a, b in block)
+                numel = block_numel(block)
                 totals[3] += numel
                 dtype = optimizer._state_dtype(p)
                 item = torch.empty((), dtype=dtype).element_size()
@@ -177,10 +175,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             for k, i in enumerate(batch.members):
                 name, key, numel, item, state = owner_info[i]
                 owner_axes[name] = tuple(owner_tasks[i][0].axis_name(a) for a in batch.plans[k].axes)
-                sent = numel * item if batch.me in batch.sources[k] else 0  # its block, to the owner
+                sent = elements_sent(batch.blocks[k], batch.sources[k], batch.owners[k], batch.me) * item
                 flops = ELEMENTWISE_FLOPS * numel
-                if batch.owners[k] == batch.me:  # the update's blocks, to every holder
-                    sent += sum(math.prod(b - a for a, b in block) for block in batch.blocks[k]) * item
+                if batch.owners[k] == batch.me:
                     whole = tuple(b - a for a, b in joint_block(batch.blocks[k]))
                     flops += sum(map_flops(key, w) for w in owner_tasks[i][2].work_shapes(whole))
                 row = owned.setdefault(name, [0, 0, 0])

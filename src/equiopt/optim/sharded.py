@@ -36,7 +36,7 @@ import torch
 from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group, row_range
 from ..layouts import Col, Experts, Heads, Layout, Row
 from .costs import CostModel, map_flops, prefers_reduce
-from .owners import assign, joint_block, map_cost
+from .owners import assign, elements_sent, joint_block, map_cost
 from .rules import MapKey, reducible
 
 __all__ = [
@@ -310,11 +310,10 @@ def _busiest(tasks: list[tuple], members: list[int], arrangement: tuple, model: 
     seconds = [0.0] * len(blocks[0]) if blocks else [0.0]
     for k, i in enumerate(members):
         item = torch.empty((), dtype=tasks[i][3]).element_size()
-        sizes = [math.prod(b - a for a, b in block) * item for block in blocks[k]]
-        for s in sources[k]:
-            seconds[s] += sizes[s] / model.bandwidth
+        for s in set(sources[k]) | {owners[k]}:
+            seconds[s] += elements_sent(blocks[k], sources[k], owners[k], s) * item / model.bandwidth
         flops = sum(map_flops(tasks[i][5], w) for w in tasks[i][2].work_shapes(joints[k]))
-        seconds[owners[k]] += sum(sizes) / model.bandwidth + flops / model.flops
+        seconds[owners[k]] += flops / model.flops
     return max(seconds)
 
 
