@@ -12,12 +12,14 @@ parallelism lays them: ``Shard(0)`` (experts) on ``ep`` and FSDP on ``efsdp`` (w
 experts, or ``Shard(1)`` inside them).
 """
 
+import contextlib
 import copy
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+from map_work import check_work_divided, counting_map_work
 from sharded_steps import give_grads, global_grads, in_quotient, rel
 
 pytestmark = [
@@ -135,7 +137,6 @@ def _check_case(case, family, recipe, costs, rank):
     import equiopt
     from equiopt.distributed import record_collectives
     from equiopt.models import build
-    from equiopt.optim import distribute
     from equiopt.optim.planner import plan_step
 
     ref = build(family, "tiny", seed=0)
@@ -148,36 +149,35 @@ def _check_case(case, family, recipe, costs, rank):
         opt_waited, _ = equiopt.build_optimizer(waited, recipe, overrides=FLOAT32, cost_model=costs)
         opt_waited.overlap = False
     vocab_bytes = ref.get_input_embeddings().weight.numel() * 4
-    mapped = _count_owner_maps() if case == "hsdp" else None
-    overlapped_reduces = _count_overlapped_reduces() if waited is not None else None
-    for step in range(STEPS):
-        grads = global_grads(ref, step, seed=2000)
-        if waited is not None:
-            give_grads(grads, ref, waited)
-            opt_waited.step()
-        give_grads(grads, ref, sharded)
-        opt_ref.step()
-        planned = plan_step(opt, ranks=[rank]).per_rank[rank][0]
-        with record_collectives() as log:
-            opt.step()
-        # the planner's bytes are the step's: the same decisions, the maps' own reductions
-        assert planned > 0 and log.total_bytes() == planned, (case, recipe, log.summary(), planned)
-        # nothing vocabulary-sized is all-reduced or gathered (owner work all-to-alls carry
-        # the blocks of every owner-mapped matrix at once; the plans below keep vocabularies off them)
-        big = [
-            (r.op, r.shape)
-            for r in log
-            if r.op != "all_to_all" and math.prod(r.shape[-2:]) * r.dtype.itemsize >= vocab_bytes / 2
-        ]
-        assert not big, (case, recipe, big)
+    with contextlib.ExitStack() as patched:
+        mapped = patched.enter_context(counting_map_work()) if case == "hsdp" else None
+        overlapped = patched.enter_context(_counting_overlapped_reduces()) if waited is not None else None
+        for step in range(STEPS):
+            grads = global_grads(ref, step, seed=2000)
+            if waited is not None:
+                give_grads(grads, ref, waited)
+                opt_waited.step()
+            give_grads(grads, ref, sharded)
+            opt_ref.step()
+            planned = plan_step(opt, ranks=[rank]).per_rank[rank][0]
+            with record_collectives() as log:
+                opt.step()
+            # the planner's bytes are the step's: the same decisions, the maps' own reductions
+            assert planned > 0 and log.total_bytes() == planned, (case, recipe, log.summary(), planned)
+            # nothing vocabulary-sized is all-reduced or gathered (owner work all-to-alls carry
+            # the blocks of every owner-mapped matrix at once; the plans below keep vocabularies off them)
+            big = [
+                (r.op, r.shape)
+                for r in log
+                if r.op != "all_to_all" and math.prod(r.shape[-2:]) * r.dtype.itemsize >= vocab_bytes / 2
+            ]
+            assert not big, (case, recipe, big)
     if mapped is not None:
         _check_replicas_divide(opt, mapped)
     if waited is not None:
         assert any(how.how == "owner" for how in _plans(opt).values())
         # the reduce buckets' maps ran in threads with their all-reduces started in turn
-        counted, original = overlapped_reduces
-        distribute._Turns = original
-        assert counted[0] == STEPS, (case, recipe, counted)
+        assert overlapped[0] == STEPS, (case, recipe, overlapped)
         for (name, p), q in zip(sharded.named_parameters(), waited.parameters()):
             assert torch.equal(p.to_local(), q.to_local()), f"{case} {recipe}: {name} differs with overlap"
     plans = _plans(opt)
@@ -204,8 +204,9 @@ def _check_case(case, family, recipe, costs, rank):
     return sharded
 
 
-def _count_overlapped_reduces():
-    """Count the steps whose reduce buckets ran overlapped (patches ``distribute._Turns``)."""
+@contextlib.contextmanager
+def _counting_overlapped_reduces():
+    """Yield a list whose one entry counts the steps whose reduce buckets ran overlapped."""
     from equiopt.optim import distribute
 
     counted, original = [0], distribute._Turns
@@ -216,31 +217,17 @@ def _count_overlapped_reduces():
             super().issue()
 
     distribute._Turns = Counting
-    return counted, original
+    try:
+        yield counted
+    finally:
+        distribute._Turns = original
 
 
-def _count_owner_maps():
-    """Count the work matrices this rank's owner maps run on (patches ``map_whole``)."""
-    from equiopt.optim import distribute
+def _check_replicas_divide(opt, done):
+    """HSDP: the replicas divide the owner maps. Over the 4 ranks, every owner-mapped work
+    matrix was mapped once per step, not once per replica group."""
+    from equiopt.optim.owners import map_cost
 
-    counted = [0]
-    inner = distribute.map_whole
-
-    def counting(jobs):
-        counted[0] += len(jobs)
-        return inner(jobs)
-
-    distribute.map_whole = counting
-    return counted, inner
-
-
-def _check_replicas_divide(opt, mapped):
-    """HSDP: the replicas divide the owner maps. Summed over the 4 ranks, every owner-mapped
-    work matrix was mapped once per step, not once per replica group."""
-    from equiopt.optim import distribute
-
-    counted, inner = mapped
-    distribute.map_whole = inner
     owners = [
         (group, layout, p)
         for group in opt.param_groups
@@ -252,9 +239,7 @@ def _check_replicas_divide(opt, mapped):
     for group, layout, p in owners:
         how = opt.plan_of(group, layout, opt._sharding(p))
         assert [opt._sharding(p).axis_name(a) for a in how.replicas] == ["dp_replicate"], how
-    total = torch.tensor(counted[0])
-    dist.all_reduce(total)
-    assert total.item() == STEPS * sum(len(layout.work_shapes(p.shape)) for _, layout, p in owners), total
+    check_work_divided(done, [map_cost(w) for _, layout, p in owners for w in layout.work_shapes(p.shape)] * STEPS)
 
 
 def _plans(opt):
