@@ -59,6 +59,14 @@ def test_verdict_follows_the_side_of_zero_the_interval_lies_on():
     assert verdict((0.004, 0.009), "equal", 0.005) == "differs"
     with pytest.raises(ValueError, match="margin"):
         verdict((0.0, 1.0), "equal")
+    # non-inferiority: only the upper end of the interval against the margin matters
+    assert verdict((-0.02, 0.004), "not_higher", 0.005) == "no harm (below +0.005)"
+    assert verdict((0.001, 0.004), "not_higher", 0.005) == "no harm (below +0.005)"  # worse, but by less
+    assert verdict((-0.001, 0.006), "not_higher", 0.005) == "inconclusive"
+    assert verdict((0.006, 0.02), "not_higher", 0.005) == "harms (above +0.005)"
+    assert verdict(None, "not_higher", 0.005) == "inconclusive"
+    with pytest.raises(ValueError, match="margin"):
+        verdict((0.0, 1.0), "not_higher")
     with pytest.raises(ValueError, match="direction"):
         verdict((0.0, 1.0), "smaller")
 

@@ -7,8 +7,9 @@
 (c) ``--stack``: each paper recipe's whole optimizer stack on a Qwen3-style model
     (CPU: vocabulary 32768, hidden 256, 4 layers, untied, 20 M parameters; CUDA: the
     paper's Qwen3-0.6B), as a ratio to torch's AdamW over all parameters, as a fraction
-    of one forward+backward pass (B x T tokens), and its optimizer state and (CUDA)
-    peak extra memory.
+    of one forward+backward pass (B x T tokens; bf16 autocast on CUDA), and its optimizer
+    state and (CUDA) peak extra memory; ``--gram-dtype float32,bfloat16`` times recipes
+    with Gram maps once per ``gram_dtype``.
 (d) ``--divided``: per-rank step time of each recipe's whole stack on the ``--stack``
     model under DDP-style replication, 1 process against 2 (``--worlds``) with the matrix
     maps divided among the ranks (``divide_work``) and, for reference, undivided; one
@@ -45,6 +46,8 @@ RULES = [
     ("right", {"rule": "right"}),
     ("right centred", {"rule": "right", "center": True}),
     ("hybrid row->right", {"rule": "hybrid", "order": "row_then_right"}),
+    ("right, bf16 Gram", {"rule": "right", "gram_dtype": "bfloat16"}),
+    ("hybrid row->right, bf16 Gram", {"rule": "hybrid", "order": "row_then_right", "gram_dtype": "bfloat16"}),
     ("spectral (Muon)", {"rule": "spectral"}),
     ("left centred (router)", {"rule": "left", "center": True}),
     ("hybrid left->row centred", {"rule": "hybrid", "order": "left_then_row", "center": True}),
@@ -56,13 +59,21 @@ CASES = [
         "embedding 151936x1024",
         (151936, 1024),
         "row",
-        ["row", "row centred", "right", "right centred", "hybrid row->right"],
+        [
+            "row",
+            "row centred",
+            "right",
+            "right centred",
+            "hybrid row->right",
+            "right, bf16 Gram",
+            "hybrid row->right, bf16 Gram",
+        ],
     ),
     (
         "SwiGLU up 3072x1024 x20 layers",
         (20, 3072, 1024),
         "experts:row",
-        ["row", "right", "hybrid row->right", "spectral (Muon)"],
+        ["row", "right", "hybrid row->right", "hybrid row->right, bf16 Gram", "spectral (Muon)"],
     ),
     (
         "router 32x2048 x12 layers",
@@ -109,7 +120,7 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -
     print(
         f"(a) optimizer step time / torch AdamW ({'fused' if fused else 'foreach'}), device {device}, dtype {dtype}, shapes / {shrink}"
     )
-    print(f"{'parameter':36s} {'rule':26s} {'ms':>9s} {'AdamW ms':>9s} {'ratio':>7s}")
+    print(f"{'parameter':36s} {'rule':30s} {'ms':>9s} {'AdamW ms':>9s} {'ratio':>7s}")
     settings = dict(RULES)
     for name, shape, layout, rules in CASES:
         shape = _shrunk(shape, shrink)
@@ -122,7 +133,7 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -
             opt = EquivariantOptimizer(params, lr=1e-3, layout=layout, **settings[rule])
             t = _time_steps(opt, params, grads, device, repeats)
             label = f"{name} {tuple(shape)}" if shrink > 1 else name
-            print(f"{label:36s} {rule:26s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
+            print(f"{label:36s} {rule:30s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
 
 
 STACK_RECIPES = [
@@ -172,7 +183,33 @@ def _state_mib(opt) -> float:
     )
 
 
-def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, compile_step: bool | None) -> None:
+def _gram_variants(recipe: str, gram_dtypes):
+    """``(label, recipe)`` for each of ``gram_dtypes`` (one, unchanged, when the recipe has no
+    rule that forms a Gram): the recipe with ``gram_dtype`` set on its right, left and hybrid roles."""
+    from .recipes import get_recipe
+
+    base = get_recipe(recipe)
+    gram_roles = [role for role in base.roles if base.roles[role]["rule"] in ("right", "left", "hybrid")]
+    if not gram_roles:
+        return [(recipe, recipe)]
+    return [
+        (
+            recipe if d == "float32" else f"{recipe} ({d[:2]}16 Gram)",
+            base.with_overrides({r: {"gram_dtype": d} for r in gram_roles}),
+        )
+        for d in gram_dtypes
+    ]
+
+
+def stack(
+    device: torch.device,
+    recipes,
+    repeats: int,
+    batch: int,
+    seq: int,
+    compile_step: bool | None,
+    gram_dtypes=("float32",),
+) -> None:
     from .roles import build_optimizer
 
     model = _stack_model(device)
@@ -183,7 +220,9 @@ def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, com
 
     def fwd_bwd():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
 
     fwd_bwd()
     _sync(device)
@@ -202,11 +241,11 @@ def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, com
     del adamw
     print(
         f"(c) whole optimizer stack, Qwen3-style model, {n / 1e6:.1f} M parameters, device {device}, "
-        f"torch {torch.__version__}; forward+backward B={batch} T={seq}: {1e3 * fb:.1f} ms; "
+        f"torch {torch.__version__}; forward+backward B={batch} T={seq}{' (bf16 autocast)' if device.type == 'cuda' else ''}: {1e3 * fb:.1f} ms; "
         f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB"
     )
-    print(f"{'recipe':20s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}")
-    for recipe in recipes:
+    print(f"{'recipe':32s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}")
+    for label, recipe in (v for name in recipes for v in _gram_variants(name, gram_dtypes)):
         opt, _ = build_optimizer(model, recipe, eager_state=True)
         if compile_step is not None:
             opt.compile = compile_step
@@ -218,7 +257,7 @@ def stack(device: torch.device, recipes, repeats: int, batch: int, seq: int, com
         t = _time_steps(opt, params, grads, device, repeats)
         if device.type == "cuda":
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-        print(f"{recipe:20s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
+        print(f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
         del opt
 
 
@@ -471,6 +510,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack"
     )
+    parser.add_argument(
+        "--gram-dtype",
+        default="float32",
+        help="--stack: comma-separated gram_dtype values (float32, bfloat16) each recipe with Gram maps is timed at",
+    )
     parser.add_argument("--divided", action="store_true", help="only the per-rank DDP table (1 vs 2 processes)")
     parser.add_argument("--worlds", default="1,2", help="process counts for --divided")
     parser.add_argument(
@@ -510,6 +554,7 @@ def main(argv=None) -> None:
             args.batch or 8,
             seq,
             comp,
+            args.gram_dtype.split(","),
         )
         return
     both = not (args.speed or args.accuracy)

@@ -38,6 +38,10 @@ Each claim gets a verdict from the paired interval of its arm against its baseli
 the other, ``inconclusive at this scale`` otherwise (and with one seed). A claim of no
 difference (``direction = "equal"`` with a ``margin``) is ``equivalent`` when the interval
 lies inside ``[-margin, margin]``, ``differs`` when it excludes 0, ``inconclusive`` otherwise.
+A claim of no harm (``direction = "not_higher"`` with a ``margin``: the arm is not worse than
+the baseline by ``margin`` or more, a non-inferiority test) holds when the interval's upper
+end lies below ``margin``, ``harms`` when its lower end lies above it, ``inconclusive``
+otherwise.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from ..train.config import tomllib
 __all__ = ["Claim", "Protocol", "load_protocol", "verdict", "VERDICTS"]
 
 VERDICTS = ("reproduces", "reverses", "inconclusive at this scale")
-DIRECTIONS = ("lower", "higher", "equal")
+DIRECTIONS = ("lower", "higher", "equal", "not_higher")
+MARGINED = ("equal", "not_higher")  # directions that need a margin
 _SECTIONS = {
     "study": {"name", "question", "configs", "baseline", "metric", "set", "budget"},
     "tuning": {"multipliers", "grids", "roles", "seeds"},
@@ -70,9 +75,9 @@ class Claim:
     arm: str
     says: str
     paper: str
-    direction: str  # "lower", "higher" (the sign of arm - baseline the paper reports) or "equal"
+    direction: str  # "lower", "higher" (the sign of arm - baseline the paper reports), "equal" or "not_higher"
     baseline: str = ""  # the arm compared with ("": the protocol's baseline)
-    margin: float = 0.0  # the equivalence margin of an "equal" claim
+    margin: float = 0.0  # the margin of an "equal" or "not_higher" claim
 
 
 @dataclass(frozen=True)
@@ -174,16 +179,21 @@ class Protocol:
 def verdict(ci: tuple[float, float] | None, direction: str, margin: float = 0.0) -> str:
     """The verdict of a paired interval of arm - baseline on a claim (see the module docstring):
     ``direction`` ``"lower"`` (the paper has the arm below the baseline), ``"higher"``, or
-    ``"equal"`` (no difference beyond ``margin``)."""
+    ``"equal"`` (no difference beyond ``margin``), or ``"not_higher"`` (no increase of
+    ``margin`` or more)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     finite = ci is not None and all(math.isfinite(c) for c in ci)
-    if direction == "equal":
+    if direction in MARGINED:
         if not margin > 0:
-            raise ValueError(f"an 'equal' claim needs a margin > 0, got {margin!r}")
+            raise ValueError(f"an {direction!r} claim needs a margin > 0, got {margin!r}")
         if not finite:
             return "inconclusive"
         lo, hi = ci  # type: ignore[misc]
+        if direction == "not_higher":
+            if hi < margin:
+                return f"no harm (below +{margin:g})"
+            return f"harms (above +{margin:g})" if lo > margin else "inconclusive"
         if -margin <= lo and hi <= margin:
             return f"equivalent (within +-{margin:g})"
         return "differs" if lo > 0 or hi < 0 else "inconclusive"
@@ -327,10 +337,10 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
         if direction not in DIRECTIONS:
             raise ValueError(f"{cw}, field 'direction': expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
         margin = c.get("margin", 0.0)
-        if direction == "equal" and (
+        if direction in MARGINED and (
             not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 < margin < math.inf
         ):
-            raise ValueError(f"{cw}, field 'margin': an 'equal' claim needs a margin > 0, got {margin!r}")
+            raise ValueError(f"{cw}, field 'margin': a {direction!r} claim needs a margin > 0, got {margin!r}")
         claims.append(
             Claim(
                 _text(c, "arm", cw),
