@@ -222,14 +222,22 @@ def test_inductor_compiled_step_from_a_cold_cache_equals_eager(tmp_path):
     assert "worst" in out.stdout
 
 
-def test_automatic_compile_warns_and_steps_eagerly_when_compiling_fails(monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch._dynamo.exc.Unsupported("no backend here"),
+        # what Dynamo's own assertions raise (torch 2.11 on an attribute set inside the graph)
+        AssertionError("Attempted setattr on a user-defined object"),
+    ],
+)
+def test_automatic_compile_warns_and_steps_eagerly_when_compiling_fails(monkeypatch, error):
     """Under the automatic setting a failed compile costs a warning, not the run; an
     explicit ``compile=`` raises."""
     monkeypatch.setattr(EquivariantOptimizer, "_on_cuda", lambda self: True)
     (p,), opt, _ = _one(compile=None)
 
     def broken(*args, **kwargs):
-        raise torch._dynamo.exc.Unsupported("no backend here")
+        raise error
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
     before = p.detach().clone()
@@ -237,8 +245,27 @@ def test_automatic_compile_warns_and_steps_eagerly_when_compiling_fails(monkeypa
         opt.step()
     assert not torch.equal(p.detach(), before) and opt._compile_failed
     (q,), strict, _ = _one(compile="inductor")
-    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+    with pytest.raises(type(error)):
         strict.step()
+
+
+def test_compiled_step_sets_no_attribute_of_the_optimizer(monkeypatch):
+    """Dynamo (torch 2.11) refuses an attribute set on the optimizer inside the graph: the
+    step returns its flags and finds its skip counter made, and sets nothing itself."""
+    (p,), opt, _ = _one(compile=False)
+    opt._skip_counter()
+    original = type(opt).__setattr__
+    sets: list[str] = []
+
+    def record(self, name, value):
+        sets.append(name)
+        original(self, name, value)
+
+    monkeypatch.setattr(type(opt), "__setattr__", record)
+    flags = opt._step_impl(opt._lr_tensors())
+    assert sets == []
+    assert len(flags) == 1 and flags[0][1].dtype == torch.bool and flags[0][1].shape == (1,)
+    assert opt.nonfinite_updates == 0
 
 
 def _one(**options):

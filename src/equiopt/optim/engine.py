@@ -363,9 +363,8 @@ class EquivariantOptimizer(Optimizer):
 
     def _count(self, ok: torch.Tensor) -> None:
         """Add a work matrix's update flag (from :func:`~.apply.add_factored_`) to the counter."""
-        if self._update_skips is None:
-            self._update_skips = torch.zeros((), dtype=torch.float32, device=ok.device)
-        self._update_skips.add_(ok.logical_not().to(self._update_skips.device, torch.float32))
+        skips = self._skip_counter()
+        skips.add_(ok.logical_not().to(skips.device, torch.float32))
 
     @property
     def last_nonfinite(self) -> list[str]:
@@ -465,13 +464,16 @@ class EquivariantOptimizer(Optimizer):
         lrs = self._lr_tensors()
         backend = self._resolve_compile()
         if not backend:
-            self._step_impl(lrs)
+            self._last_flags = self._step_impl(lrs)
             return loss
         if self._compiled_step is None:
             self._compiled_step = torch.compile(self._step_impl, backend=backend, fullgraph=True, dynamic=False)
+        self._skip_counter()  # made outside the graph: a compiled step sets no attribute
         try:
-            self._compiled_step(lrs)
-        except torch._dynamo.exc.TorchDynamoException as err:
+            self._last_flags = self._compiled_step(lrs)
+        except Exception as err:
+            # Compiling fails before the step runs (fullgraph); a genuine error of the step
+            # itself comes back from the eager step below.
             if self.compile is not None:
                 raise
             # The automatic choice (CUDA) must not cost a run: say why, and step eagerly.
@@ -481,8 +483,15 @@ class EquivariantOptimizer(Optimizer):
                 stacklevel=2,
             )
             self._compile_failed = True
-            self._step_impl(lrs)
+            self._last_flags = self._step_impl(lrs)
         return loss
+
+    def _skip_counter(self) -> torch.Tensor:
+        """The device counter of skipped work-matrix updates (made on first use)."""
+        if self._update_skips is None:
+            device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+            self._update_skips = torch.zeros((), dtype=torch.float32, device=device)
+        return self._update_skips
 
     @torch._dynamo.disable
     def _step_peers(self) -> None:
@@ -538,8 +547,9 @@ class EquivariantOptimizer(Optimizer):
         return out
 
     @torch.no_grad()
-    def _step_impl(self, lrs: list[torch.Tensor]) -> None:
-        self._last_flags = []
+    def _step_impl(self, lrs: list[torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
+        """The step (eager or compiled); returns each group's parameter names and finite flags."""
+        last_flags: list[tuple[list[str], torch.Tensor]] = []
         buckets: dict[BucketKey, list[WorkItem]] = defaultdict(list)
         whole: list[WholeTask] = []
         for group, lr in zip(self.param_groups, lrs):
@@ -555,7 +565,7 @@ class EquivariantOptimizer(Optimizer):
             flags = global_flags(flags, [self._sharding(p) for p in params])
             if group["nonfinite"] == "raise":
                 self._raise_nonfinite(flags, names)
-            self._last_flags.append((names, flags))
+            last_flags.append((names, flags))
             states = [self._init_state(p, group) for p in params]
             okfs = self._ok_floats(flags, params)
             torch._foreach_add_(
@@ -569,6 +579,7 @@ class EquivariantOptimizer(Optimizer):
         distribute.run(
             buckets, whole, self._add, replicas=self._replicas, overlap=self.overlap, cost_model=self.cost_model
         )
+        return last_flags
 
     @staticmethod
     def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
