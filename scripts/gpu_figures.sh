@@ -2,7 +2,7 @@
 # GPU figures: the step-time tables (one matrix per rule against fused AdamW, whole stacks
 # against fused AdamW and one forward+backward, float32 and bfloat16 Grams) and the
 # Gram-precision study, each with its own time limit, outputs under $OUT (default results/gpu/raw).
-# Usage: bash scripts/gpu_figures.sh [compile] [speed] [stack] [study] [tests]   (default: all but tests)
+# Usage: bash scripts/gpu_figures.sh [compile] [speed] [stack] [study] [tests]   [profile]   (default: compile speed stack study)
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-results/gpu/raw}
@@ -18,10 +18,11 @@ for part in $parts; do
     compile) timeout 240 python scripts/gpu_compile_check.py > "$OUT/compile.txt" 2>&1 ;;
     speed) timeout 150 python -m equiopt.bench --speed --device cuda > "$OUT/speed.txt" 2>&1 ;;
     stack) timeout 200 python -m equiopt.bench --stack --device cuda --recipes paper:qwen3:a-i,paper:qwen3:b-ii \
-             --gram-dtype float32,bfloat16 > "$OUT/stack.txt" 2>&1 ;;
+             --gram-dtype float32,bfloat16 --compile off > "$OUT/stack.txt" 2>&1 ;;
     study) timeout 280 python -m equiopt compare --protocol results/study/gram_dtype/protocol.toml \
              --report results/study/gram_dtype/protocol-report.md > "$OUT/study.txt" 2>&1
            tar czf "$OUT/study.tgz" results/study/gram_dtype ;;
+    profile) timeout 120 python scripts/gpu_profile_map.py > "$OUT/profile.txt" 2>&1 ;;
     tests) timeout 420 python -m pytest -q -x -p no:cacheprovider > "$OUT/tests.txt" 2>&1 ;;
   esac
   echo "$part exit $?" >> "$OUT/env.txt"
