@@ -2,7 +2,8 @@
 
 A config has five tables (every field optional unless marked)::
 
-    [run]    name, out_dir, seed, device ("auto" | "cpu" | "cuda"), compile (bool),
+    [run]    name, out_dir, seed, device ("auto" | "cpu" | "cuda"), compile (bool: the
+             forward and the optimizer's step),
              autocast ("auto": bf16 on CUDA, off on CPU | "bf16" | "off"),
              strategy (under torchrun: "ddp", the default, replicates the model;
              "fsdp2" shards every parameter by rows with fully_shard)

@@ -174,6 +174,9 @@ class Trainer:
             eager_state=True,
             divide_work=cfg.run.strategy == "ddp" and self.dist.world_size > 1,
         )
+        # run.compile decides for the optimizer's step too (its automatic choice would
+        # compile on CUDA, which takes minutes on a first step)
+        self.optimizer.compile = cfg.run.compile
         table = self.optimizer.role_table
         self.tracker = diag.WeightTracker.from_assignments(self.model, table)
         if cfg.run.compile:
