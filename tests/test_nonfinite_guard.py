@@ -6,7 +6,7 @@ import torch
 from equiopt import maps
 from equiopt.optim import EquivariantOptimizer, NonFiniteGradientError
 from equiopt.optim import distribute as engine_module
-from equiopt.optim.apply import GRAD_LIMIT
+from equiopt.optim.apply import GRAD_LIMIT, add_factored_
 
 RULES = [
     {"rule": "adamw"},
@@ -17,6 +17,8 @@ RULES = [
     {"rule": "row", "center": True},
     {"rule": "hybrid"},
     {"rule": "hybrid", "order": "right_then_row", "scale": "rms"},
+    {"rule": "right", "gram_dtype": "bfloat16"},
+    {"rule": "hybrid", "gram_dtype": "bfloat16"},
 ]
 
 
@@ -71,8 +73,14 @@ def test_raise_names_the_parameter_for_a_gradient_beyond_the_limit():
 
 @pytest.mark.parametrize(
     "settings",
-    [{"rule": "right"}, {"rule": "hybrid"}, {"rule": "row"}, {"rule": "spectral"}],
-    ids=["right", "hybrid", "row", "spectral"],
+    [
+        {"rule": "right"},
+        {"rule": "hybrid"},
+        {"rule": "hybrid", "gram_dtype": "bfloat16"},
+        {"rule": "row"},
+        {"rule": "spectral"},
+    ],
+    ids=["right", "hybrid", "hybrid-bf16", "row", "spectral"],
 )
 def test_a_non_finite_update_from_a_usable_gradient_is_not_added(settings, monkeypatch):
     """The last guard: a map that returns NaN (here forced) adds nothing to the weights,
@@ -111,3 +119,17 @@ def test_a_row_with_an_overflowing_norm_poisons_the_hybrid_factors_not_the_weigh
     f = maps.hybrid_factored(D, order="row_then_right")
     assert not torch.isfinite(f.right).all()
     assert torch.isfinite(f.x).all()
+
+
+def test_with_bfloat16_grams_the_low_precision_copy_is_what_the_guard_cleans():
+    """With ``gram_dtype="bfloat16"`` the product reads only the bfloat16 copy of the first
+    stage: the guard cleans that copy, and the poisoned update adds nothing."""
+    D = torch.randn(32, 8)
+    D[4] = 3e38
+    f = maps.hybrid_factored(D, order="row_then_right", gram_dtype="bfloat16")
+    assert f.low is not None and not torch.isfinite(f.low).all()
+    w = torch.randn(32, 8)
+    w0 = w.clone()
+    ok = add_factored_(w, f, torch.tensor(-0.01))
+    assert not ok and torch.equal(w, w0)
+    assert torch.isfinite(f.low).all()

@@ -791,16 +791,16 @@ def hybrid(
 
 
 def _clean_stage(f: Factored) -> Factored:
-    """``f`` with the NaN and Inf entries of its materialised first stage ``f.x`` (and of its
-    low-precision copy) zeroed in place.
+    """``f`` with the NaN and Inf entries of its materialised first stage ``f.x`` zeroed in place.
 
     The second stage's factors were formed from ``f.x`` as it was, so they carry any
     non-finite value (the optimizer's finite check reads them); the cleaned ``f.x`` keeps
-    ``0 * NaN`` out of the product when such an update is skipped.
+    ``0 * NaN`` out of the product when such an update is skipped. With a low-precision
+    copy (``gram_dtype``) the product reads the copy alone, and the optimizer cleans that
+    (``optim.apply``), so ``f.x`` is left as it is: one full pass less.
     """
-    torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
-    if f.low is not None:
-        torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
+    if f.low is None:
+        torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
     return f
 
 
