@@ -212,7 +212,7 @@ class EquivariantOptimizer(Optimizer):
         self._replicas = _replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
-        self._compiled_step: Callable[[list[torch.Tensor]], None] | None = None
+        self._compiled_step: Callable[[list[torch.Tensor]], list] | None = None
         self._compile_failed = False
         self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
@@ -471,9 +471,9 @@ class EquivariantOptimizer(Optimizer):
         self._skip_counter()  # made outside the graph: a compiled step sets no attribute
         try:
             self._last_flags = self._compiled_step(lrs)
-        except Exception as err:
-            # Compiling fails before the step runs (fullgraph); a genuine error of the step
-            # itself comes back from the eager step below.
+        except (torch._dynamo.exc.TorchDynamoException, AssertionError) as err:
+            # Compiling fails before the step runs (fullgraph; Dynamo's own assertions raise
+            # AssertionError); a genuine error of the step comes back from the eager step below.
             if self.compile is not None:
                 raise
             # The automatic choice (CUDA) must not cost a run: say why, and step eagerly.
