@@ -115,7 +115,9 @@ def _shrunk(shape, shrink: int):
     return (*lead, max(8, m // shrink), max(8, n // shrink))
 
 
-def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -> None:
+def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype, compile_step: bool = False) -> None:
+    """Table (a); eager steps unless ``compile_step`` (each optimizer compiles its own step,
+    and a process reaches Dynamo's recompilation limit after a few of them)."""
     fused = device.type == "cuda"
     print(
         f"(a) optimizer step time / torch AdamW ({'fused' if fused else 'foreach'}), device {device}, dtype {dtype}, shapes / {shrink}"
@@ -130,7 +132,7 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype) -
         kwargs = {"fused": True} if fused else {"foreach": True}
         base = _time_steps(torch.optim.AdamW(params, lr=1e-3, **kwargs), params, grads, device, repeats)
         for rule in rules:
-            opt = EquivariantOptimizer(params, lr=1e-3, layout=layout, **settings[rule])
+            opt = EquivariantOptimizer(params, lr=1e-3, layout=layout, compile=compile_step, **settings[rule])
             t = _time_steps(opt, params, grads, device, repeats)
             label = f"{name} {tuple(shape)}" if shrink > 1 else name
             print(f"{label:36s} {rule:30s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
@@ -508,7 +510,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=None, help="--stack batch size (default 8)")
     parser.add_argument("--seq", type=int, default=None, help="--stack sequence length (CPU 256, CUDA 1024)")
     parser.add_argument(
-        "--compile", choices=["auto", "on", "off"], default="auto", help="the optimizer's compile option for --stack"
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the optimizer's compile option for --stack (--speed: eager unless on)",
     )
     parser.add_argument(
         "--gram-dtype",
@@ -561,7 +566,7 @@ def main(argv=None) -> None:
     if args.speed or both:
         shrink = args.shrink or (1 if device.type == "cuda" else 4)
         repeats = args.repeats or (20 if device.type == "cuda" else 7)
-        speed(device, shrink, repeats, getattr(torch, args.dtype))
+        speed(device, shrink, repeats, getattr(torch, args.dtype), args.compile == "on")
         print()
     if args.accuracy or both:
         m, n = (int(v) for v in args.tall.lower().split("x"))
