@@ -187,11 +187,11 @@ def _state_mib(opt) -> float:
 
 def _gram_variants(recipe: str, gram_dtypes):
     """``(label, recipe)`` for each of ``gram_dtypes`` (one, unchanged, when the recipe has no
-    rule that forms a Gram): the recipe with ``gram_dtype`` set on its right, left and hybrid roles."""
-    from .recipes import get_recipe
+    rule that forms a Gram): the recipe with ``gram_dtype`` set on every role whose rule takes it."""
+    from .recipes import RULE_FIELDS, get_recipe
 
     base = get_recipe(recipe)
-    gram_roles = [role for role in base.roles if base.roles[role]["rule"] in ("right", "left", "hybrid")]
+    gram_roles = [role for role in base.roles if "gram_dtype" in RULE_FIELDS[base.roles[role]["rule"]]]
     if not gram_roles:
         return [(recipe, recipe)]
     return [

@@ -173,7 +173,11 @@ def run(
 
 def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
     """Map one bucket here (its sums, if split, waited for) and add its updates."""
-    mapped = map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums)
+    _add_mapped(items, map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums), add)
+
+
+def _add_mapped(items: list[WorkItem], mapped, add: Add) -> None:
+    """Add each item's mapped update to its weights."""
     for item, f in zip(items, mapped):
         add(item.view, f, item.coef)
 
@@ -219,8 +223,7 @@ def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overl
     if errors:
         raise errors[0]
     for (_, items), mapped in zip(buckets, results):
-        for item, f in zip(items, mapped):
-            add(item.view, f, item.coef)
+        _add_mapped(items, mapped, add)
 
 
 class _Turns:

@@ -178,8 +178,8 @@ class Protocol:
 
 def verdict(ci: tuple[float, float] | None, direction: str, margin: float = 0.0) -> str:
     """The verdict of a paired interval of arm - baseline on a claim (see the module docstring):
-    ``direction`` ``"lower"`` (the paper has the arm below the baseline), ``"higher"``, or
-    ``"equal"`` (no difference beyond ``margin``), or ``"not_higher"`` (no increase of
+    ``direction`` ``"lower"`` (the paper has the arm below the baseline), ``"higher"``,
+    ``"equal"`` (no difference beyond ``margin``) or ``"not_higher"`` (no increase of
     ``margin`` or more)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
