@@ -164,10 +164,62 @@ def _check_gram_division(world):
         assert _rel(w.detach(), ref.detach()) <= 1e-5, kw
 
 
+def _check_divided_inverses(world):
+    """Several same-shaped matrices under the gram division (SwiGLU-like, one bucket): the
+    reduced Grams are reduce-scattered, each rank inverts only its share (padded to equal
+    shares, one matrix more than the ranks divide evenly), and the factors all-gathered;
+    the bytes are those of the all-reduce they replace, up to the padding."""
+    import equiopt.maps as maps_module
+    from equiopt.distributed import record_collectives
+    from equiopt.optim import EquivariantOptimizer
+    from equiopt.optim.costs import CostModel
+
+    count, m, d = world + 1, 40, 24
+    gen = torch.Generator().manual_seed(13)
+    base = [torch.randn(m, d, generator=gen) for _ in range(count)]
+    grads = [torch.randn(m, d, generator=gen) for _ in range(count)]
+    gram = CostModel(bandwidth=1.0, flops=1e11, prefer="reduce")  # the gram division everywhere
+    for kw in (dict(rule="hybrid"), dict(rule="hybrid", center=True, scale="rms"), dict(rule="right")):
+        for overlap in (True, False):
+            params = [torch.nn.Parameter(b.clone()) for b in base]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt = EquivariantOptimizer(
+                params, lr=0.1, method="exact", divide_work=True, cost_model=gram, overlap=overlap, **kw
+            )
+            inverted, original = [], maps_module.inv_sqrt
+
+            def counting(A, *args, **kwargs):
+                inverted.append(A.reshape(-1, *A.shape[-2:]).shape[0])
+                return original(A, *args, **kwargs)
+
+            maps_module.inv_sqrt = counting
+            try:
+                with record_collectives() as log:
+                    opt.step()
+            finally:
+                maps_module.inv_sqrt = original
+            share = -(-count // world)
+            mine = max(0, min(share, count - dist.get_rank() * share))
+            assert sum(inverted) == mine, (kw, inverted, mine)
+            grams = [r for r in log if r.op in ("reduce_scatter", "all_gather")]
+            assert [r.op for r in grams] == ["reduce_scatter", "all_gather"], (kw, log.summary())
+            assert all(r.bytes == world * share * d * d * 4 for r in grams), (kw, log.summary())
+            assert not any(r.op == "broadcast" for r in log), (kw, log.summary())
+            refs = [torch.nn.Parameter(b.clone()) for b in base]
+            for r, g in zip(refs, grads):
+                r.grad = g.clone()
+            EquivariantOptimizer(refs, lr=0.1, method="exact", **kw).step()
+            for p, r in zip(params, refs):
+                assert _identical_on_every_rank(p), kw
+                assert _rel(p.detach(), r.detach()) <= 1e-5, (kw, _rel(p.detach(), r.detach()))
+
+
 def _worker(rank, world):
     _check_recipes(world)
     _check_division(world)
     _check_gram_division(world)
+    _check_divided_inverses(world)
 
 
 @pytest.mark.slow

@@ -106,6 +106,30 @@ def test_cost_model_chooses_gram_while_c_below_r_over_n():
         resolve_cost_model("fast")
 
 
+def test_replica_division_weighs_dividing_the_inverse_and_hiding_broadcasts():
+    """DDP replicas and a SwiGLU-shaped Gram map: the gram division sends d x d sums and
+    divides the Gram and its inverse square root; an owner sends the m x d update, of
+    which an overlapped step hides the fraction ``hidden``, and divides everything."""
+    from equiopt.optim.costs import replica_division
+
+    m, d, n, flops = 768, 256, 2, 1e11
+    sums = 2 * (n - 1) / n * 4 * d * d
+    update = 4 * m * d * (n - 1) / n
+    work = 4 * m * d * d + HYBRID.steps * 6 * d**3 + 4 * m * d
+    gram_share = work - (2 * m * d * d + HYBRID.steps * 6 * d**3) * (1 - 1 / n)
+    # the bandwidth at which the gram division and a waited owner cost the same
+    even = (update - sums) / (gram_share - work / n) * flops
+    for factor, want in ((0.5, "gram"), (2.0, "owner")):
+        costs = CostModel(bandwidth=even * factor, flops=flops)
+        assert replica_division(costs, HYBRID, (m, d), n) == want, (factor, want)
+    # hiding half of the broadcast turns a gram case into an owner case, and only with overlap
+    costs = CostModel(bandwidth=even * 0.9, flops=flops, hidden=0.5)
+    assert replica_division(costs, HYBRID, (m, d), n, overlap=False) == "gram"
+    assert replica_division(costs, HYBRID, (m, d), n, overlap=True) == "owner"
+    with pytest.raises(ValueError, match="hidden must be in"):
+        CostModel(bandwidth=1.0, flops=1.0, hidden=1.5)
+
+
 def test_equiopt_plan_on_a_fake_512_rank_mesh(tmp_path, capsys):
     from equiopt.cli import main
 

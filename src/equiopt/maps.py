@@ -64,6 +64,12 @@ class RowReducer(Protocol):
     the sums. Replicas that all hold the whole matrix (DDP, HSDP's replica axis) divide a
     Gram this way: each sums its own slice of the rows, the sum completes it, and every
     replica finishes the map on all rows, so no update is sent.
+
+    And ``sum_then(t, fn, *extras)``: ``fn`` of the completed sums ``t`` of a batch of
+    Grams, where ``fn`` maps each matrix on its own (the inverse square root and the scale
+    of the one-sided maps) and ``extras`` are per-matrix tensors it reads alongside. A
+    reducer may divide that work among its ranks (reduce-scatter the batch, ``fn`` on this
+    rank's share, all-gather the results); without the method it is ``fn(sum(t), *extras)``.
     """
 
     count: int
@@ -91,6 +97,15 @@ def _col_mean(x: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:
     if reducer is None:
         return x.mean(dim=-2, keepdim=True)
     return reducer.sum(_take(reducer, x).sum(dim=-2, keepdim=True)) / reducer.count
+
+
+def _sum_then(reducer: RowReducer | None, t: torch.Tensor, fn, *extras):
+    """``fn(t, *extras)`` with ``t`` completed by ``reducer`` (which may divide ``fn``'s
+    per-matrix work among its ranks, see :class:`RowReducer`)."""
+    if reducer is None:
+        return fn(t, *extras)
+    divided = getattr(reducer, "sum_then", None)
+    return fn(reducer.sum(t), *extras) if divided is None else divided(t, fn, *extras)
 
 
 def _row_sum(t: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:
@@ -493,28 +508,36 @@ def _one_sided(
     else:
         part = _take(reducer, x if low is None else low)
         C = part.mT @ part if low is None else low_product(part.mT, part)
-        if reducer is not None:
-            C = reducer.sum(C)
-    C, half = _normalized_gram(C)
-    trace = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)  # ||D||_F^2, normalised
-    A = C
-    if left and centered:
-        # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
-        # eigenvalue, A = C + (tr C / m) 11^T / m, leaves (A + eps I)^(-1/2) unchanged on
-        # 1-perp (the paper's inverse square root "on the centred expert subspace") and
-        # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
-        A = C + (trace[..., None, None] / m / m) * torch.ones_like(C)
-    R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps).to(x.dtype)
-    factor = half
-    if alpha != 0 or scale != "nu":
-        nu = (C * R.mT).sum(dim=(-2, -1))  # of the normalised Gram; tr(C R) of D's is nu / half
-        fro2 = trace
-        if scale == "nu":
-            nu = nu / half
-            if damping == "absolute":
-                nu = nu.clamp_min(eps)
-        factor = half * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)
-    R = R * factor[..., None, None]
+
+    def factor_of(C: torch.Tensor, rows) -> torch.Tensor:
+        """``nu^alpha (C + eps I)^(-1/2)`` (or the ``scale``'s factor), matrix by matrix."""
+        C, half = _normalized_gram(C)
+        trace = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)  # ||D||_F^2, normalised
+        A = C
+        if left and centered:
+            # C = D_c D_c^T has 1 in its null space. Lifting that direction to the mean
+            # eigenvalue, A = C + (tr C / m) 11^T / m, leaves (A + eps I)^(-1/2) unchanged on
+            # 1-perp (the paper's inverse square root "on the centred expert subspace") and
+            # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
+            A = C + (trace[..., None, None] / m / m) * torch.ones_like(C)
+        R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps).to(x.dtype)
+        factor = half
+        if alpha != 0 or scale != "nu":
+            nu = (C * R.mT).sum(dim=(-2, -1))  # of the normalised Gram; tr(C R) of D's is nu / half
+            fro2 = trace
+            if scale == "nu":
+                nu = nu / half
+                if damping == "absolute":
+                    nu = nu.clamp_min(eps)
+            factor = half * _scale(nu, fro2, alpha, m if rows is None else rows, n, centered, eps, scale)
+        return R * factor[..., None, None]
+
+    if left or reducer is None:
+        R = factor_of(C, rows)
+    elif rows is None:
+        R = _sum_then(reducer, C, lambda C: factor_of(C, None))
+    else:
+        R = _sum_then(reducer, C, factor_of, rows)
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None, low=low)
     return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None, low=low)

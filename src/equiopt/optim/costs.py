@@ -32,28 +32,36 @@ class CostModel:
     """Constants of the plan choice: ``bandwidth`` (bytes/s a rank sends in a collective),
     ``flops`` (FLOP/s of the maps' matrix products on a rank), ``owner_max_bytes`` (the
     largest matrix, in bytes of its float32 momentum, ever sent whole to an owner) and
-    ``prefer`` (``"cheaper"``; ``"reduce"`` or ``"owner"`` wherever that plan is possible)."""
+    ``prefer`` (``"cheaper"``; ``"reduce"`` or ``"owner"`` wherever that plan is possible)
+    and ``hidden`` (the fraction of an exchange started asynchronously that the maps
+    running meanwhile hide: the owner broadcasts of replicas dividing work)."""
 
     bandwidth: float
     flops: float
     owner_max_bytes: int = 128 * 2**20
     prefer: str = "cheaper"
     name: str = "custom"
+    hidden: float = 0.0
 
     def __post_init__(self):
         if self.prefer not in PREFER:
             raise ValueError(f"cost model: unknown prefer {self.prefer!r}; valid: {', '.join(PREFER)}")
         if self.bandwidth <= 0 or self.flops <= 0:
             raise ValueError(f"cost model: bandwidth and flops must be > 0, got {self.bandwidth}, {self.flops}")
+        if not 0.0 <= self.hidden <= 1.0:
+            raise ValueError(f"cost model: hidden must be in [0, 1], got {self.hidden}")
 
 
 COST_MODELS = {
     # gloo over loopback on a 2-core CPU, one thread per process: float32 products at about
     # 100 GFLOP/s, and 250 MB/s, the rate at which gathering update rows of the --stack
-    # model's vocabulary matrices stops paying (python -m equiopt.bench --divided)
-    "gloo-cpu": CostModel(2.5e8, 1e11, name="gloo-cpu"),
-    # NCCL across H100 nodes (400 Gb/s per GPU), bfloat16 products at a realistic 200 TFLOP/s
-    "nccl-h100": CostModel(4.5e10, 2e14, name="nccl-h100"),
+    # model's vocabulary matrices stops paying (python -m equiopt.bench --divided); an
+    # asynchronous all-gather of 16 MiB beside a 47 ms product hides a third of its 34 ms
+    # (the transport shares the two cores with the maps)
+    "gloo-cpu": CostModel(2.5e8, 1e11, name="gloo-cpu", hidden=0.3),
+    # NCCL across H100 nodes (400 Gb/s per GPU), bfloat16 products at a realistic 200 TFLOP/s;
+    # NCCL's transfers run beside the maps' kernels, most of them hidden (an assumed 0.8)
+    "nccl-h100": CostModel(4.5e10, 2e14, name="nccl-h100", hidden=0.8),
 }
 
 
@@ -67,7 +75,7 @@ def resolve_cost_model(spec, device_type: str = "cpu") -> CostModel:
     if spec is None or spec == "auto":
         return base
     if spec in ("reduce", "owner"):
-        return CostModel(base.bandwidth, base.flops, base.owner_max_bytes, spec, base.name)
+        return CostModel(base.bandwidth, base.flops, base.owner_max_bytes, spec, base.name, base.hidden)
     if spec in COST_MODELS:
         return COST_MODELS[spec]
     raise ValueError(
@@ -178,16 +186,22 @@ def prefers_reduce(costs: CostModel, key: MapKey, work_shapes: list, mesh_shape,
 
 
 @functools.lru_cache(maxsize=4096)  # asked every step for every replicated Gram map
-def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int) -> str:
+def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int, overlap: bool = False) -> str:
     """How ``replicas`` ranks that each hold a whole matrix (DDP) divide its Gram map:
-    ``"gram"`` (each sums the Gram of a slice of the rows; ``d x d`` sums all-reduced; the
-    product with ``R`` and the inverse square root on every rank), ``"rows"`` (each maps
+    ``"gram"`` (each sums the Gram of a slice of the rows; the ``d x d`` sums are
+    reduce-scattered, each rank inverts its share of a bucket's Grams and the factors are
+    all-gathered, the bytes of one all-reduce; the product with ``R`` on every rank; the
+    estimate takes the inverse square roots as divided, as they are once a bucket holds
+    a matrix per replica, which a model's layers make it), ``"rows"`` (each maps
     its rows completely; the update rows all-gathered, ``m d`` bytes) or ``"owner"`` (one
     rank maps it and broadcasts the update, ``m d`` bytes, everything divided over the
     matrices): the cheapest per rank under ``costs``. A vocabulary's Gram dominates
     its map and the Gram wins; a SwiGLU matrix's ``d x d`` inverse square root costs as
-    much as its products and an owner wins unless bandwidth is scarce. Matrices over
-    ``owner_max_bytes`` never go to an owner."""
+    much as its products, and sending ``d x d`` factors instead of ``m x d`` updates makes
+    the Gram win there too unless bandwidth is plentiful. Matrices over
+    ``owner_max_bytes`` never go to an owner. With ``overlap`` (the optimizer's), owner
+    broadcasts travel while the next wave of maps runs, which hides ``costs.hidden`` of
+    them, at most the time of the owner's share of the maps."""
     if costs.prefer == "reduce" or replicas < 2:
         return "gram"
     *lead, m, d = shape
@@ -198,9 +212,11 @@ def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int)
     update = 4 * batch * m * d * (replicas - 1) / replicas / costs.bandwidth
     sums = 2 * (replicas - 1) / replicas * 4 * batch * d * d / costs.bandwidth
     times = {
-        "gram": sums + (flops - gram * (1 - 1 / replicas)) / costs.flops,
+        "gram": sums + (flops - (gram + inverse) * (1 - 1 / replicas)) / costs.flops,
         "rows": sums + update + ((flops - inverse) / replicas + inverse) / costs.flops,
-        "owner": update + flops / replicas / costs.flops,
+        "owner": update
+        - (costs.hidden * min(update, flops / replicas / costs.flops) if overlap else 0.0)
+        + flops / replicas / costs.flops,
     }
     if 4 * batch * m * d > costs.owner_max_bytes:  # a vocabulary is never mapped whole on one rank
         del times["owner"]

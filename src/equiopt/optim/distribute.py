@@ -227,26 +227,27 @@ def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overl
 
 
 class _Turns:
-    """The all-reduces of maps running in threads, started by one thread in round-robin
-    order over the maps (a finished map leaves the round). Each map's sequence of sums
-    depends only on global shapes and settings, so every rank starts the same collectives
+    """The collectives of maps running in threads (all-reduces, and the reduce-scatters
+    and all-gathers of divided Grams), started by one thread in round-robin order over the
+    maps (a finished map leaves the round). Each map's sequence of collectives depends only
+    on global shapes and settings, so every rank starts the same collectives
     in the same order, whatever the threads' timing."""
 
     def __init__(self, count: int):
         self.cv = threading.Condition()
         self.live = list(range(count))
-        self.asked: dict[int, list] = {}  # map -> [tensor, group, work handle once started]
+        self.asked: dict[int, list] = {}  # map -> [start, work handle once started]
         self.finished: set[int] = set()
 
-    def sum(self, k: int, t: torch.Tensor, group) -> torch.Tensor:
-        """From map ``k``'s thread: wait for its turn, then for the all-reduce of ``t``."""
+    def run(self, k: int, start) -> None:
+        """From map ``k``'s thread: wait for its turn, then for the collective that
+        ``start(async_op=True)`` issues (see :meth:`.sharded.ShardSum.collective`)."""
         with self.cv:
-            self.asked[k] = [t, group, None]
+            self.asked[k] = [start, None]
             self.cv.notify_all()
-            self.cv.wait_for(lambda: self.asked[k][2] is not None)
-            handle = self.asked.pop(k)[2]
+            self.cv.wait_for(lambda: self.asked[k][1] is not None)
+            handle = self.asked.pop(k)[1]
         handle.wait()
-        return t
 
     def finish(self, k: int) -> None:
         with self.cv:
@@ -254,18 +255,15 @@ class _Turns:
             self.cv.notify_all()
 
     def issue(self) -> None:
-        """From the step's thread: start every map's all-reduces, in turn, until all finish."""
-        import torch.distributed as dist
-
+        """From the step's thread: start every map's collectives, in turn, until all finish."""
         at = 0
         with self.cv:
             while self.live:
                 at %= len(self.live)
                 k = self.live[at]
-                self.cv.wait_for(lambda: k in self.finished or (k in self.asked and self.asked[k][2] is None))
-                if k in self.asked and self.asked[k][2] is None:
-                    t, group = self.asked[k][:2]
-                    self.asked[k][2] = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                self.cv.wait_for(lambda: k in self.finished or (k in self.asked and self.asked[k][1] is None))
+                if k in self.asked and self.asked[k][1] is None:
+                    self.asked[k][1] = self.asked[k][0](True)
                     self.cv.notify_all()
                     at += 1
                 else:
@@ -273,14 +271,14 @@ class _Turns:
 
 
 class _QueuedSum(ShardSum):
-    """A :class:`~.sharded.ShardSum` whose all-reduce :class:`_Turns` starts in its turn."""
+    """A :class:`~.sharded.ShardSum` whose collectives :class:`_Turns` starts in their turn."""
 
     def __init__(self, inner: ShardSum, turns: _Turns, k: int):
-        super().__init__(inner.group, inner.count, inner.part)
+        super().__init__(inner.group, inner.count, inner.part, inner.divide)
         self.turns, self.k = turns, k
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return self.turns.sum(self.k, t.contiguous(), self.group)
+    def collective(self, start) -> None:
+        self.turns.run(self.k, start)
 
 
 def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None) -> None:

@@ -100,7 +100,9 @@ class EquivariantOptimizer(Optimizer):
     replicated, as under DDP, or ``True`` for the default group. Each Gram map (right
     Gram one-sided and hybrid) is divided as the cost model finds cheapest
     (:func:`~.costs.replica_division`): by slices of rows for the Gram (``d x d`` sums
-    all-reduced, every rank finishes on all rows), by rows completely (update rows
+    reduced; the inverse square roots of a batch of Grams divided among the ranks too, a
+    reduce-scatter and an all-gather in place of the all-reduce; every rank finishes on
+    all rows), by rows completely (update rows
     all-gathered) or on an owner; the other matrix-product maps (spectral, left Grams)
     run on one rank each, chosen to balance the work, and their updates are broadcast.
     Per-rank work falls with the world size and the weights stay identical on every rank.
@@ -669,12 +671,12 @@ class EquivariantOptimizer(Optimizer):
 
             part = (dist.get_rank(self._replicas), dist.get_world_size(self._replicas))
             division = replica_division(
-                resolve_cost_model(self.cost_model, p.device.type), key, global_shapes[0], part[1]
+                resolve_cost_model(self.cost_model, p.device.type), key, global_shapes[0], part[1], self.overlap
             )
         if division in ("gram", "rows"):
             # a Gram map of a replicated matrix: each replica sums a slice of the rows, the
             # d x d sums are all-reduced, every replica finishes the map on all rows
-            sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part), None), False
+            sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part, divide=True), None), False
             if division == "rows":
                 # cheaper still: each replica maps its rows completely, the update rows are gathered
                 buckets[BucketKey(key, tuple(global_shapes[0][-2:]), ROWS, (id(self._replicas),))].append(

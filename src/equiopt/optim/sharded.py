@@ -62,12 +62,15 @@ class ShardSum:
     """:class:`equiopt.maps.RowReducer` of a split work matrix: all-reduce (sum) over
     ``group``; ``count`` is the global size of the axis summed over. ``part = (i, n)``:
     this rank is replica ``i`` of ``n`` that hold the same rows, and adds only the ``i``-th
-    of ``n`` slices of them to the sums (:meth:`take`), so replicas divide the work."""
+    of ``n`` slices of them to the sums (:meth:`take`), so replicas divide the work.
+    ``divide``: :meth:`sum_then` divides the per-matrix work on a batch of completed Grams
+    among the group's ranks."""
 
-    def __init__(self, group, count: int, part: tuple[int, int] | None = None):
+    def __init__(self, group, count: int, part: tuple[int, int] | None = None, divide: bool = False):
         self.group = group
         self.count = count
         self.part = part
+        self.divide = divide
 
     def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if self.part is None:
@@ -75,12 +78,54 @@ class ShardSum:
         a, b = row_range(t.shape[dim], self.part[1], self.part[0])
         return t.narrow(dim, a, b - a)
 
+    def collective(self, start) -> None:
+        """Run one collective: ``start(async_op)`` issues it (and returns its work handle
+        when ``async_op``); here it runs synchronously."""
+        start(False)
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         t = t.contiguous()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.collective(lambda async_op: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op))
         return t
+
+    def sum_then(self, t: torch.Tensor, fn, *extras) -> torch.Tensor:
+        """``fn(sum(t), *extras)`` for a batch ``t`` of ``(..., d, d)`` partial Grams, where
+        ``fn`` maps each matrix on its own to a matrix of the same shape (``extras``: per-matrix
+        tensors, batched like ``t``). With ``divide`` and at least one matrix per rank, each
+        rank maps only its share of the batch: a reduce-scatter of the partial sums, ``fn`` on
+        this rank's completed Grams, an all-gather of the results (padded to equal shares) --
+        the two halves of the all-reduce it replaces, so the same bytes when the batch divides
+        evenly, and ``1 / n`` of the work of ``fn`` (the inverse square roots)."""
+        import torch.distributed as dist
+
+        lead, mat = t.shape[:-2], t.shape[-2:]
+        b, n = math.prod(lead), dist.get_world_size(self.group)
+        if not self.divide or b < n:
+            return fn(self.sum(t), *extras)
+        me, k = dist.get_rank(self.group), -(-b // n)
+        flat = t.reshape(b, *mat)
+        if k * n > b:
+            flat = torch.cat([flat, flat.new_zeros(k * n - b, *mat)])
+        flat = flat.contiguous()
+        mine = flat.new_empty(k, *mat)
+        self.collective(
+            lambda async_op: dist.reduce_scatter_tensor(
+                mine, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op
+            )
+        )
+        first, real = me * k, max(0, min(k, b - me * k))
+        parts = [e.reshape(b, *e.shape[len(lead) :]).narrow(0, min(first, b), real) for e in extras]
+        out = fn(mine[:real], *parts)
+        if real < k:
+            out = torch.cat([out, out.new_zeros(k - real, *out.shape[1:])])
+        out = out.contiguous()
+        gathered = out.new_empty(k * n, *out.shape[1:])
+        self.collective(
+            lambda async_op: dist.all_gather_into_tensor(gathered, out, group=self.group, async_op=async_op)
+        )
+        return gathered[:b].reshape(*lead, *out.shape[1:])
 
 
 class Plan(NamedTuple):
