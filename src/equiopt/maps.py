@@ -509,8 +509,34 @@ def _one_sided(
         part = _take(reducer, x if low is None else low)
         C = part.mT @ part if low is None else low_product(part.mT, part)
 
+    R = _small_factor(C, reducer, m, n, left, centered, eps, alpha, method, steps, damping, scale, rows, x.dtype)
+    if left:
+        return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None, low=low)
+    return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None, low=low)
+
+
+def _small_factor(
+    C: torch.Tensor,
+    reducer: RowReducer | None,
+    m: int,
+    n: int,
+    left: bool,
+    centered: bool,
+    eps: float,
+    alpha: float,
+    method: str,
+    steps: int,
+    damping: str,
+    scale: str,
+    rows: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The one-sided maps' small factor from the Gram ``C`` (this rank's partial sums of a
+    right Gram when ``reducer`` is set): ``nu^alpha (C + eps I)^(-1/2)``, or the factor of
+    ``scale``, matrix by matrix (through :func:`_sum_then`, which may divide the matrices
+    among the reducer's ranks)."""
+
     def factor_of(C: torch.Tensor, rows) -> torch.Tensor:
-        """``nu^alpha (C + eps I)^(-1/2)`` (or the ``scale``'s factor), matrix by matrix."""
         C, half = _normalized_gram(C)
         trace = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1)  # ||D||_F^2, normalised
         A = C
@@ -520,7 +546,7 @@ def _one_sided(
             # 1-perp (the paper's inverse square root "on the centred expert subspace") and
             # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
             A = C + (trace[..., None, None] / m / m) * torch.ones_like(C)
-        R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps).to(x.dtype)
+        R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps).to(dtype)
         factor = half
         if alpha != 0 or scale != "nu":
             nu = (C * R.mT).sum(dim=(-2, -1))  # of the normalised Gram; tr(C R) of D's is nu / half
@@ -533,14 +559,10 @@ def _one_sided(
         return R * factor[..., None, None]
 
     if left or reducer is None:
-        R = factor_of(C, rows)
-    elif rows is None:
-        R = _sum_then(reducer, C, lambda C: factor_of(C, None))
-    else:
-        R = _sum_then(reducer, C, factor_of, rows)
-    if left:
-        return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None, low=low)
-    return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None, low=low)
+        return factor_of(C, rows)
+    if rows is None:
+        return _sum_then(reducer, C, lambda C: factor_of(C, None))
+    return _sum_then(reducer, C, factor_of, rows)
 
 
 def _scale(
