@@ -184,7 +184,8 @@ def test_overlapped_reduce_maps_start_collectives_in_one_order(seed, monkeypatch
         try:
             for i in range(counts[k]):
                 time.sleep(rng.random() * 0.003)  # compute of varying length
-                out = turns.sum(k, torch.tensor([k, i]), None)
+                out = torch.tensor([k, i])
+                turns.run(k, lambda async_op, out=out: torch.distributed.all_reduce(out, async_op=async_op))
                 got[(k, i)] = out.tolist()
         finally:
             turns.finish(k)

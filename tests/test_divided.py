@@ -137,19 +137,24 @@ def _check_gram_division(world):
         w.grad = grad.clone()
         opt = EquivariantOptimizer([w], lr=0.1, method="exact", divide_work=True, cost_model=costs, **kw)
         products = []
-        original = torch.Tensor.__matmul__
+        original, accumulate = torch.Tensor.__matmul__, torch.Tensor.addmm
 
         def counting(a, b):
             if a.shape[-2] == d and a.shape[-1] > d:  # x^T x: a Gram over some rows
                 products.append(a.shape[-1])
             return original(a, b)
 
-        torch.Tensor.__matmul__ = counting
+        def counting_addmm(c, a, b, **kw):  # a block of rows added to a Gram
+            if a.shape[-2] == d and a.shape[-1] > d:
+                products.append(a.shape[-1])
+            return accumulate(c, a, b, **kw)
+
+        torch.Tensor.__matmul__, torch.Tensor.addmm = counting, counting_addmm
         try:
             with record_collectives() as log:
                 opt.step()
         finally:
-            torch.Tensor.__matmul__ = original
+            torch.Tensor.__matmul__, torch.Tensor.addmm = original, accumulate
         assert products and sum(products) <= -(-m // world), (kw, products)  # this rank's rows only
         assert any(r.op == "all_reduce" and r.shape[-2:] == (d, d) for r in log), (kw, log.summary())
         if costs is slow:  # only the sums cross ranks: every replica finishes on all rows

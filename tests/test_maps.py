@@ -249,3 +249,33 @@ def test_gram_sides_agree(shape, centered, alpha):
     assert (fast.double() - right).norm() / right.norm() < 5e-3
     with pytest.raises(ValueError, match="gram"):
         maps.right_spectral(D, gram="both")
+
+
+@pytest.mark.parametrize("shape", [(37, 5), (3, 50, 8)])
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("scale", ["nu", "rms"])
+def test_unformed_first_stage_equals_the_formed_one(monkeypatch, shape, centered, scale):
+    """The hybrid's row-normalised stage taken a block of rows at a time (uneven blocks of
+    3 rows here) gives the update of the formed ``Z``, in factored form and added to
+    weights, and leaves the input untouched."""
+    import equiopt.maps as M
+    from equiopt.optim.apply import add_factored_
+
+    gen = torch.Generator().manual_seed(3)
+    D = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen)
+    kw = dict(center=centered, scale=scale, method="exact")
+    monkeypatch.setitem(M.STAGE_BLOCK_BYTES, "cpu", 3 * shape[-1] * 4 * (shape[0] if len(shape) == 3 else 1))
+    assert len(M.row_blocks(D)) == -(-shape[-2] // 3)
+    before = D.clone()
+    f = M.hybrid_factored(D, **kw)
+    assert f.row is not None and f.right is not None and (f.x is D or centered)  # centred: a centred copy
+    assert torch.equal(D, before)
+    monkeypatch.setattr(M, "_unformed_stage", lambda *a: False)
+    formed = M.hybrid_factored(D, **kw)
+    assert formed.row is None and formed.right is not None
+    want = M.materialize(formed)
+    assert torch.allclose(M.materialize(f), want, rtol=1e-5, atol=1e-6)
+    w = torch.randn(shape, generator=gen)
+    out = w.clone()
+    add_factored_(out, f, torch.tensor(-0.1))
+    assert torch.allclose(out, w - 0.1 * want, rtol=1e-5, atol=1e-6)

@@ -26,6 +26,7 @@ centring of the quotient maps costs a vector, not a pass over the matrix.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -117,8 +118,9 @@ class Factored(NamedTuple):
     """An update in factored form: ``U = row * (left @ x @ right) - shift``.
 
     ``x`` has shape ``(..., m, n)``; ``row`` ``(..., m, 1)``, ``left`` ``(..., m, m)``,
-    ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional, and at most one
-    of ``row``, ``left``, ``right`` is set. ``low``, when set, is ``x`` rounded to a low
+    ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional; ``left`` and
+    ``right`` are never both set, and ``row`` is set with ``right`` only (the hybrid's
+    row-normalised stage left unformed, see :func:`hybrid_factored`). ``low``, when set, is ``x`` rounded to a low
     precision (``gram_dtype="bfloat16"``): the product with ``left`` or ``right`` is then
     taken in that precision (float32 accumulation), see :func:`low_product`.
     """
@@ -193,6 +195,9 @@ def materialize(f: Factored) -> torch.Tensor:
     Returns:
         ``U = row * (left @ x @ right) - shift``, of ``x``'s shape.
     """
+    if f.row is not None and f.right is not None:
+        u = (f.x @ f.right).mul_(f.row)
+        return u if f.shift is None else u.sub_(f.shift)
     if f.row is not None:
         if f.shift is not None:
             return torch.addcmul(-f.shift, f.x, f.row)
@@ -849,6 +854,110 @@ def _clean_stage(f: Factored) -> Factored:
     return f
 
 
+# Rows per block of the unformed first stage: blocks of about this many bytes (on a CPU a
+# block stays in cache and its memory is reused, where a fresh full-size Z costs its size
+# in page faults every step); other devices take the matrix as one block.
+STAGE_BLOCK_BYTES = {"cpu": 4 * 2**20}
+
+
+def row_blocks(x: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` of ``x`` (``(..., m, n)``) in which an unformed first stage
+    (:func:`hybrid_factored`) is taken: blocks of about :data:`STAGE_BLOCK_BYTES`."""
+    m = x.shape[-2]
+    budget = STAGE_BLOCK_BYTES.get(x.device.type)
+    if budget is None or m == 0:
+        return [(0, m)]
+    per_row = max(1, x.numel() // m) * x.element_size()
+    step = max(1, budget // per_row)
+    return [(a, min(a + step, m)) for a in range(0, m, step)]
+
+
+def block_buffer(x: torch.Tensor):
+    """``take(rows)``: a contiguous ``(..., rows, n)`` tensor for one block of
+    :func:`row_blocks` of ``x``, all of them views of one allocation (memory a CPU touches
+    once per call, not once per block)."""
+    lead, n = x.shape[:-2], x.shape[-1]
+    rows = max((b - a for a, b in row_blocks(x)), default=0)
+    flat = x.new_empty(math.prod(lead) * rows * n)
+
+    def take(k: int) -> torch.Tensor:
+        return flat[: math.prod(lead) * k * n].view(*lead, k, n)
+
+    return take
+
+
+def _unformed_stage(x: torch.Tensor, gram: str, method: str, gram_dtype: str | None, reducer) -> bool:
+    """Whether the hybrid's row-normalised stage ``Z`` can be left unformed: a right Gram
+    with a damped inverse square root in the work dtype, and no compiler (which fuses ``Z``
+    away itself)."""
+    m = x.shape[-2] if reducer is None else reducer.count
+    return (
+        gram_side(m, x.shape[-1], gram) == "right"
+        and method != "gram_newton_schulz"
+        and _low(x, gram_dtype) is None
+        and not _compiling()
+    )
+
+
+def _row_then_right(
+    x: torch.Tensor,
+    first: Factored,
+    eps: float,
+    alpha: float,
+    method: str,
+    steps: int,
+    centered: bool,
+    scale: str,
+    reducer: RowReducer | None,
+    damping: str,
+) -> Factored:
+    """The right one-sided map of ``Z = s * x - c`` (the row stage ``first``: row scales
+    ``s``, shift ``c``) without forming ``Z``: its Gram, column sums and row norms are
+    accumulated over blocks of rows, and the update is returned as
+    ``U = s * (x @ R) - (c R + mean(Z) R)``, which equals ``Z R - mean(Z) R``.
+
+    What :func:`_one_sided` computes on a formed ``Z``, with one full-size temporary and
+    two passes over it less (a 151936 x 1024 embedding's ``Z`` is 622 MB in float32).
+    """
+    s, c = first.row, first.shift
+    m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
+    xs, ss = _take(reducer, x), _take(reducer, s)
+    C = x.new_zeros(*x.shape[:-2], n, n)
+    col = x.new_zeros(*x.shape[:-2], 1, n) if centered else None
+    sq1 = sq2 = None
+    if scale == "rms":
+        sq1, sq2 = x.new_zeros(x.shape[:-2]), x.new_zeros(x.shape[:-2])
+    buf = block_buffer(xs)
+    for a, b in row_blocks(xs):
+        z = torch.mul(xs[..., a:b, :], ss[..., a:b, :], out=buf(b - a))
+        if c is not None:
+            z = z.sub_(c)
+        if C.ndim == 2:
+            C.addmm_(z.mT, z)
+        elif C.ndim == 3:
+            C.baddbmm_(z.mT, z)
+        else:
+            C += z.mT @ z
+        if col is not None:
+            col = col + z.sum(dim=-2, keepdim=True)
+        if sq1 is not None and sq2 is not None:
+            sq = _row_norms(z)[..., 0].square()
+            sq1, sq2 = sq1 + sq.sum(-1), sq2 + sq.square().sum(-1)
+    rows = None
+    if sq1 is not None and sq2 is not None:  # the rows the row-norm stage left nonzero, see hybrid
+        if reducer is not None:
+            sq1, sq2 = reducer.sum(sq1), reducer.sum(sq2)
+        rows = (sq1.pow(2) / sq2.clamp_min(torch.finfo(sq2.dtype).tiny)).clamp_min(1.0)
+    R = _small_factor(C, reducer, m, n, False, centered, eps, alpha, method, steps, damping, scale, rows, x.dtype)
+    shift = None
+    if centered and col is not None:
+        mean = (col if reducer is None else reducer.sum(col)) / m
+        shift = (c + mean) @ R if c is not None else mean @ R
+    elif c is not None:
+        shift = c @ R
+    return Factored(x, row=s, right=R, shift=shift)
+
+
 @_renamed_keyword("centred_input", "centered_input")
 def hybrid_factored(
     D: torch.Tensor,
@@ -894,6 +1003,10 @@ def hybrid_factored(
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
+    if order == "row_then_right" and _unformed_stage(x, gram, method, gram_dtype, reducer):
+        return _row_then_right(
+            x, _row_factors(x, eta, eps, center, reducer), eps, alpha, method, steps, center, scale, reducer, damping
+        )
     if order == "row_then_right":
         z = materialize(_row_factors(x, eta, eps, center, reducer))
         rows = None
@@ -940,5 +1053,7 @@ __all__ = [
     "DAMPINGS",
     "GRAM_DTYPES",
     "low_product",
+    "row_blocks",
+    "block_buffer",
     "low_times",
 ]

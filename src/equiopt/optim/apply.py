@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..maps import Factored, materialize
+from ..maps import Factored, block_buffer, materialize, row_blocks
 
 INF_NORM = float("inf")
 
@@ -125,6 +125,13 @@ def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
     if f.low is not None and (f.right is not None or f.left is not None):
         # bfloat16 operands (gram_dtype): the product in float32, then one add
         pw.add_(materialize(f._replace(shift=None, right=_scaled(f.right, coef), left=_scaled(f.left, coef))))
+    elif f.row is not None and f.right is not None:
+        # the hybrid's unformed first stage: U = (row * x) @ right, a block of rows at a time
+        right, buf = f.right * coef, block_buffer(f.x)
+        for a, b in row_blocks(f.x):
+            z = torch.mul(f.x[..., a:b, :], f.row[..., a:b, :], out=buf(b - a))
+            if not _gemm_(pw[..., a:b, :], z, right):
+                pw[..., a:b, :].add_(z @ right)
     elif f.row is not None:
         pw.addcmul_(f.x, f.row * coef)
     elif f.right is not None:
