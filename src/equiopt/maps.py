@@ -920,6 +920,7 @@ def _row_then_right(
     two passes over it less (a 151936 x 1024 embedding's ``Z`` is 622 MB in float32).
     """
     s, c = first.row, first.shift
+    assert s is not None  # a row stage always has its scales
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
     xs, ss = _take(reducer, x), _take(reducer, s)
     C = x.new_zeros(*x.shape[:-2], n, n)
