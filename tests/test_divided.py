@@ -137,7 +137,7 @@ def _check_gram_division(world):
         w.grad = grad.clone()
         opt = EquivariantOptimizer([w], lr=0.1, method="exact", divide_work=True, cost_model=costs, **kw)
         products = []
-        original, accumulate = torch.Tensor.__matmul__, torch.Tensor.addmm
+        original, accumulate = torch.Tensor.__matmul__, torch.Tensor.addmm_
 
         def counting(a, b):
             if a.shape[-2] == d and a.shape[-1] > d:  # x^T x: a Gram over some rows
@@ -149,12 +149,12 @@ def _check_gram_division(world):
                 products.append(a.shape[-1])
             return accumulate(c, a, b, **kw)
 
-        torch.Tensor.__matmul__, torch.Tensor.addmm = counting, counting_addmm
+        torch.Tensor.__matmul__, torch.Tensor.addmm_ = counting, counting_addmm
         try:
             with record_collectives() as log:
                 opt.step()
         finally:
-            torch.Tensor.__matmul__, torch.Tensor.addmm = original, accumulate
+            torch.Tensor.__matmul__, torch.Tensor.addmm_ = original, accumulate
         assert products and sum(products) <= -(-m // world), (kw, products)  # this rank's rows only
         assert any(r.op == "all_reduce" and r.shape[-2:] == (d, d) for r in log), (kw, log.summary())
         if costs is slow:  # only the sums cross ranks: every replica finishes on all rows

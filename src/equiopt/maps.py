@@ -494,10 +494,7 @@ def _one_sided(
     values: the relative error grows like ``2^-9`` times the condition number (docs: "Gram
     precision").
     """
-    if scale not in SCALES:
-        raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
-    if damping not in DAMPINGS:
-        raise ValueError(f"unknown damping {damping!r}; valid: {', '.join(DAMPINGS)}")
+    _check_settings(scale, damping)
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
     left = gram_side(m, n, gram) == "left"
     if reducer is not None and (left or method == "gram_newton_schulz"):
@@ -518,6 +515,13 @@ def _one_sided(
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None, low=low)
     return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None, low=low)
+
+
+def _check_settings(scale: str, damping: str) -> None:
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+    if damping not in DAMPINGS:
+        raise ValueError(f"unknown damping {damping!r}; valid: {', '.join(DAMPINGS)}")
 
 
 def _small_factor(
@@ -919,6 +923,7 @@ def _row_then_right(
     What :func:`_one_sided` computes on a formed ``Z``, with one full-size temporary and
     two passes over it less (a 151936 x 1024 embedding's ``Z`` is 622 MB in float32).
     """
+    _check_settings(scale, damping)
     s, c = first.row, first.shift
     assert s is not None  # a row stage always has its scales
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
