@@ -119,10 +119,11 @@ class Factored(NamedTuple):
 
     ``x`` has shape ``(..., m, n)``; ``row`` ``(..., m, 1)``, ``left`` ``(..., m, m)``,
     ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional; ``left`` and
-    ``right`` are never both set, and ``row`` is set with ``right`` only (the hybrid's
-    row-normalised stage left unformed, see :func:`hybrid_factored`). ``low``, when set, is ``x`` rounded to a low
-    precision (``gram_dtype="bfloat16"``): the product with ``left`` or ``right`` is then
-    taken in that precision (float32 accumulation), see :func:`low_product`.
+    ``right`` are never both set, and ``row`` comes alone or with ``right`` (the hybrid's
+    row-normalised stage left unformed, see :func:`hybrid_factored`). ``low``, when set,
+    is ``x`` rounded to a low precision (``gram_dtype="bfloat16"``): the product with
+    ``left`` or ``right`` is then taken in that precision (float32 accumulation), see
+    :func:`low_product`.
     """
 
     x: torch.Tensor
@@ -903,6 +904,13 @@ def _unformed_stage(x: torch.Tensor, gram: str, method: str, gram_dtype: str | N
     )
 
 
+def _soft_row_count(total: torch.Tensor, total_sq: torch.Tensor) -> torch.Tensor:
+    """``(sum_i q_i)^2 / sum_i q_i^2`` (at least 1) of the squared row norms ``q_i`` of the
+    row-normalised stage, from their sum and the sum of their squares: the number of rows
+    the row stage left nonzero, counted softly (the ``"rms"`` scale's ``m``, see :func:`hybrid`)."""
+    return (total.pow(2) / total_sq.clamp_min(torch.finfo(total_sq.dtype).tiny)).clamp_min(1.0)
+
+
 def _row_then_right(
     x: torch.Tensor,
     first: Factored,
@@ -951,9 +959,7 @@ def _row_then_right(
             sq1, sq2 = sq1 + sq.sum(-1), sq2 + sq.square().sum(-1)
     rows = None
     if sq1 is not None and sq2 is not None:  # the rows the row-norm stage left nonzero, see hybrid
-        if reducer is not None:
-            sq1, sq2 = reducer.sum(sq1), reducer.sum(sq2)
-        rows = (sq1.pow(2) / sq2.clamp_min(torch.finfo(sq2.dtype).tiny)).clamp_min(1.0)
+        rows = _soft_row_count(*(t if reducer is None else reducer.sum(t) for t in (sq1, sq2)))
     R = _small_factor(C, reducer, m, n, False, centered, eps, alpha, method, steps, damping, scale, rows, x.dtype)
     shift = None
     if centered and col is not None:
@@ -1018,9 +1024,7 @@ def hybrid_factored(
         rows = None
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             sq = _row_norms(z)[..., 0].square()
-            rows = (
-                _row_sum(sq, reducer).pow(2) / _row_sum(sq.pow(2), reducer).clamp_min(torch.finfo(sq.dtype).tiny)
-            ).clamp_min(1.0)
+            rows = _soft_row_count(_row_sum(sq, reducer), _row_sum(sq.pow(2), reducer))
         return _clean_stage(
             _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping, gram_dtype)
         )
