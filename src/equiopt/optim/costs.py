@@ -192,7 +192,7 @@ def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int,
     reduce-scattered, each rank inverts its share of a bucket's Grams and the factors are
     all-gathered, the bytes of one all-reduce; the product with ``R`` on every rank; the
     estimate takes the inverse square roots as divided, as they are once a bucket holds
-    a matrix per replica, which a model's layers make it), ``"rows"`` (each maps
+    at least one matrix per replica, which a model's layers usually give it), ``"rows"`` (each maps
     its rows completely; the update rows all-gathered, ``m d`` bytes) or ``"owner"`` (one
     rank maps it and broadcasts the update, ``m d`` bytes, everything divided over the
     matrices): the cheapest per rank under ``costs``. A vocabulary's Gram dominates
