@@ -15,19 +15,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import time
 
 import torch
 
+from equiopt.bench import _median_time
 
-def _median(fn, repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+REPEATS, CPU = 9, torch.device("cpu")
 
 
 def _mkl_gram():
@@ -61,12 +54,12 @@ def main() -> None:
     xb = x.bfloat16()
     exact = xb.double().mT @ xb.double()
     print(f"Gram of {m} x {n}, {args.threads} thread(s), torch {torch.__version__}")
-    print(f"  float32 sgemm:              {1e3 * _median(lambda: x.mT @ x):7.1f} ms")
-    print(f"  bfloat16 (bfloat16 result): {1e3 * _median(lambda: xb.mT @ xb):7.1f} ms")
+    print(f"  float32 sgemm:              {1e3 * _median_time(lambda: x.mT @ x, REPEATS, CPU):7.1f} ms")
+    print(f"  bfloat16 (bfloat16 result): {1e3 * _median_time(lambda: xb.mT @ xb, REPEATS, CPU):7.1f} ms")
     try:
         torch.mm(xb.mT, xb, out_dtype=torch.float32)
         print(
-            f"  mm out_dtype float32:       {1e3 * _median(lambda: torch.mm(xb.mT, xb, out_dtype=torch.float32)):7.1f} ms"
+            f"  mm out_dtype float32:       {1e3 * _median_time(lambda: torch.mm(xb.mT, xb, out_dtype=torch.float32), REPEATS, CPU):7.1f} ms"
         )
     except (RuntimeError, TypeError, NotImplementedError):
         print("  mm out_dtype float32:       not available on this build")
@@ -76,7 +69,9 @@ def main() -> None:
         return
     out = torch.empty(n, n)
     err = float((gram(xb, out).double() - exact).norm() / exact.norm())
-    print(f"  MKL gemm_bf16bf16f32:       {1e3 * _median(lambda: gram(xb, out)):7.1f} ms (relative error {err:.1e})")
+    print(
+        f"  MKL gemm_bf16bf16f32:       {1e3 * _median_time(lambda: gram(xb, out), REPEATS, CPU):7.1f} ms (relative error {err:.1e})"
+    )
 
 
 if __name__ == "__main__":

@@ -8,22 +8,12 @@ blocks of rows, added to weights as the optimizer adds it (``maps.hybrid_factore
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import equiopt.maps as maps
+from equiopt.bench import _median_time
 from equiopt.optim.apply import add_factored_
-
-
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -42,11 +32,11 @@ def main() -> None:
     def step():
         add_factored_(W, maps.hybrid_factored(D), coef)
 
-    blocked = _median(step, args.repeats)
+    blocked = _median_time(step, args.repeats, torch.device("cpu"))
     unformed = maps._unformed_stage
     maps._unformed_stage = lambda *a: False
     try:
-        formed = _median(step, args.repeats)
+        formed = _median_time(step, args.repeats, torch.device("cpu"))
     finally:
         maps._unformed_stage = unformed
     print(

@@ -95,19 +95,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_steps(opt, params, grads, device, repeats: int) -> float:
-    """Median time of one ``opt.step()`` (after a warm-up step that creates the state)."""
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt.step()
+def _median_time(fn, repeats: int, device: torch.device) -> float:
+    """Median time of ``fn()`` over ``repeats`` calls, after one warm-up call (the device
+    synchronised around each)."""
+    fn()
     _sync(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        opt.step()
+        fn()
         _sync(device)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _time_steps(opt, params, grads, device, repeats: int) -> float:
+    """Median time of one ``opt.step()`` (after a warm-up step that creates the state)."""
+    for p, g in zip(params, grads):
+        p.grad = g
+    return _median_time(opt.step, repeats, device)
 
 
 def _shrunk(shape, shrink: int):
@@ -226,15 +232,7 @@ def stack(
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    fwd_bwd()
-    _sync(device)
-    times = []
-    for _ in range(max(3, repeats // 2)):
-        start = time.perf_counter()
-        fwd_bwd()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    fb = sorted(times)[len(times) // 2]
+    fb = _median_time(fwd_bwd, max(3, repeats // 2), device)
     grads = [p.grad.detach().clone() for p in params]
     fused = device.type == "cuda"
     adamw = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
