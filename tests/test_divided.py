@@ -114,7 +114,9 @@ def _check_gram_division(world):
     """A vocabulary-shaped matrix under hybrid and right-spectral maps: each replica forms
     the Gram of its slice of rows (the products it computes shrink with the world); where
     bandwidth is scarce one d x d all-reduce (and d-vectors when centred) crosses ranks and
-    no update is sent, where it is plentiful the update rows are all-gathered instead."""
+    nothing else, where it is plentiful each replica maps its rows into its weights and
+    broadcasts them: one broadcast per rank, every weight once (in place, or through a
+    buffer for a transposed work view), waited or overlapped."""
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
 
@@ -131,10 +133,13 @@ def _check_gram_division(world):
         (dict(rule="right", center=True), slow),
         (dict(rule="hybrid", center=True), fast),
         (dict(rule="right"), fast),
+        (dict(rule="right", overlap=False), fast),
+        (dict(rule="hybrid", layout="col"), fast),  # work rows are the stored columns
     ]
     for kw, costs in cases:
-        w = torch.nn.Parameter(base.clone())
-        w.grad = grad.clone()
+        stored = base.T.contiguous() if kw.get("layout") == "col" else base
+        w = torch.nn.Parameter(stored.clone())
+        w.grad = (grad.T.contiguous() if kw.get("layout") == "col" else grad).clone()
         opt = EquivariantOptimizer([w], lr=0.1, method="exact", divide_work=True, cost_model=costs, **kw)
         products = []
         original, accumulate = torch.Tensor.__matmul__, torch.Tensor.addmm_
@@ -159,11 +164,12 @@ def _check_gram_division(world):
         assert any(r.op == "all_reduce" and r.shape[-2:] == (d, d) for r in log), (kw, log.summary())
         if costs is slow:  # only the sums cross ranks: every replica finishes on all rows
             assert set(log.ops()) == {"all_reduce"} and log.total_bytes() < m * d * 4 / 10, (kw, log.summary())
-        else:  # high bandwidth: each replica maps its rows completely, the update rows are gathered
-            gathers = [r for r in log if r.op == "all_gather"]
-            assert len(gathers) == 1 and gathers[0].bytes == world * -(-m // world) * d * 4, (kw, log.summary())
-        ref = torch.nn.Parameter(base.clone())
-        ref.grad = grad.clone()
+        else:  # high bandwidth: each replica maps its rows into its weights and broadcasts them
+            sent = [r for r in log if r.op != "all_reduce"]
+            assert [r.op for r in sent] == ["broadcast"] * world, (kw, log.summary())
+            assert sum(r.bytes for r in sent) == m * d * 4, (kw, log.summary())
+        ref = torch.nn.Parameter(stored.clone())
+        ref.grad = w.grad.clone()
         EquivariantOptimizer([ref], lr=0.1, method="exact", **kw).step()
         assert _identical_on_every_rank(w), kw
         assert _rel(w.detach(), ref.detach()) <= 1e-5, kw

@@ -338,11 +338,15 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
     cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [
         f"{w} proc divided" for w in worlds if w != one
     ]
-    print(f"{'recipe':20s} " + " ".join(f"{c:>20s}" for c in cols) + "   divided / 1 proc")
+    print(f"{'recipe':20s} " + " ".join(f"{c:>20s}" for c in cols) + "   divided / undivided   divided / 1 proc")
     for recipe in recipes:
         row = [table[w][(recipe, False)] for w in worlds] + [table[w][(recipe, True)] for w in worlds if w != one]
-        ratios = " ".join(f"{table[w][(recipe, True)] / table[one][(recipe, False)]:.2f}" for w in worlds if w != one)
-        print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {ratios}")
+        divided = [table[w][(recipe, True)] for w in worlds if w != one]
+        same = " ".join(
+            f"{t / table[w][(recipe, False)]:.2f}" for w, t in zip((w for w in worlds if w != one), divided)
+        )
+        alone = " ".join(f"{t / table[one][(recipe, False)]:.2f}" for t in divided)
+        print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {same:>19s}   {alone:>16s}")
 
 
 def _overlap_worker(

@@ -54,11 +54,14 @@ class CostModel:
 
 COST_MODELS = {
     # gloo over loopback on a 2-core CPU, one thread per process: float32 products at about
-    # 100 GFLOP/s, and 250 MB/s, the rate at which gathering update rows of the --stack
-    # model's vocabulary matrices stops paying (python -m equiopt.bench --divided); an
-    # asynchronous all-gather of 16 MiB beside a 47 ms product hides a third of its 34 ms
-    # (the transport shares the two cores with the maps)
-    "gloo-cpu": CostModel(2.5e8, 1e11, name="gloo-cpu", hidden=0.3),
+    # 100 GFLOP/s; 1 GB/s, about what a rank sends per second in gloo's all-reduces,
+    # all-to-alls and broadcasts of 16 MiB while the other process computes (1.1-3.2 GB/s
+    # measured alone; gloo's all-gather, 0.43 GB/s, carries no large payload here); an
+    # asynchronous exchange beside the maps hides about a third of its time (the transport
+    # shares the two cores with the maps); no matrix over 16 MiB goes to an owner: every
+    # rank would take a fresh update of that size from the kernel page by page (glibc's
+    # allocator maps it anew each step), which costs more than the products it divides
+    "gloo-cpu": CostModel(1e9, 1e11, owner_max_bytes=16 * 2**20, name="gloo-cpu", hidden=0.3),
     # NCCL across H100 nodes (400 Gb/s per GPU), bfloat16 products at a realistic 200 TFLOP/s;
     # NCCL's transfers run beside the maps' kernels, most of them hidden (an assumed 0.8)
     "nccl-h100": CostModel(4.5e10, 2e14, name="nccl-h100", hidden=0.8),
@@ -192,16 +195,17 @@ def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int,
     reduce-scattered, each rank inverts its share of a bucket's Grams and the factors are
     all-gathered, the bytes of one all-reduce; the product with ``R`` on every rank; the
     estimate takes the inverse square roots as divided, as they are once a bucket holds
-    at least one matrix per replica, which a model's layers usually give it), ``"rows"`` (each maps
-    its rows completely; the update rows all-gathered, ``m d`` bytes) or ``"owner"`` (one
-    rank maps it and broadcasts the update, ``m d`` bytes, everything divided over the
-    matrices): the cheapest per rank under ``costs``. A vocabulary's Gram dominates
-    its map and the Gram wins; a SwiGLU matrix's ``d x d`` inverse square root costs as
-    much as its products, and sending ``d x d`` factors instead of ``m x d`` updates makes
-    the Gram win there too unless bandwidth is plentiful. Matrices over
-    ``owner_max_bytes`` never go to an owner. With ``overlap`` (the optimizer's), owner
-    broadcasts travel while the next wave of maps runs, which hides ``costs.hidden`` of
-    them, at most the time of the owner's share of the maps."""
+    at least one matrix per replica, which a model's layers usually give it), ``"rows"``
+    (the same sums, every rank inverts; each maps its rows completely into its weights and
+    broadcasts them, ``m d`` elements) or ``"owner"`` (one rank maps it and broadcasts the
+    update, ``m d`` elements, everything divided over the matrices): the cheapest per rank
+    under ``costs``. Where a vocabulary's product with ``R`` costs more than sending its
+    rows, rows wins; where bandwidth is scarce, the Gram. A SwiGLU matrix's ``d x d``
+    inverse square root costs as much as its products, and sending ``d x d`` factors
+    instead of ``m x d`` updates makes the Gram win there unless bandwidth is plentiful.
+    Matrices over ``owner_max_bytes`` never go to an owner. With ``overlap`` (the
+    optimizer's), the broadcasts of rows and owners travel while later maps run, which
+    hides ``costs.hidden`` of them, at most the time of this rank's share of the maps."""
     if costs.prefer == "reduce" or replicas < 2:
         return "gram"
     *lead, m, d = shape
@@ -211,12 +215,15 @@ def replica_division(costs: CostModel, key: MapKey, shape: tuple, replicas: int,
     inverse = batch * key.steps * 6 * min(m, d) ** 3  # the d x d inverse square root, on every rank but for owners
     update = 4 * batch * m * d * (replicas - 1) / replicas / costs.bandwidth
     sums = 2 * (replicas - 1) / replicas * 4 * batch * d * d / costs.bandwidth
+
+    def exposed(sent: float, maps_after: float) -> float:  # what overlapping leaves of an exchange
+        return sent - (costs.hidden * min(sent, maps_after) if overlap else 0.0)
+
+    rows = ((flops - inverse) / replicas + inverse) / costs.flops
     times = {
         "gram": sums + (flops - (gram + inverse) * (1 - 1 / replicas)) / costs.flops,
-        "rows": sums + update + ((flops - inverse) / replicas + inverse) / costs.flops,
-        "owner": update
-        - (costs.hidden * min(update, flops / replicas / costs.flops) if overlap else 0.0)
-        + flops / replicas / costs.flops,
+        "rows": sums + exposed(update, rows) + rows,
+        "owner": exposed(update, flops / replicas / costs.flops) + flops / replicas / costs.flops,
     }
     if 4 * batch * m * d > costs.owner_max_bytes:  # a vocabulary is never mapped whole on one rank
         del times["owner"]

@@ -10,8 +10,8 @@ in one place for every distribution:
   heads or experts that a split leaves whole);
 - ``REDUCE``: split work matrices mapped on their shards, the sums over rows (and columns)
   all-reduced inside the map (:class:`~.sharded.ShardSum` reducers);
-- ``ROWS``: replicated matrices divided by rows: each replica maps its rows, the update
-  rows are all-gathered;
+- ``ROWS``: replicated matrices divided by rows: each replica maps its rows into its
+  weights, which it then broadcasts;
 - ``DIVIDED``: replicated matrices mapped on one owner replica each and broadcast;
 - whole tasks: split matrices sent to an owner rank and back (:mod:`.owners`).
 
@@ -21,7 +21,6 @@ matrix shapes run as one batched call.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from .. import maps
 from ..distributed.placements import Sharding, mesh_group, row_range
 from ..layouts import Layout
 from .costs import mesh_cost_model
-from .owners import assign, map_cost, start_from_owners, start_share, start_to_owners
+from .owners import Pending, assign, map_cost, start_from_owners, start_row_share, start_share, start_to_owners
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
 
@@ -153,12 +152,12 @@ def run(
     the owner exchanges asynchronously, in waves (results bitwise those of waiting);
     ``cost_model``: the optimizer's (:func:`~.costs.resolve_cost_model`), which decides
     whether replicas divide owner work."""
-    divided, reduced = [], []
+    divided, reduced, shared = [], [], []
     for key, items in buckets.items():
         if key.mode == DIVIDED:
             divided.append((key.map, items))
         elif key.mode == ROWS:
-            _run_rows(key.map, items, add)
+            shared.append(_run_rows(key.map, items, add, overlap))
         elif key.mode == REDUCE:
             reduced.append((key, items))
         else:
@@ -169,6 +168,8 @@ def run(
         _run_divided(divided, add, replicas, overlap)
     if whole:
         _run_whole(whole, add, overlap, cost_model)
+    for pending in shared:  # the weight rows other replicas mapped, broadcast meanwhile
+        pending.wait()
 
 
 def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
@@ -402,36 +403,18 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
         add(item.view, maps.Factored(u), item.coef)
 
 
-def _run_rows(key: MapKey, items: list[WorkItem], add: Add) -> None:
+def _run_rows(key: MapKey, items: list[WorkItem], add: Add, overlap: bool) -> Pending:
     """Gram maps of replicated matrices divided by rows completely: each replica maps its
-    slice of every matrix's rows (sums over rows all-reduced), and one all-gather brings
-    every replica's update rows (slices padded to the largest), so all add the same update."""
-    import torch.distributed as dist
-
+    slice of every matrix's rows (the sums over rows all-reduced) and adds the update to
+    those rows of its weights; then each broadcasts its rows of the weights, so every
+    replica holds the rows their mapper wrote. No update is formed or sent: the rows
+    travel once, in place, at the weights' dtype; the returned exchange is in flight
+    when ``overlap``."""
     sums = items[0].sums[0]  # type: ignore[index]  # ROWS items carry their ShardSum
     pg, (me, n) = sums.group, sums.part
-    pieces, layouts = [], []
     for item in items:
-        w = item.work
-        m = w.shape[-2]
+        m = item.work.shape[-2]
         a, b = row_range(m, n, me)
-        u = maps.materialize(factored_map(key, item.group["eta"], w.narrow(-2, a, b - a), ShardSum(pg, m))).to(w.dtype)
-        size = -(-m // n)
-        if b - a < size:
-            u = torch.cat([u, u.new_zeros(*u.shape[:-2], size - (b - a), u.shape[-1])], dim=-2)
-        pieces.append(u.reshape(-1))
-        layouts.append((w.shape, size))
-    flat = torch.cat(pieces)
-    out = flat.new_empty(n * flat.numel())
-    dist.all_gather_into_tensor(out, flat, group=pg)
-    per_rank = out.view(n, -1)
-    start = 0
-    for item, (shape, size) in zip(items, layouts):
-        lead, m, d = shape[:-2], shape[-2], shape[-1]
-        count = math.prod(lead) * size * d
-        rows = per_rank[:, start : start + count].reshape(n, *lead, size, d)
-        start += count
-        full = torch.cat(
-            [rows[r].narrow(-2, 0, row_range(m, n, r)[1] - row_range(m, n, r)[0]) for r in range(n)], dim=-2
-        )
-        add(item.view, maps.Factored(full), item.coef)
+        f = factored_map(key, item.group["eta"], item.work.narrow(-2, a, b - a), ShardSum(pg, m))
+        add(item.view.narrow(-2, a, b - a), f, item.coef)
+    return start_row_share([item.view for item in items], pg, async_op=overlap)

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..distributed.placements import row_range
+
 __all__ = [
     "assign",
     "map_cost",
@@ -262,6 +264,39 @@ def start_share(
             for t, part in zip(ts, torch.split(flat, sizes)):
                 out[t] = part.view(shapes[t])
         return out  # type: ignore[return-value]
+
+    return Pending(None, finish)
+
+
+def start_row_share(views: Sequence[torch.Tensor], group, async_op: bool = True) -> Pending:
+    """Start broadcasting, from each rank of ``group``, its slice of the rows (dim ``-2``,
+    :func:`~equiopt.distributed.placements.row_range`) of every tensor in ``views``, in
+    place: after ``wait()`` every rank's ``views`` hold each slice as its rank wrote it.
+    A slice that is not contiguous in memory (a transposed work view, a stack) travels
+    through a buffer."""
+    import torch.distributed as dist
+
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    works, copies = [], []
+    for view in views:
+        m = view.shape[-2]
+        for q in range(n):
+            a, b = row_range(m, n, q)
+            rows = view.narrow(-2, a, b - a)
+            if rows.numel() == 0:
+                continue
+            buf = rows if rows.is_contiguous() else (rows.contiguous() if q == me else rows.new_empty(rows.shape))
+            src = dist.get_global_rank(group, q) if group is not None else q
+            works.append(dist.broadcast(buf, src=src, group=group, async_op=async_op))
+            if buf is not rows and q != me:
+                copies.append((rows, buf))
+
+    def finish() -> None:
+        for work in works:
+            if work is not None:
+                work.wait()
+        for rows, buf in copies:
+            rows.copy_(buf)
 
     return Pending(None, finish)
 
