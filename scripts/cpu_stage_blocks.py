@@ -1,6 +1,8 @@
 """The hybrid map of one vocabulary-shaped matrix with its first stage formed or taken in
 blocks of rows, added to weights as the optimizer adds it (``maps.hybrid_factored`` then
-``optim.apply.add_factored_``), timed in one process.
+``optim.apply.add_factored_``), timed in one process; then its parts: the Gram ``Z^T Z``
+and the product ``Z R`` added to the weights (each a block of rows at a time, as the
+blocked map takes them) and the ``n x n`` inverse square root.
 
     python scripts/cpu_stage_blocks.py [--shape 32768x256] [--threads 1] [--repeats 9]
 """
@@ -13,6 +15,7 @@ import torch
 
 import equiopt.maps as maps
 from equiopt.bench import _median_time
+from equiopt.linalg.inv_sqrt import inv_sqrt
 from equiopt.optim.apply import add_factored_
 
 
@@ -42,6 +45,17 @@ def main() -> None:
     print(
         f"hybrid map + update of {m} x {n}, {args.threads} thread(s), torch {torch.__version__}: "
         f"formed Z {1e3 * formed:.1f} ms, blocks {1e3 * blocked:.1f} ms ({blocked / formed:.2f})"
+    )
+    C, R, G = D.new_zeros(n, n), torch.linalg.qr(torch.randn(n, n, generator=gen)).Q, D.mT @ D
+    blocks = maps.row_blocks(D)
+    parts = {
+        "Gram": lambda: [C.addmm_(D[a:b].mT, D[a:b]) for a, b in blocks],
+        "product with R": lambda: [W[a:b].addmm_(D[a:b], R, alpha=-1e-3) for a, b in blocks],
+        "inverse square root": lambda: inv_sqrt(G),
+    }
+    print(
+        "parts: "
+        + ", ".join(f"{k} {1e3 * _median_time(f, args.repeats, torch.device('cpu')):.1f} ms" for k, f in parts.items())
     )
 
 
