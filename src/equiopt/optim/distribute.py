@@ -149,7 +149,8 @@ def run(
     """Map every queued work matrix and add its update through ``add``.
 
     ``replicas``: the process group of ``DIVIDED`` and ``ROWS`` buckets; ``overlap``: start
-    the owner exchanges asynchronously, in waves (results bitwise those of waiting);
+    the owner exchanges asynchronously, in waves, and the ``ROWS`` broadcasts, waited for
+    at the end (results bitwise those of waiting);
     ``cost_model``: the optimizer's (:func:`~.costs.resolve_cost_model`), which decides
     whether replicas divide owner work."""
     divided, reduced, shared = [], [], []
