@@ -34,7 +34,7 @@ class CostModel:
     largest matrix, in bytes of its float32 momentum, ever sent whole to an owner) and
     ``prefer`` (``"cheaper"``; ``"reduce"`` or ``"owner"`` wherever that plan is possible)
     and ``hidden`` (the fraction of an exchange started asynchronously that the maps
-    running meanwhile hide: the owner broadcasts of replicas dividing work)."""
+    running meanwhile hide: the broadcasts of replicas dividing work, by owners or rows)."""
 
     bandwidth: float
     flops: float
