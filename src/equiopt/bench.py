@@ -335,17 +335,13 @@ def divided(device: torch.device, recipes, repeats: int, worlds, shape: str | No
         f"{'one thread' if device.type == 'cpu' else 'one GPU'} per process, torch {torch.__version__}"
     )
     one = min(worlds)
-    cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [
-        f"{w} proc divided" for w in worlds if w != one
-    ]
+    others = [w for w in worlds if w != one]
+    cols = [f"{w} proc" + ("" if w == one else " undivided") for w in worlds] + [f"{w} proc divided" for w in others]
     print(f"{'recipe':20s} " + " ".join(f"{c:>20s}" for c in cols) + "   divided / undivided   divided / 1 proc")
     for recipe in recipes:
-        row = [table[w][(recipe, False)] for w in worlds] + [table[w][(recipe, True)] for w in worlds if w != one]
-        divided = [table[w][(recipe, True)] for w in worlds if w != one]
-        same = " ".join(
-            f"{t / table[w][(recipe, False)]:.2f}" for w, t in zip((w for w in worlds if w != one), divided)
-        )
-        alone = " ".join(f"{t / table[one][(recipe, False)]:.2f}" for t in divided)
+        row = [table[w][(recipe, False)] for w in worlds] + [table[w][(recipe, True)] for w in others]
+        same = " ".join(f"{table[w][(recipe, True)] / table[w][(recipe, False)]:.2f}" for w in others)
+        alone = " ".join(f"{table[w][(recipe, True)] / table[one][(recipe, False)]:.2f}" for w in others)
         print(f"{recipe:20s} " + " ".join(f"{1e3 * t:20.2f}" for t in row) + f"   {same:>19s}   {alone:>16s}")
 
 

@@ -877,18 +877,29 @@ def row_blocks(x: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, min(a + step, m)) for a in range(0, m, step)]
 
 
-def block_buffer(x: torch.Tensor):
-    """``take(rows)``: a contiguous ``(..., rows, n)`` tensor for one block of
-    :func:`row_blocks` of ``x``, all of them views of one allocation (memory a CPU touches
-    once per call, not once per block)."""
+def row_scaled_blocks(x: torch.Tensor, row: torch.Tensor):
+    """Yield ``(a, b, z)`` for each block ``[a, b)`` of :func:`row_blocks` of ``x``, with
+    ``z = row[..., a:b, :] * x[..., a:b, :]`` written into one buffer reused across blocks
+    (memory a CPU touches once per call, not once per block): the hybrid's row-normalised
+    stage a block at a time. ``z`` is valid until the next block."""
     lead, n = x.shape[:-2], x.shape[-1]
-    rows = max((b - a for a, b in row_blocks(x)), default=0)
+    blocks = row_blocks(x)
+    rows = max((b - a for a, b in blocks), default=0)
     flat = x.new_empty(math.prod(lead) * rows * n)
+    for a, b in blocks:
+        z = flat[: math.prod(lead) * (b - a) * n].view(*lead, b - a, n)
+        yield a, b, torch.mul(x[..., a:b, :], row[..., a:b, :], out=z)
 
-    def take(k: int) -> torch.Tensor:
-        return flat[: math.prod(lead) * k * n].view(*lead, k, n)
 
-    return take
+def _gemm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``out += a @ b`` in place for 2-D or 3-D operands; False if the shapes don't allow it."""
+    if out.ndim == 2 and a.ndim == 2 and b.ndim == 2:
+        out.addmm_(a, b)
+        return True
+    if out.ndim == 3 and a.ndim == 3 and b.ndim == 3:
+        out.baddbmm_(a, b)
+        return True
+    return False
 
 
 def _unformed_stage(x: torch.Tensor, gram: str, method: str, gram_dtype: str | None, reducer) -> bool:
@@ -941,16 +952,10 @@ def _row_then_right(
     sq1 = sq2 = None
     if scale == "rms":
         sq1, sq2 = x.new_zeros(x.shape[:-2]), x.new_zeros(x.shape[:-2])
-    buf = block_buffer(xs)
-    for a, b in row_blocks(xs):
-        z = torch.mul(xs[..., a:b, :], ss[..., a:b, :], out=buf(b - a))
+    for _, _, z in row_scaled_blocks(xs, ss):
         if c is not None:
             z = z.sub_(c)
-        if C.ndim == 2:
-            C.addmm_(z.mT, z)
-        elif C.ndim == 3:
-            C.baddbmm_(z.mT, z)
-        else:
+        if not _gemm_(C, z.mT, z):
             C += z.mT @ z
         if col is not None:
             col = col + z.sum(dim=-2, keepdim=True)
@@ -1064,6 +1069,6 @@ __all__ = [
     "GRAM_DTYPES",
     "low_product",
     "row_blocks",
-    "block_buffer",
+    "row_scaled_blocks",
     "low_times",
 ]

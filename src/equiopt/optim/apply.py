@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..maps import Factored, block_buffer, materialize, row_blocks
+from ..maps import Factored, _gemm_, materialize, row_scaled_blocks
 
 INF_NORM = float("inf")
 
@@ -69,17 +69,6 @@ def decay_(p: torch.Tensor, lr, weight_decay: float, okf: torch.Tensor) -> None:
         p.mul_(1.0 - (lr * weight_decay) * okf)
 
 
-def _gemm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``out += a @ b`` in place for 2-D or 3-D operands; False if the shapes don't allow it."""
-    if out.ndim == 2 and a.ndim == 2 and b.ndim == 2:
-        out.addmm_(a, b)
-        return True
-    if out.ndim == 3 and a.ndim == 3 and b.ndim == 3:
-        out.baddbmm_(a, b)
-        return True
-    return False
-
-
 def _guarded(f: Factored) -> tuple[Factored, torch.Tensor]:
     """``f`` with its non-finite entries zeroed, and the update's finite flag (0-d bool).
 
@@ -127,9 +116,8 @@ def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
         pw.add_(materialize(f._replace(shift=None, right=_scaled(f.right, coef), left=_scaled(f.left, coef))))
     elif f.row is not None and f.right is not None:
         # the hybrid's unformed first stage: U = (row * x) @ right, a block of rows at a time
-        right, buf = f.right * coef, block_buffer(f.x)
-        for a, b in row_blocks(f.x):
-            z = torch.mul(f.x[..., a:b, :], f.row[..., a:b, :], out=buf(b - a))
+        right = f.right * coef
+        for a, b, z in row_scaled_blocks(f.x, f.row):
             if not _gemm_(pw[..., a:b, :], z, right):
                 pw[..., a:b, :].add_(z @ right)
     elif f.row is not None:

@@ -102,8 +102,8 @@ class EquivariantOptimizer(Optimizer):
     (:func:`~.costs.replica_division`): by slices of rows for the Gram (``d x d`` sums
     reduced; the inverse square roots of a batch of Grams divided among the ranks too, a
     reduce-scatter and an all-gather in place of the all-reduce; every rank finishes on
-    all rows), by rows completely (update rows
-    all-gathered) or on an owner; the other matrix-product maps (spectral, left Grams)
+    all rows), by rows completely (each rank maps its rows into its weights and
+    broadcasts them) or on an owner; the other matrix-product maps (spectral, left Grams)
     run on one rank each, chosen to balance the work, and their updates are broadcast.
     Per-rank work falls with the world size and the weights stay identical on every rank.
     Row-norm and element-wise rules, which cost less than sending their results, run on
@@ -678,7 +678,7 @@ class EquivariantOptimizer(Optimizer):
             # d x d sums are all-reduced, every replica finishes the map on all rows
             sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part, divide=True), None), False
             if division == "rows":
-                # cheaper still: each replica maps its rows completely, the update rows are gathered
+                # cheaper still: each replica maps its rows completely into its weights and broadcasts them
                 buckets[BucketKey(key, tuple(global_shapes[0][-2:]), ROWS, (id(self._replicas),))].append(
                     WorkItem(
                         layout.to_work_list(direction)[0],
