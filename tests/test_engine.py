@@ -95,7 +95,7 @@ def test_skip_leaves_weights_and_state_untouched_and_others_move(settings, dtype
     assert not torch.equal(good.detach(), good_before)
     assert opt.nonfinite_steps == 1 and opt.last_nonfinite == ["bad"]
     assert opt.state[bad]["nonfinite"].item() == 1 and opt.state[good]["nonfinite"].item() == 0
-    assert bad.grad.isfinite().all()  # the non-finite entries were dropped
+    assert not bad.grad[3, 1].isfinite()  # the step never writes the caller's gradient
 
 
 def test_counters_survive_torch_distributed_checkpoint_state_dicts(models):

@@ -19,6 +19,8 @@
     maps' all-reduces waited for at once (``overlap=False``) and overlapped with the maps
     (``--cost-model owner`` or ``reduce`` picks which), the time spent inside the
     collectives of a waited step, and the share of it the overlap hides.
+(f) ``--ops``: the ATen operators one step dispatches, for each recipe and for torch's
+    foreach AdamW and Muon, on the Qwen3-0.6B structure at 28 and 56 layers (tiny widths).
 (b) Accuracy of the right-spectral map and its nuclear-norm estimate ``nu`` against
     float64, for condition numbers 1e1, 1e3, 1e5 and entry scales 1e-4 to 1, for the
     default oracle and for Algorithm 3 as the paper's code runs it (Frobenius
@@ -259,6 +261,18 @@ def stack(
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         print(f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
         del opt
+
+
+def ops(recipes) -> None:
+    """(f) ATen operators per step of each recipe and of torch's optimizers on the Qwen3-0.6B
+    structure (:mod:`equiopt.opcount`), at 28 and 56 layers, with each one's five commonest."""
+    from .opcount import ops_table
+
+    print("(f) ATen operators per step, Qwen3-0.6B structure (transformers Qwen3ForCausalLM, tiny widths), CPU")
+    print(f"{'optimizer':34s} {'28 layers':>10s} {'56 layers':>10s}  commonest (28 layers)")
+    for label, counts in ops_table(recipes):
+        common = ", ".join(f"{k} {v}" for k, v in counts[28].counts.most_common(5))
+        print(f"{label:34s} {counts[28].total:10d} {counts[56].total:10d}  {common}")
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -527,8 +541,18 @@ def main(argv=None) -> None:
         "--overlap", action="store_true", help="only the FSDP2 overlap table (waited vs overlapped exchanges)"
     )
     parser.add_argument("--cost-model", default="owner", help="--overlap: the optimizer's cost model (default owner)")
+    parser.add_argument(
+        "--ops", action="store_true", help="only the ATen operators per step on the Qwen3-0.6B structure"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.ops:
+        ops(
+            args.recipes.split(",")
+            if args.recipes != ",".join(STACK_RECIPES)
+            else ["paper:qwen3:a-i", "paper:qwen3:b-ii", "equiopt:default"]
+        )
+        return
     if args.overlap:
         worlds = [int(w) for w in (args.worlds if args.worlds != "1,2" else "2,4").split(",")]
         overlap(

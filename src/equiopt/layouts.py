@@ -167,6 +167,15 @@ class Layout:
         """Inverse of :meth:`to_work_list` (same as :meth:`from_work`)."""
         return self.from_work(work)
 
+    def stacked_to_work(self, t: Tensor) -> list[Tensor]:
+        """:meth:`to_work_list` of a stack ``t`` of ``(B, *stored)`` tensors, each checked
+        when the stack was made: work tensors ``(B, *work)``, views where the memory allows."""
+        return self._to_work(t)
+
+    def stacked_from_work(self, work: Sequence[Tensor]) -> Tensor:
+        """Inverse of :meth:`stacked_to_work`: ``(B, *stored)`` from work tensors ``(B, *work)``."""
+        return self._from_work(list(work))
+
     def work_shapes(self, shape, name: str = "parameter") -> list[Shape]:
         """Shapes of the tensors ``to_work`` produces for a stored tensor of ``shape``."""
         shape = _shape(shape)

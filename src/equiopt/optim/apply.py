@@ -45,13 +45,15 @@ def finite_flags(grads: Sequence[torch.Tensor], limit: float = GRAD_LIMIT) -> to
 
 
 def sanitize(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``grad`` in ``dtype`` with its NaN and Inf entries set to 0 in place.
+    """A copy of ``grad`` in ``dtype`` with its NaN and Inf entries set to 0.
 
     The skip itself is the 0 step weight of a non-finite parameter; this only keeps
-    ``0 * NaN`` out of the arithmetic (a finite gradient is left as it is; a skipped
-    parameter's ``.grad`` keeps its finite entries and zeros where it had NaN/Inf).
+    ``0 * NaN`` out of the arithmetic. ``grad`` itself is never written: the caller's
+    gradient (and any graph that saved it) stays as it was.
     """
-    return torch.nan_to_num_(grad, nan=0.0, posinf=0.0, neginf=0.0).to(dtype)
+    if grad.dtype != dtype:
+        return torch.nan_to_num_(grad.to(dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, okf: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:

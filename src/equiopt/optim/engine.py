@@ -25,6 +25,7 @@ from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
+from .buckets import Buckets, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
@@ -222,6 +223,8 @@ class EquivariantOptimizer(Optimizer):
         self._plans: dict[tuple, Plan] = {}
         self._update_skips: torch.Tensor | None = None
         self._peers: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}
+        self._buckets: Buckets | None = None
+        self._eligible: dict[int, tuple] = {}
         defaults = dict(
             lr=lr,
             rule=rule,
@@ -261,6 +264,7 @@ class EquivariantOptimizer(Optimizer):
             ValueError: a bad setting or parameter, naming it; the optimizer is left as it was.
         """
         super().add_param_group(param_group)
+        self._buckets, self._eligible = None, {}
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
         try:
@@ -403,6 +407,7 @@ class EquivariantOptimizer(Optimizer):
             device = next((p.device for g in self.param_groups for p in g["params"]), skips.device)
             self._update_skips = skips.detach().to(device=device, dtype=torch.float32, copy=True)
         saved = sd["state"]
+        self._buckets, self._eligible = None, {}
         built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         super().load_state_dict(sd)
         for index, (group, own) in enumerate(zip(self.param_groups, built)):
@@ -424,7 +429,16 @@ class EquivariantOptimizer(Optimizer):
                 state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
-    _CACHES = ("_compiled_step", "_lr_cache", "_last_flags", "_shardings", "_plans", "_peers")
+    _CACHES = (
+        "_compiled_step",
+        "_lr_cache",
+        "_last_flags",
+        "_shardings",
+        "_plans",
+        "_peers",
+        "_buckets",
+        "_eligible",
+    )
 
     def __getstate__(self) -> dict:
         """torch's state (defaults, state, param groups) and this optimizer's own settings,
@@ -440,6 +454,7 @@ class EquivariantOptimizer(Optimizer):
         super().__setstate__(state)
         self._compiled_step = None
         self._lr_cache, self._last_flags, self._shardings, self._plans, self._peers = {}, [], {}, {}, {}
+        self._buckets, self._eligible = None, {}
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -463,6 +478,7 @@ class EquivariantOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._step_peers()
+        self._refresh_buckets()
         lrs = self._lr_tensors()
         backend = self._resolve_compile()
         if not backend:
@@ -494,6 +510,54 @@ class EquivariantOptimizer(Optimizer):
             device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
             self._update_skips = torch.zeros((), dtype=torch.float32, device=device)
         return self._update_skips
+
+    def _stackable(self, group: dict) -> list[int]:
+        """Positions of ``group``'s parameters whose state a bucket may stack (see
+        :mod:`.buckets`): plain tensors of the matrix rules (one work tensor each, not
+        ``lazy``) and of ``adamw``, when nothing is divided among replicas and the group
+        skips non-finite gradients; each once it has state or a gradient."""
+        settings = (group["rule"], group["nonfinite"], group["lazy"], len(group["params"]))
+        cached = self._eligible.get(id(group))
+        if cached is None or cached[0] != settings:
+            cached = self._eligible[id(group)] = (settings, self._eligible_members(group))
+        params = group["params"]
+        return [j for j in cached[1] if params[j].grad is not None or self.state.get(params[j])]
+
+    def _eligible_members(self, group: dict) -> list[int]:
+        rule = group["rule"]
+        if (
+            self._replicas is not None
+            or group["nonfinite"] != "skip"
+            or group["lazy"]
+            or (rule not in MATRIX_RULES and rule != "adamw")
+        ):
+            return []
+        out = []
+        for j, p in enumerate(group["params"]):
+            if p.numel() == 0 or self._sharding(p).kind != "local" or type(p.data) is not torch.Tensor:
+                continue
+            if rule != "adamw" and group["layouts"][j].num_blocks != 1:
+                continue
+            out.append(j)
+        return out
+
+    @torch._dynamo.disable
+    def _refresh_buckets(self) -> None:
+        """Make the buckets again when a parameter that a bucket could hold has none, or a
+        member's state entry is no longer the view its bucket handed out (a loaded state
+        dict, a state entry replaced by hand)."""
+        found = self._buckets
+        if found is not None and found.intact(self.state):
+            fresh = any(
+                p.grad is not None and id(p) not in found.covered
+                for g in self.param_groups
+                for p in (g["params"][j] for j in self._stackable(g))
+            )
+            if not fresh:
+                return
+        self._buckets = make_buckets(
+            [(g, self._stackable(g)) for g in self.param_groups], self.state, self._state_dtype
+        )
 
     @torch._dynamo.disable
     def _step_peers(self) -> None:
@@ -554,8 +618,17 @@ class EquivariantOptimizer(Optimizer):
         last_flags: list[tuple[list[str], torch.Tensor]] = []
         buckets: dict[BucketKey, list[WorkItem]] = defaultdict(list)
         whole: list[WholeTask] = []
+        stacked = self._buckets
+        covered: set[int] = set()
+        if stacked is not None:
+            covered = stacked.covered
+            by_group = {id(g): lr for g, lr in zip(self.param_groups, lrs)}
+            for bucket in stacked.matrix:
+                run_bucket(bucket, by_group, last_flags, self._skip_counter(), distribute.factored_map)
+            for part in stacked.adamw:
+                run_adamw(part, by_group[id(part.group)], last_flags)
         for group, lr in zip(self.param_groups, lrs):
-            live = [j for j, p in enumerate(group["params"]) if p.grad is not None]
+            live = [j for j, p in enumerate(group["params"]) if p.grad is not None and id(p) not in covered]
             if not live or group["rule"] in PEER_RULES:
                 continue
             params = [group["params"][j] for j in live]

@@ -1,0 +1,110 @@
+"""Counting the ATen operators an optimizer step dispatches (``python -m equiopt.bench --ops``).
+
+On an accelerator every dispatched operator is at least one kernel launch (a few
+microseconds each, eager), so the number of operators a step dispatches bounds its time
+from below however small the parameters are. :func:`count_ops` counts them with a
+``TorchDispatchMode`` around one step taken after warm-up steps (so state creation is not
+counted); :func:`qwen3_structure` builds a model with Qwen3-0.6B's structure (28 layers,
+16 query and 8 key-value heads, tied embedding, 310 parameters) at tiny widths, since the
+count depends on the structure only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCounter", "count_ops", "qwen3_structure", "ops_table"]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen operator dispatched while active, by name (``counts``) and in all (``total``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def count_ops(step: Callable[[], object], warmup: int = 2) -> OpCounter:
+    """The operators of one call of ``step`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    with OpCounter() as counter:
+        step()
+    return counter
+
+
+def qwen3_structure(layers: int = 28, width: int = 64, seed: int = 0) -> torch.nn.Module:
+    """A transformers ``Qwen3ForCausalLM`` with Qwen3-0.6B's structure at a tiny width
+    (16 query and 8 key-value heads of ``width // 8`` each, tied embedding, vocabulary 256)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    head = max(width // 8, 2)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=width,
+        intermediate_size=3 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=head,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def _random_grads(model: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def ops_per_step(optimizer_of: Callable[[torch.nn.Module], torch.optim.Optimizer], layers: int = 28) -> OpCounter:
+    """Operators of one step of ``optimizer_of(model)`` on :func:`qwen3_structure` with random gradients."""
+    model = qwen3_structure(layers)
+    _random_grads(model)
+    opt = optimizer_of(model)
+    return count_ops(opt.step)
+
+
+def _torch_muon(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``torch.optim.Muon`` on the matrices, torch's foreach AdamW on the rest, stepped together."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    muon = torch.optim.Muon(matrices, lr=0.02)  # type: ignore[attr-defined]
+    adamw = torch.optim.AdamW(rest, lr=1e-3, foreach=True)
+
+    class Both:
+        def step(self):
+            muon.step()
+            adamw.step()
+
+    return Both()  # type: ignore[return-value]
+
+
+def ops_table(recipes: list[str], layers: tuple[int, ...] = (28, 56)) -> list[tuple[str, dict[int, OpCounter]]]:
+    """``(name, {layers: counter})`` for torch's foreach AdamW, torch's Muon (where torch has
+    it) and each recipe, on the Qwen3-0.6B structure at each depth."""
+    from .roles import build_optimizer
+
+    rows: list[tuple[str, Callable]] = [
+        ("torch.optim.AdamW(foreach=True)", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True))
+    ]
+    if hasattr(torch.optim, "Muon"):
+        rows.append(("torch.optim.Muon + AdamW", _torch_muon))
+    for name in recipes:
+        rows.append((name, lambda m, name=name: build_optimizer(m, name, compile=False)[0]))
+    return [(label, {n: ops_per_step(make, n) for n in layers}) for label, make in rows]

@@ -1,0 +1,391 @@
+"""Buckets: the parameters a step updates together, their state stacked, made once.
+
+A :class:`Part` is the parameters of one param group that share a stored shape, layout,
+dtype and device. Its state lives in one stacked tensor per entry (the momentum
+``(B, *shape)``, or AdamW's two moments and step counters, and the skip counters
+``(B,)``); each parameter's ``optimizer.state`` entries are views of those stacks, so
+``state_dict()``, checkpoints and a user's own look at the state see one tensor per
+parameter as always. A :class:`Bucket` is the parts whose work matrices share one map
+(equal map settings and work-matrix shape): the map runs on all of their matrices in one
+batched call.
+
+A step then dispatches a fixed number of operators per part and bucket, however many
+parameters they hold (``docs/step.md`` has the counts):
+
+- per part: the gradients in (one ``stack``, and a cast where the state is wider), the
+  finite flags (one ``aminmax`` over each member, two comparisons), the skip counters,
+  sanitising (one ``nan_to_num_`` on the stack, never on ``.grad``), the momentum (one
+  ``lerp_``; Nesterov one more), the decay (one foreach multiply), the centring of
+  quotient maps;
+- per bucket: the map on the stacked work matrices, the guard of each matrix's update
+  (its small factors checked and cleaned), and per part the update, materialised once
+  with the learning rate, the shape factor and the skip flags folded in, and added to the
+  weights with one foreach add (a part of one parameter adds its factored update straight
+  into the weights' work views, no full-size update formed).
+
+Parameters that cannot be stacked this way (sharded or divided ones, ``lazy`` rows,
+multi-block layouts, ``nonfinite="raise"``) keep the per-parameter path of the engine.
+:func:`make_buckets` builds parts and buckets from the parameters that have state (or a
+gradient now); the engine makes them again when a group is added, a state dict is
+loaded, or a state entry no longer is the view it handed out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import maps
+from ..layouts import Layout
+from .apply import GRAD_LIMIT, _add_
+from .rules import MapKey, factored_map, map_key, precentred, shape_factor
+
+__all__ = ["Part", "Bucket", "Buckets", "make_buckets"]
+
+#: The state entries a part stacks, per rule kind.
+MOMENTUM_KEYS = ("momentum_buffer",)
+ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class Part:
+    """Parameters of one group with equal stored shape, layout, dtype and device, and their
+    state as stacks (:attr:`stacks`); ``state[p][key]`` is ``stacks[key][k]`` for member ``k``."""
+
+    def __init__(
+        self,
+        group: dict,
+        members: list[int],
+        layout: Layout,
+        state: dict,
+        state_dtype: torch.dtype,
+    ):
+        self.group = group
+        self.params: list[torch.Tensor] = [group["params"][j] for j in members]
+        self.names: list[str] = [group["names"][j] for j in members]
+        self.layout = layout
+        first = self.params[0]
+        self.shape = tuple(first.shape)
+        self.dtype, self.device, self.state_dtype = first.dtype, first.device, state_dtype
+        self.adamw = group["rule"] == "adamw"
+        work = layout.work_shapes(self.shape)[0] if not self.adamw else (1, *self.shape)
+        self.work_shape = tuple(work)  # one member's work tensor
+        self.per_member = 1
+        for size in self.work_shape[:-2]:
+            self.per_member *= size
+        self.factor = 1.0 if self.adamw else shape_factor(group, *self.work_shape[-2:])
+        keys = ADAMW_KEYS if self.adamw else MOMENTUM_KEYS
+        count = len(self.params)
+        self.stacks: dict[str, torch.Tensor] = {}
+        for key in keys:
+            self.stacks[key] = self._stack(state, key, (count, *self.shape), state_dtype)
+        self.stacks["nonfinite"] = self._stack(state, "nonfinite", (count,), torch.float32)
+        if self.adamw:
+            self.stacks["step"] = self._stack(state, "step", (count,), torch.float32)
+        # hand out the views: state[p][key] is stacks[key][k]
+        self.views: dict[str, list[torch.Tensor]] = {key: list(t.unbind(0)) for key, t in self.stacks.items()}
+        for k, p in enumerate(self.params):
+            entry = state[p]
+            for key, views in self.views.items():
+                entry[key] = views[k]
+        self._zeros: torch.Tensor | None = None
+        self._masks: dict[tuple[bool, ...], torch.Tensor] = {}
+        self.scratch: torch.Tensor | None = None  # (B, *shape): the gradients in, see :class:`Buckets`
+        self._scratch_members: list[torch.Tensor] = []
+
+    @property
+    def numel(self) -> int:
+        return len(self.params) * self.params[0].numel()
+
+    def use_scratch(self, flat: torch.Tensor) -> None:
+        """Take the gradients in through ``flat`` (a slice of the buckets' shared buffer)."""
+        self.scratch = flat.view(len(self.params), *self.shape)
+        self._scratch_members = list(self.scratch.unbind(0))
+
+    def _stack(self, state: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The stack of ``key``: the members' existing entries (kept at their dtype), else zeros."""
+        found = [state[p].get(key) if p in state else None for p in self.params]
+        if all(t is None for t in found):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        have = next(t for t in found if t is not None)
+        filled = [t if t is not None else torch.zeros_like(have) for t in found]
+        return torch.stack([t.to(self.device) for t in filled])
+
+    def intact(self, state: dict) -> bool:
+        """Whether every member's state entries still are the views this part handed out."""
+        for k, p in enumerate(self.params):
+            entry = state.get(p)
+            if entry is None:
+                return False
+            for key, views in self.views.items():
+                if entry.get(key) is not views[k]:
+                    return False
+        return True
+
+    # --------------------------------------------------------------- per step
+    def gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The members' gradients stacked in the state dtype and sanitised (NaN and Inf
+        set to 0; ``.grad`` itself is never written), their finite flags (``(B,)`` bool:
+        free of NaN and Inf with every entry within ``GRAD_LIMIT``, and present), and the
+        flags reported for the step (True for a member that has no gradient this step)."""
+        grads: list[torch.Tensor] = []
+        missing = False
+        for p, name in zip(self.params, self.names):
+            g = p.grad
+            if g is None:
+                missing = True
+                if self._zeros is None:
+                    self._zeros = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                g = self._zeros
+            elif g.is_sparse:
+                raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
+            grads.append(g)
+        stacked = self.scratch
+        assert stacked is not None
+        if self.dtype == self.state_dtype:
+            torch.stack(grads, out=stacked)
+        else:
+            torch._foreach_copy_(self._scratch_members, grads)
+        lo, hi = torch.aminmax(stacked.view(len(grads), -1), dim=1)
+        finite = (lo >= -GRAD_LIMIT) & (hi <= GRAD_LIMIT)  # NaN fails both comparisons
+        if missing:
+            present = self._mask(tuple(p.grad is not None for p in self.params))
+            ok, bad = finite & present, present & ~finite
+        else:
+            ok, bad = finite, ~finite
+        self.stacks["nonfinite"].add_(bad)
+        torch.nan_to_num_(stacked, nan=0.0, posinf=0.0, neginf=0.0)
+        return stacked, ok, ~bad
+
+    def _mask(self, pattern: tuple[bool, ...]) -> torch.Tensor:
+        found = self._masks.get(pattern)
+        if found is None:
+            found = self._masks[pattern] = torch.tensor(pattern, dtype=torch.bool, device=self.device)
+        return found
+
+    def _lead(self, t: torch.Tensor, ndim: int) -> torch.Tensor:
+        """``(B,)`` ``t`` shaped to broadcast over tensors of ``ndim`` dimensions."""
+        return t.view(-1, *([1] * (ndim - 1)))
+
+    def decay(self, lr: torch.Tensor, okl: torch.Tensor) -> None:
+        """Decoupled weight decay ``W <- (1 - lr wd) W`` of every member (exactly 1 where skipped)."""
+        wd = self.group["weight_decay"]
+        if wd:
+            torch._foreach_mul_(self.params, list(torch.unbind(1.0 - (lr * wd) * okl, 0)))
+
+    def direction(self, grads: torch.Tensor, okf: torch.Tensor) -> torch.Tensor:
+        """EMA momentum ``M <- beta M + (1 - beta) G`` in place (weight 0 where skipped); the
+        direction ``M``, or with Nesterov ``beta M + (1 - beta) G`` (written over ``grads``)."""
+        beta = self.group["beta"]
+        buf = self.stacks["momentum_buffer"]
+        buf.lerp_(grads, self._lead(okf * (1.0 - beta), buf.ndim))
+        if self.group["nesterov"]:
+            return grads.lerp_(buf, beta)
+        return buf
+
+    def work(self, direction: torch.Tensor) -> torch.Tensor:
+        """The direction's work matrices, ``(B * per_member, m, n)`` (a view where the layout allows)."""
+        w = self.layout.stacked_to_work(direction)[0]
+        return w.reshape(-1, *self.work_shape[-2:])
+
+    def centre(self, direction: torch.Tensor, okf: torch.Tensor) -> None:
+        """``D <- Pi D`` in place on every work matrix (the quotient maps' input; see the
+        engine's ``_centre_in_place``); a skipped member is left as it is."""
+        w = self.layout.stacked_to_work(direction)[0]
+        w.sub_(w.mean(dim=-2, keepdim=True).mul_(self._lead(okf, w.ndim)))
+
+    def add(self, f: maps.Factored, coef: torch.Tensor) -> None:
+        """Add ``coef * U`` (``coef``: one per work matrix, skips and learning rate folded
+        in) to the members' weights."""
+        dtype = f.x.dtype
+        c = coef.to(dtype).view(-1, 1, 1)
+        if len(self.params) == 1:
+            # one parameter: the factored update goes straight into its work views
+            view = self.layout.to_work_list(self.params[0].detach())[0]
+            lead = view.shape[:-2]
+            _add_(view, maps.Factored(*[None if t is None else t.view(*lead, *t.shape[-2:]) for t in f]), c.view(*lead, 1, 1) if lead else c.view(()))
+            return
+        u = maps.materialize(_scaled(f, c))
+        if u.dtype != self.dtype:
+            u = u.to(self.dtype)
+        stored = self.layout.stacked_from_work([u.view(len(self.params), *self.work_shape)])
+        torch._foreach_add_(self.params, list(stored.unbind(0)))
+
+    def adamw_step(self, grads: torch.Tensor, okf: torch.Tensor, lr: torch.Tensor) -> None:
+        """AdamW with bias correction and decoupled decay on the stacked moments (the
+        engine's ``adamw`` rule; see :func:`~.apply.adamw_`): a skipped member keeps its
+        step count, moments and weights."""
+        b1, b2 = self.group["betas"]
+        eps = self.group["adam_eps"]
+        m, v, steps = self.stacks["exp_avg"], self.stacks["exp_avg_sq"], self.stacks["step"]
+        steps.add_(okf)
+        m.lerp_(grads, self._lead(okf * (1.0 - b1), m.ndim))
+        # a skipped gradient may hold entries whose square overflows: squares are capped
+        sq = torch.mul(grads, grads, out=grads).clamp_(max=torch.finfo(grads.dtype).max)
+        v.lerp_(sq, self._lead(okf * (1.0 - b2), v.ndim))
+        denom = torch.sqrt(v, out=sq)
+        counts = steps.clamp(min=1.0).to(m.dtype)
+        bc1 = 1.0 - torch.pow(b1, counts)
+        c = torch.sqrt(1.0 - torch.pow(b2, counts))
+        # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)):
+        # a skipped step divides by 0 (m / inf = 0)
+        denom.add_(self._lead(c * eps, denom.ndim))
+        okl = okf.to(lr.dtype)
+        size = (okl * -lr) * c.to(lr.dtype) / bc1.to(lr.dtype)
+        denom.div_(self._lead(size.to(denom.dtype), denom.ndim))
+        self.decay(lr, okl)
+        if self.dtype == m.dtype:
+            torch._foreach_addcdiv_(self.params, list(m.unbind(0)), list(denom.unbind(0)))
+        else:
+            torch._foreach_add_(self.params, list(torch.div(m, denom).to(self.dtype).unbind(0)))
+
+
+def _scaled(f: maps.Factored, c: torch.Tensor) -> maps.Factored:
+    """``f`` for ``c * U`` (``c``: ``(N, 1, 1)``), the scale folded into its smallest factor."""
+    shift = None if f.shift is None else f.shift * c
+    if f.row is not None:
+        return f._replace(row=f.row * c, shift=shift)
+    if f.right is not None:
+        return f._replace(right=f.right * c, shift=shift)
+    if f.left is not None:
+        return f._replace(left=f.left * c, shift=shift)
+    return f._replace(x=f.x * c, shift=shift)
+
+
+class Bucket:
+    """Parts whose work matrices share one map: equal map settings (:class:`MapKey`) and
+    work-matrix shape, on one device in one compute dtype."""
+
+    def __init__(self, key: MapKey, parts: list[Part]):
+        self.key = key
+        self.parts = parts
+        self.eta = parts[0].group["eta"]
+
+
+class Buckets:
+    """Every part and bucket of an optimizer, and the parameters they cover.
+
+    The gradients come in through one buffer per device and state dtype, as large as the
+    largest bucket's gradients (every bucket reads its own and is done with them before
+    the next begins): sanitised there, never in ``.grad``, and nothing of the gradients'
+    size is allocated after the first step."""
+
+    def __init__(self, matrix: list[Bucket], adamw: list[Part]):
+        self.matrix = matrix
+        self.adamw = adamw
+        self.covered = {id(p) for b in matrix for part in b.parts for p in part.params}
+        self.covered |= {id(p) for part in adamw for p in part.params}
+        units = [b.parts for b in matrix] + [[part] for part in adamw]
+        sizes: dict[tuple, int] = defaultdict(int)
+        for parts in units:
+            where = (parts[0].device, parts[0].state_dtype)
+            sizes[where] = max(sizes[where], sum(part.numel for part in parts))
+        self.scratch = {where: torch.empty(size, dtype=where[1], device=where[0]) for where, size in sizes.items()}
+        for parts in units:
+            flat, at = self.scratch[(parts[0].device, parts[0].state_dtype)], 0
+            for part in parts:
+                part.use_scratch(flat.narrow(0, at, part.numel))
+                at += part.numel
+
+    @property
+    def parts(self) -> list[Part]:
+        return [part for b in self.matrix for part in b.parts] + self.adamw
+
+    def intact(self, state: dict) -> bool:
+        return all(part.intact(state) for part in self.parts)
+
+
+def make_buckets(
+    groups: Iterable[tuple[dict, list[int]]], state: dict, state_dtype: Callable[[torch.Tensor], torch.dtype]
+) -> Buckets:
+    """Parts and buckets of ``(group, members)`` pairs (members: positions of the group's
+    parameters that a part may stack), adopting any state the members already have."""
+    by_part: dict[tuple, list[int]] = defaultdict(list)
+    owners: dict[tuple, dict] = {}
+    for group, members in groups:
+        for j in members:
+            p = group["params"][j]
+            layout = group["layouts"][j]
+            key = (id(group), tuple(p.shape), layout, p.dtype, p.device, state_dtype(p))
+            by_part[key].append(j)
+            owners[key] = group
+    matrix: dict[tuple, list[Part]] = defaultdict(list)
+    adamw: list[Part] = []
+    for key, members in by_part.items():
+        group, layout, sdtype = owners[key], key[2], key[5]
+        part = Part(group, members, layout, state, sdtype)
+        if part.adamw:
+            adamw.append(part)
+            continue
+        mkey = map_key(group)
+        if group["center"] and mkey.rule != "spectral":
+            mkey = precentred(mkey)  # the part centres its direction in place
+        matrix[(mkey, part.work_shape[-2:], part.device, sdtype)].append(part)
+    return Buckets([Bucket(k[0], parts) for k, parts in matrix.items()], adamw)
+
+
+def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
+    """``f`` (a batch of ``N`` updates) with its non-finite entries zeroed, and each update's
+    finite flag (``(N,)`` bool), read from its small factors, or from the update itself when
+    it is given whole (then cleaned in place: it is always a fresh tensor). The batched
+    form of :func:`~.apply._guarded`."""
+    names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
+    checked = [getattr(f, k) for k in names] or [f.x]
+    ok: Any = None
+    for t in checked:
+        flag = torch.isfinite(t).flatten(1).all(1)
+        ok = flag if ok is None else ok & flag
+    if names:
+        if f.low is not None:
+            torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
+        return f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0) for k in names}), ok
+    torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
+    return f, ok
+
+
+def run_bucket(
+    bucket: Bucket,
+    lrs: dict[int, torch.Tensor],
+    flags: list,
+    skips: torch.Tensor,
+    map_fn: Callable[..., maps.Factored] = factored_map,
+) -> None:
+    """One step of a bucket: each part's gradients, flags, momentum, decay (and centring),
+    the map (``map_fn``, :func:`~.rules.factored_map`) on all of their work matrices at
+    once, the guard, and each part's update; ``flags`` gains each part's names and finite
+    flags, ``skips`` counts the updates the guard refused."""
+    works, coefs = [], []
+    for part in bucket.parts:
+        lr = lrs[id(part.group)]
+        grads, ok, reported = part.gradients()
+        flags.append((part.names, reported))
+        okf = ok.to(part.state_dtype)
+        okl = okf.to(lr.dtype)
+        part.decay(lr, okl)
+        direction = part.direction(grads, okf)
+        if bucket.key.center == "precentred":
+            part.centre(direction, okf)
+        works.append(part.work(direction))
+        coef = okl * (-lr * part.factor)
+        coefs.append(coef.repeat_interleave(part.per_member) if part.per_member > 1 else coef)
+    x = works[0] if len(works) == 1 else torch.cat(works)
+    f = map_fn(bucket.key, bucket.eta, x)
+    f, ok = guard(f)
+    coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
+    skips.add_((~ok & (coef != 0)).sum())
+    coef = coef * ok
+    at = 0
+    for part, w in zip(bucket.parts, works):
+        n = w.shape[0]
+        piece = f if len(works) == 1 else maps.Factored(*[None if t is None else t.narrow(0, at, n) for t in f])
+        part.add(piece, coef.narrow(0, at, n))
+        at += n
+
+
+def run_adamw(part: Part, lr: torch.Tensor, flags: list) -> None:
+    """One AdamW step of a part."""
+    grads, ok, reported = part.gradients()
+    flags.append((part.names, reported))
+    part.adamw_step(grads, ok.to(part.state_dtype), lr)
