@@ -34,6 +34,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .linalg import inv_sqrt, polar
+from .linalg.products import mm
 
 EtaRule = str | Callable[[torch.Tensor], torch.Tensor]
 ETA_RULES = ("inverse", "normalize", "rms")
@@ -197,16 +198,16 @@ def materialize(f: Factored) -> torch.Tensor:
         ``U = row * (left @ x @ right) - shift``, of ``x``'s shape.
     """
     if f.row is not None and f.right is not None:
-        u = (f.x @ f.right).mul_(f.row)
+        u = mm(f.x, f.right).mul_(f.row)
         return u if f.shift is None else u.sub_(f.shift)
     if f.row is not None:
         if f.shift is not None:
             return torch.addcmul(-f.shift, f.x, f.row)
         return f.x * f.row
     if f.right is not None:
-        u = f.x @ f.right if f.low is None else low_times(f.low, f.right)
+        u = mm(f.x, f.right) if f.low is None else low_times(f.low, f.right)
     elif f.left is not None:
-        u = f.left @ f.x if f.low is None else low_times(f.low, f.left, right=False)
+        u = mm(f.left, f.x) if f.low is None else low_times(f.low, f.left, right=False)
     else:
         return f.x if f.shift is None else f.x - f.shift
     u = u.to(f.x.dtype)
@@ -507,10 +508,10 @@ def _one_sided(
         return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows)
     low = _low(x, gram_dtype)
     if left:
-        C = x @ x.mT if low is None else low_product(low, low.mT)
+        C = mm(x, x.mT) if low is None else low_product(low, low.mT)
     else:
         part = _take(reducer, x if low is None else low)
-        C = part.mT @ part if low is None else low_product(part.mT, part)
+        C = mm(part.mT, part) if low is None else low_product(part.mT, part)
 
     R = _small_factor(C, reducer, m, n, left, centered, eps, alpha, method, steps, damping, scale, rows, x.dtype)
     if left:

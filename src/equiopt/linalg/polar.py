@@ -136,7 +136,7 @@ def polar(
         x = x.reshape(-1, *x.shape[-2:])
         for a, b, c in coeffs:
             # x <- a x + (b G + c G^2) x with G = x x^T, as two fused multiply-adds
-            g = x @ x.mT
+            g = torch.bmm(x, x.mT)
             x = torch.baddbmm(x, torch.baddbmm(g, g, g, beta=b, alpha=c), x, beta=a)
         x = x.reshape(*lead, *x.shape[-2:])
     return (x.mT if tall else x).to(out_dtype)

@@ -50,9 +50,18 @@ MOMENTUM_KEYS = ("momentum_buffer",)
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+#: AdamW parameters of at most this many entries share one flat part whatever their
+#: shapes (norm weights, biases); larger ones are stacked by shape.
+FLAT_MAX = 2**16
+
+
 class Part:
-    """Parameters of one group with equal stored shape, layout, dtype and device, and their
-    state as stacks (:attr:`stacks`); ``state[p][key]`` is ``stacks[key][k]`` for member ``k``."""
+    """Parameters of one group on one device in one dtype, and their state as stacks
+    (:attr:`stacks`): ``state[p][key]`` is member ``k``'s view of ``stacks[key]``.
+
+    Members of a matrix rule (and large AdamW parameters) share their stored shape and
+    layout, and a stack is ``(B, *shape)``; ``flat`` AdamW parts hold small parameters of
+    any shapes end to end in ``(sum of sizes,)`` stacks."""
 
     def __init__(
         self,
@@ -61,11 +70,13 @@ class Part:
         layout: Layout,
         state: dict,
         state_dtype: torch.dtype,
+        flat: bool = False,
     ):
         self.group = group
         self.params: list[torch.Tensor] = [group["params"][j] for j in members]
         self.names: list[str] = [group["names"][j] for j in members]
         self.layout = layout
+        self.flat = flat
         first = self.params[0]
         self.shape = tuple(first.shape)
         self.dtype, self.device, self.state_dtype = first.dtype, first.device, state_dtype
@@ -76,42 +87,61 @@ class Part:
         for size in self.work_shape[:-2]:
             self.per_member *= size
         self.factor = 1.0 if self.adamw else shape_factor(group, *self.work_shape[-2:])
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        self._sizes = torch.tensor(self.sizes, device=self.device) if flat else None
         keys = ADAMW_KEYS if self.adamw else MOMENTUM_KEYS
-        count = len(self.params)
         self.stacks: dict[str, torch.Tensor] = {}
+        self.views: dict[str, list[torch.Tensor]] = {}
         for key in keys:
-            self.stacks[key] = self._stack(state, key, (count, *self.shape), state_dtype)
-        self.stacks["nonfinite"] = self._stack(state, "nonfinite", (count,), torch.float32)
-        if self.adamw:
-            self.stacks["step"] = self._stack(state, "step", (count,), torch.float32)
-        # hand out the views: state[p][key] is stacks[key][k]
-        self.views: dict[str, list[torch.Tensor]] = {key: list(t.unbind(0)) for key, t in self.stacks.items()}
+            self.stacks[key] = self._stack(state, key, state_dtype)
+            self.views[key] = self.members_of(self.stacks[key])
+        counters = ("nonfinite", "step") if self.adamw else ("nonfinite",)
+        for key in counters:
+            self.stacks[key] = self._stack(state, key, torch.float32, scalar=True)
+            self.views[key] = list(self.stacks[key].unbind(0))
+        # hand out the views: state[p][key] is member k's view of stacks[key]
         for k, p in enumerate(self.params):
             entry = state[p]
             for key, views in self.views.items():
                 entry[key] = views[k]
         self._zeros: torch.Tensor | None = None
         self._masks: dict[tuple[bool, ...], torch.Tensor] = {}
-        self.scratch: torch.Tensor | None = None  # (B, *shape): the gradients in, see :class:`Buckets`
+        self.scratch: torch.Tensor | None = None  # the gradients in, see :class:`Buckets`
         self._scratch_members: list[torch.Tensor] = []
 
-    @property
-    def numel(self) -> int:
-        return len(self.params) * self.params[0].numel()
+    def members_of(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's view of a stack ``t`` (made once per stack; a step uses them as they are)."""
+        if not self.flat:
+            return list(t.unbind(0))
+        out, at = [], 0
+        for p, n in zip(self.params, self.sizes):
+            out.append(t.narrow(0, at, n).view(p.shape))
+            at += n
+        return out
 
     def use_scratch(self, flat: torch.Tensor) -> None:
         """Take the gradients in through ``flat`` (a slice of the buckets' shared buffer)."""
-        self.scratch = flat.view(len(self.params), *self.shape)
-        self._scratch_members = list(self.scratch.unbind(0))
+        self.scratch = flat if self.flat else flat.view(len(self.params), *self.shape)
+        self._scratch_members = self.members_of(self.scratch)
 
-    def _stack(self, state: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def _stack(self, state: dict, key: str, dtype: torch.dtype, scalar: bool = False) -> torch.Tensor:
         """The stack of ``key``: the members' existing entries (kept at their dtype), else zeros."""
         found = [state[p].get(key) if p in state else None for p in self.params]
+        count = len(self.params)
         if all(t is None for t in found):
+            shape = (count,) if scalar else (self.numel,) if self.flat else (count, *self.shape)
             return torch.zeros(shape, dtype=dtype, device=self.device)
         have = next(t for t in found if t is not None)
-        filled = [t if t is not None else torch.zeros_like(have) for t in found]
-        return torch.stack([t.to(self.device) for t in filled])
+        filled = [
+            t.to(self.device)
+            if t is not None
+            else torch.zeros(() if scalar else p.shape, dtype=have.dtype, device=self.device)
+            for p, t in zip(self.params, found)
+        ]
+        if self.flat and not scalar:
+            return torch.cat([t.reshape(-1) for t in filled])
+        return torch.stack(filled)
 
     def intact(self, state: dict) -> bool:
         """Whether every member's state entries still are the views this part handed out."""
@@ -144,12 +174,18 @@ class Part:
             grads.append(g)
         stacked = self.scratch
         assert stacked is not None
-        if self.dtype == self.state_dtype:
+        if self.dtype == self.state_dtype and not self.flat:
             torch.stack(grads, out=stacked)
         else:
             torch._foreach_copy_(self._scratch_members, grads)
-        lo, hi = torch.aminmax(stacked.view(len(grads), -1), dim=1)
-        finite = (lo >= -GRAD_LIMIT) & (hi <= GRAD_LIMIT)  # NaN fails both comparisons
+        if self.flat:
+            # a sum carries any NaN or Inf; the largest magnitude gives the bound
+            sums = torch.stack(torch._foreach_norm(self._scratch_members, 1))
+            largest = torch.stack(torch._foreach_norm(self._scratch_members, float("inf")))
+            finite = sums.isfinite() & (largest <= GRAD_LIMIT)
+        else:
+            lo, hi = torch.aminmax(stacked.view(len(grads), -1), dim=1)
+            finite = (lo >= -GRAD_LIMIT) & (hi <= GRAD_LIMIT)  # NaN fails both comparisons
         if missing:
             present = self._mask(tuple(p.grad is not None for p in self.params))
             ok, bad = finite & present, present & ~finite
@@ -166,7 +202,10 @@ class Part:
         return found
 
     def _lead(self, t: torch.Tensor, ndim: int) -> torch.Tensor:
-        """``(B,)`` ``t`` shaped to broadcast over tensors of ``ndim`` dimensions."""
+        """``(B,)`` ``t`` (one value per member) spread over a stack of ``ndim`` dimensions:
+        a broadcasting view, or for a flat part each value repeated over its member's entries."""
+        if self.flat:
+            return torch.repeat_interleave(t, self._sizes, output_size=self.numel)  # type: ignore[arg-type]
         return t.view(-1, *([1] * (ndim - 1)))
 
     def decay(self, lr: torch.Tensor, okl: torch.Tensor) -> None:
@@ -237,9 +276,9 @@ class Part:
         denom.div_(self._lead(size.to(denom.dtype), denom.ndim))
         self.decay(lr, okl)
         if self.dtype == m.dtype:
-            torch._foreach_addcdiv_(self.params, list(m.unbind(0)), list(denom.unbind(0)))
+            torch._foreach_addcdiv_(self.params, self.views["exp_avg"], self._scratch_members)
         else:
-            torch._foreach_add_(self.params, list(torch.div(m, denom).to(self.dtype).unbind(0)))
+            torch._foreach_add_(self.params, self.members_of(torch.div(m, denom).to(self.dtype)))
 
 
 def _scaled(f: maps.Factored, c: torch.Tensor) -> maps.Factored:
@@ -308,14 +347,16 @@ def make_buckets(
         for j in members:
             p = group["params"][j]
             layout = group["layouts"][j]
-            key = (id(group), tuple(p.shape), layout, p.dtype, p.device, state_dtype(p))
+            flat = group["rule"] == "adamw" and p.numel() <= FLAT_MAX
+            shape = None if flat else tuple(p.shape)
+            key = (id(group), shape, layout if not flat else None, p.dtype, p.device, state_dtype(p), flat)
             by_part[key].append(j)
             owners[key] = group
     matrix: dict[tuple, list[Part]] = defaultdict(list)
     adamw: list[Part] = []
     for key, members in by_part.items():
-        group, layout, sdtype = owners[key], key[2], key[5]
-        part = Part(group, members, layout, state, sdtype)
+        group, sdtype, flat = owners[key], key[5], key[6]
+        part = Part(group, members, group["layouts"][members[0]], state, sdtype, flat)
         if part.adamw:
             adamw.append(part)
             continue
