@@ -117,6 +117,8 @@ def _check_gram_division(world):
     nothing else, where it is plentiful each replica maps its rows into its weights and
     broadcasts them: one broadcast per rank, every weight once (in place, or through a
     buffer for a transposed work view), waited or overlapped."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
 
@@ -145,24 +147,19 @@ def _check_gram_division(world):
         w.grad = (grad.T.contiguous() if kw.get("layout") == "col" else grad).to(dtype)
         opt = EquivariantOptimizer([w], lr=0.1, method="exact", divide_work=True, cost_model=costs, **kw)
         products = []
-        original, accumulate = torch.Tensor.__matmul__, torch.Tensor.addmm_
+        first = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1, "addmm_": 1, "baddbmm_": 1}  # the left operand's position
 
-        def counting(a, b):
-            if a.shape[-2] == d and a.shape[-1] > d:  # x^T x: a Gram over some rows
-                products.append(a.shape[-1])
-            return original(a, b)
+        class Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                at = first.get(func.overloadpacket.__name__)
+                if at is not None:
+                    a = args[at]
+                    if a.shape[-2] == d and a.shape[-1] > d:  # x^T x: a Gram over some rows (or a block of them)
+                        products.append(a.shape[-1])
+                return func(*args, **(kwargs or {}))
 
-        def counting_addmm(c, a, b, **kw):  # a block of rows added to a Gram
-            if a.shape[-2] == d and a.shape[-1] > d:
-                products.append(a.shape[-1])
-            return accumulate(c, a, b, **kw)
-
-        torch.Tensor.__matmul__, torch.Tensor.addmm_ = counting, counting_addmm
-        try:
-            with record_collectives() as log:
-                opt.step()
-        finally:
-            torch.Tensor.__matmul__, torch.Tensor.addmm_ = original, accumulate
+        with record_collectives() as log, Counting():
+            opt.step()
         assert products and sum(products) <= -(-m // world), (kw, products)  # this rank's rows only
         assert any(r.op == "all_reduce" and r.shape[-2:] == (d, d) for r in log), (kw, log.summary())
         if costs is slow:  # only the sums cross ranks: every replica finishes on all rows
