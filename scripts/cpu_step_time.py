@@ -2,7 +2,7 @@
 alternating runs of two versions of the code; the ratios against AdamW are
 ``python -m equiopt.bench --stack``'s).
 
-    python scripts/cpu_step_time.py paper:qwen3:b-ii [--threads 2] [--repeats 9]
+    python scripts/cpu_step_time.py paper:qwen3:b-ii [--threads 2] [--repeats 9] [--structure 128]
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ def main() -> None:
     ap.add_argument("recipe")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--structure", type=int, default=None, help="Qwen3-0.6B's structure at this width")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    model = _stack_model(cpu)
+    model = _stack_model(cpu, structure=args.structure) if args.structure else _stack_model(cpu)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(1)
     grads = [1e-3 * torch.randn(p.shape, generator=gen) for p in params]

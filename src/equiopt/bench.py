@@ -156,10 +156,16 @@ STACK_RECIPES = [
 ]
 
 
-def _stack_model(device: torch.device, shape: str | None = None):
-    """The ``--stack`` model, or with ``shape`` ("VOCABxHIDDEN") a 4-layer Qwen3-style one of that size."""
+def _stack_model(device: torch.device, shape: str | None = None, structure: int | None = None):
+    """The ``--stack`` model, or with ``shape`` ("VOCABxHIDDEN") a 4-layer Qwen3-style one of that
+    size, or with ``structure`` (a width) Qwen3-0.6B's structure at that width (28 layers, 310
+    parameters: deep and narrow, where per-parameter costs dominate)."""
     from . import models
 
+    if structure:
+        from .opcount import qwen3_structure
+
+        return qwen3_structure(28, structure).to(device)
     if shape:
         vocab, hidden = (int(v) for v in shape.lower().split("x"))
         return models.build(
@@ -219,10 +225,11 @@ def stack(
     seq: int,
     compile_step: bool | None,
     gram_dtypes=("float32",),
+    structure: int | None = None,
 ) -> None:
     from .roles import build_optimizer
 
-    model = _stack_model(device)
+    model = _stack_model(device, structure=structure)
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -242,7 +249,8 @@ def stack(
     base_state = _state_mib(adamw)
     del adamw
     print(
-        f"(c) whole optimizer stack, Qwen3-style model, {n / 1e6:.1f} M parameters, device {device}, "
+        f"(c) whole optimizer stack, Qwen3-style model{' (Qwen3-0.6B structure, width ' + str(structure) + ')' if structure else ''}, "
+        f"{n / 1e6:.1f} M parameters, device {device}, "
         f"torch {torch.__version__}; forward+backward B={batch} T={seq}{' (bf16 autocast)' if device.type == 'cuda' else ''}: {1e3 * fb:.1f} ms; "
         f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB"
     )
@@ -532,6 +540,12 @@ def main(argv=None) -> None:
         default="float32",
         help="--stack: comma-separated gram_dtype values (float32, bfloat16) each recipe with Gram maps is timed at",
     )
+    parser.add_argument(
+        "--structure",
+        type=int,
+        default=None,
+        help="--stack on Qwen3-0.6B's structure (28 layers, 310 parameters) at this width instead",
+    )
     parser.add_argument("--divided", action="store_true", help="only the per-rank DDP table (1 vs 2 processes)")
     parser.add_argument("--worlds", default="1,2", help="process counts for --divided")
     parser.add_argument(
@@ -582,6 +596,7 @@ def main(argv=None) -> None:
             seq,
             comp,
             args.gram_dtype.split(","),
+            args.structure,
         )
         return
     both = not (args.speed or args.accuracy)

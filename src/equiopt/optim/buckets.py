@@ -174,25 +174,33 @@ class Part:
             grads.append(g)
         stacked = self.scratch
         assert stacked is not None
-        if self.dtype == self.state_dtype and not self.flat:
-            torch.stack(grads, out=stacked)
+        single = len(grads) == 1 and not self.flat and self.dtype == self.state_dtype
+        if single:
+            # one gradient: flags from it, then copied and sanitised in one pass below
+            seen = grads[0].reshape(1, -1)
+        elif self.dtype == self.state_dtype and not self.flat:
+            seen = torch.stack(grads, out=stacked).view(len(grads), -1)
         else:
             torch._foreach_copy_(self._scratch_members, grads)
+            seen = stacked if self.flat else stacked.view(len(grads), -1)
         if self.flat:
             # a sum carries any NaN or Inf; the largest magnitude gives the bound
             sums = torch.stack(torch._foreach_norm(self._scratch_members, 1))
             largest = torch.stack(torch._foreach_norm(self._scratch_members, float("inf")))
             finite = sums.isfinite() & (largest <= GRAD_LIMIT)
         else:
-            lo, hi = torch.aminmax(stacked.view(len(grads), -1), dim=1)
-            finite = (lo >= -GRAD_LIMIT) & (hi <= GRAD_LIMIT)  # NaN fails both comparisons
+            # two reductions (aminmax along a dimension is many times slower on a CPU)
+            finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)  # NaN fails both
         if missing:
             present = self._mask(tuple(p.grad is not None for p in self.params))
             ok, bad = finite & present, present & ~finite
         else:
             ok, bad = finite, ~finite
         self.stacks["nonfinite"].add_(bad)
-        torch.nan_to_num_(stacked, nan=0.0, posinf=0.0, neginf=0.0)
+        if single:
+            torch.nan_to_num(grads[0], nan=0.0, posinf=0.0, neginf=0.0, out=self._scratch_members[0])
+        else:
+            torch.nan_to_num_(stacked, nan=0.0, posinf=0.0, neginf=0.0)
         return stacked, ok, ~bad
 
     def _mask(self, pattern: tuple[bool, ...]) -> torch.Tensor:
@@ -376,7 +384,7 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     checked = [getattr(f, k) for k in names] or [f.x]
     ok: Any = None
     for t in checked:
-        flag = torch.isfinite(t).flatten(1).all(1)
+        flag = t.sum(dim=(-2, -1)).isfinite()  # a sum carries any NaN or Inf (one pass)
         ok = flag if ok is None else ok & flag
     if names:
         if f.low is not None:
