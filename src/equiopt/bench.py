@@ -226,7 +226,9 @@ def stack(
     compile_step: bool | None,
     gram_dtypes=("float32",),
     structure: int | None = None,
+    graphed: bool = False,
 ) -> None:
+    from .optim import GraphedStep
     from .roles import build_optimizer
 
     model = _stack_model(device, structure=structure)
@@ -269,6 +271,41 @@ def stack(
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         print(f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
         del opt
+        if graphed:
+            opt, _ = build_optimizer(model, recipe, eager_state=True, compile=False)
+            for p, g in zip(params, grads):
+                p.grad = g
+            t = _median_time(GraphedStep(opt), repeats, device)
+            rel = graphed_vs_eager(model, params, grads, recipe)
+            print(f"{label + ' (CUDA graph)':32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f}   graphed vs eager {rel:.1e}")
+            del opt
+
+
+def graphed_vs_eager(model, params, grads, recipe, steps: int = 6) -> float:
+    """Largest relative difference, over parameters, between ``steps`` eager steps and the
+    same steps through :class:`~equiopt.optim.GraphedStep` (3 eager, the capture, replays),
+    from the same weights: ``||W_graphed - W_eager|| / ||W_eager - W_0||``."""
+    from .optim import GraphedStep
+    from .roles import build_optimizer
+
+    start = [p.detach().clone() for p in params]
+
+    def run(graph: bool) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for p, w in zip(params, start):
+                p.copy_(w)
+        opt, _ = build_optimizer(model, recipe, eager_state=True, compile=False)
+        step = GraphedStep(opt) if graph else opt.step
+        for p, g in zip(params, grads):
+            p.grad = g
+        for _ in range(steps):
+            step()
+        return [p.detach().clone() for p in params]
+
+    eager, graph = run(False), run(True)
+    return max(
+        float((b - a).norm() / (a - w).norm().clamp_min(1e-30)) for a, b, w in zip(eager, graph, start)
+    )
 
 
 def ops(recipes) -> None:
@@ -541,6 +578,9 @@ def main(argv=None) -> None:
         help="--stack: comma-separated gram_dtype values (float32, bfloat16) each recipe with Gram maps is timed at",
     )
     parser.add_argument(
+        "--graphed", action="store_true", help="--stack: each recipe also through a CUDA graph (GraphedStep)"
+    )
+    parser.add_argument(
         "--structure",
         type=int,
         default=None,
@@ -597,6 +637,7 @@ def main(argv=None) -> None:
             comp,
             args.gram_dtype.split(","),
             args.structure,
+            args.graphed,
         )
         return
     both = not (args.speed or args.accuracy)

@@ -1,12 +1,14 @@
 """The optimizer engine and the paper's presets."""
 
 from .engine import EquivariantOptimizer, NonFiniteGradientError
+from .graphed import GraphedStep
 from .fields import FIELDS, LR_SCALES, MATRIX_RULES, RULE_DEFAULTS, RULE_FIELDS, RULES
 from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
 
 __all__ = [
     "EquivariantOptimizer",
     "NonFiniteGradientError",
+    "GraphedStep",
     "Muon",
     "RightPolarGradM",
     "LeftPolarGradM",

@@ -105,7 +105,7 @@ class Part:
             entry = state[p]
             for key, views in self.views.items():
                 entry[key] = views[k]
-        self._zeros: torch.Tensor | None = None
+        self._zeros: dict[torch.Size, torch.Tensor] = {}  # the gradient of a member that has none
         self._masks: dict[tuple[bool, ...], torch.Tensor] = {}
         self.scratch: torch.Tensor | None = None  # the gradients in, see :class:`Buckets`
         self._scratch_members: list[torch.Tensor] = []
@@ -166,9 +166,9 @@ class Part:
             g = p.grad
             if g is None:
                 missing = True
-                if self._zeros is None:
-                    self._zeros = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-                g = self._zeros
+                g = self._zeros.get(p.shape)
+                if g is None:
+                    g = self._zeros[p.shape] = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
             elif g.is_sparse:
                 raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
             grads.append(g)

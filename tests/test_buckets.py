@@ -1,0 +1,164 @@
+"""Buckets (equiopt.optim.buckets): stacked state, a step in a bounded number of operators,
+the same updates as the per-parameter path, buffers made once."""
+
+import copy
+
+import pytest
+import torch
+
+from equiopt.optim import EquivariantOptimizer, GraphedStep
+
+# rules and layouts whose parameters are stacked; each case: group settings, parameter shapes
+CASES = [
+    ({"rule": "spectral", "layout": "heads:4"}, [(16, 8), (16, 8), (16, 8)]),
+    ({"rule": "spectral", "layout": "heads_cols:4", "weight_decay": 0.1}, [(8, 16), (8, 16)]),
+    ({"rule": "spectral", "layout": "col", "nesterov": False}, [(8, 24), (8, 24)]),
+    ({"rule": "row", "center": True}, [(40, 8), (40, 8), (40, 8)]),
+    ({"rule": "right", "center": True, "alpha": 0.5}, [(40, 8), (40, 8)]),
+    ({"rule": "left", "center": True}, [(6, 32), (6, 32)]),
+    ({"rule": "hybrid", "order": "row_then_right", "weight_decay": 0.05}, [(48, 8), (48, 8)]),
+    ({"rule": "hybrid", "order": "right_then_row"}, [(48, 8)]),
+    ({"rule": "hybrid", "order": "left_then_row", "center": True}, [(6, 32), (6, 32)]),
+    ({"rule": "hybrid", "gram_dtype": "bfloat16"}, [(48, 8), (48, 8)]),
+    ({"rule": "adamw", "weight_decay": 0.1}, [(8,), (3, 5), (8,), (2,)]),
+    ({"rule": "adamw"}, [(300, 260), (300, 260)]),  # large: stacked by shape
+]
+
+
+def _params(shapes, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _run(settings, shapes, nonfinite, steps=4, dtype=torch.float32, drop=None):
+    """Weights and state after ``steps`` steps; ``nonfinite="raise"`` takes the per-parameter path."""
+    params = _params(shapes, dtype)
+    opt = EquivariantOptimizer(
+        [{"params": params, **settings, "nonfinite": nonfinite}], lr=0.02, beta=0.9, method="exact"
+    )
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for k, p in enumerate(params):
+            grad = torch.randn(p.shape, generator=g).to(dtype)
+            p.grad = None if (drop is not None and step == steps - 1 and k == drop) else grad
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("settings,shapes", CASES, ids=[str(c[0]) for c in CASES])
+def test_buckets_step_as_the_per_parameter_path(settings, shapes):
+    bucketed, opt = _run(settings, shapes, "skip")
+    assert opt._buckets is not None and opt._buckets.covered == {id(p) for p in bucketed}
+    single, ref = _run(settings, shapes, "raise")
+    assert ref._buckets is None or not ref._buckets.covered
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+    for a, b in zip(bucketed, single):
+        for key, value in ref.state[b].items():
+            torch.testing.assert_close(opt.state[a][key], value, rtol=2e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("settings,shapes", CASES[:1] + CASES[3:4] + CASES[10:11], ids=["spectral", "row", "adamw"])
+def test_a_member_without_a_gradient_stays_put_while_the_others_step(settings, shapes):
+    bucketed, opt = _run(settings, shapes, "skip", steps=3)
+    before = [p.detach().clone() for p in bucketed]
+    state = {k: v.clone() for k, v in opt.state[bucketed[1]].items()}
+    g = torch.Generator().manual_seed(5)
+    for p in bucketed:
+        p.grad = torch.randn(p.shape, generator=g)
+    bucketed[1].grad = None
+    opt.step()
+    assert torch.equal(bucketed[1].detach(), before[1])
+    for key, value in state.items():
+        assert torch.equal(opt.state[bucketed[1]][key], value), key
+    assert not torch.equal(bucketed[0].detach(), before[0])
+    assert opt.nonfinite_steps == 0 and opt.last_nonfinite == []
+
+
+def test_bfloat16_parameters_step_as_the_per_parameter_path():
+    settings, shapes = {"rule": "spectral", "layout": "heads:4"}, [(16, 8), (16, 8)]
+    a, _ = _run(settings, shapes, "skip", dtype=torch.bfloat16)
+    b, _ = _run(settings, shapes, "raise", dtype=torch.bfloat16)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.float(), y.float(), rtol=1e-2, atol=1e-2)
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_state_entries_are_views_of_stacks_made_once():
+    params = _params([(16, 8)] * 3 + [(8,)] * 2)
+    opt = EquivariantOptimizer(
+        [{"params": params[:3], "rule": "spectral", "layout": "heads:4"}, {"params": params[3:], "rule": "adamw"}]
+    )
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    ptrs = {(id(p), k): v.data_ptr() for p in params for k, v in opt.state[p].items()}
+    stores = {_storage(opt.state[p]["momentum_buffer"]) for p in params[:3]}
+    assert len(stores) == 1  # one stacked tensor holds the three momenta
+    scratch = [t.data_ptr() for t in opt._buckets.scratch.values()]
+    for _ in range(3):
+        opt.step()
+    assert {(id(p), k): v.data_ptr() for p in params for k, v in opt.state[p].items()} == ptrs
+    assert [t.data_ptr() for t in opt._buckets.scratch.values()] == scratch
+
+
+def test_a_replaced_state_entry_or_a_loaded_state_dict_is_stacked_again():
+    params = _params([(16, 8)] * 2)
+    opt = EquivariantOptimizer([{"params": params, "rule": "spectral", "layout": "heads:4"}], lr=0.01)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    opt.state[params[0]]["momentum_buffer"] = torch.full((16, 8), 0.5)  # by hand
+    opt.step()
+    stores = {_storage(opt.state[p]["momentum_buffer"]) for p in params}
+    assert len(stores) == 1
+    saved = copy.deepcopy(opt.state_dict())
+    twin = EquivariantOptimizer([{"params": [copy.deepcopy(p) for p in params], "rule": "spectral"}])
+    twin_params = twin.param_groups[0]["params"]
+    twin.load_state_dict(saved)
+    for p, q in zip(params, twin_params):
+        q.grad = p.grad.clone()
+    opt.step()
+    twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+
+
+def test_the_step_never_writes_a_gradient():
+    params = _params([(16, 8)] * 2 + [(8,)])
+    opt = EquivariantOptimizer(
+        [{"params": params[:2], "rule": "hybrid"}, {"params": params[2:], "rule": "adamw"}], lr=0.01
+    )
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    params[0].grad[1, 1] = float("nan")
+    versions = [p.grad._version for p in params]
+    kept = [p.grad.clone() for p in params]
+    opt.step()
+    assert [p.grad._version for p in params] == versions
+    for p, g in zip(params, kept):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+    assert opt.last_nonfinite == ["param_groups[0].params[0]"]
+
+
+def test_graphed_step_needs_cuda_parameters():
+    params = _params([(16, 8)])
+    opt = EquivariantOptimizer(params)
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphedStep(opt)
+
+
+@pytest.mark.parametrize("recipe", ["paper:qwen3:a-i", "paper:qwen3:b-ii", "equiopt:default"])
+def test_operators_per_step_stay_few_and_flat_in_depth(recipe):
+    """The eager step on Qwen3-0.6B's structure (310 parameters) dispatches at most 600
+    operators, and 56 layers need less than 10 % more than 28 (`python -m equiopt.bench --ops`)."""
+    pytest.importorskip("transformers")
+    from equiopt.opcount import ops_per_step
+    from equiopt.roles import build_optimizer
+
+    counts = {n: ops_per_step(lambda m: build_optimizer(m, recipe, compile=False)[0], n).total for n in (28, 56)}
+    assert counts[28] <= 600, counts
+    assert counts[56] < 1.1 * counts[28], counts
