@@ -71,8 +71,10 @@ class Part:
         state: dict,
         state_dtype: torch.dtype,
         flat: bool = False,
+        index: int = 0,
     ):
         self.group = group
+        self.index = index  # the group's position in param_groups (its learning rate's)
         self.params: list[torch.Tensor] = [group["params"][j] for j in members]
         self.names: list[str] = [group["names"][j] for j in members]
         self.layout = layout
@@ -347,11 +349,11 @@ class Buckets:
 def make_buckets(
     groups: Iterable[tuple[dict, list[int]]], state: dict, state_dtype: Callable[[torch.Tensor], torch.dtype]
 ) -> Buckets:
-    """Parts and buckets of ``(group, members)`` pairs (members: positions of the group's
+    """Parts and buckets of ``(group, members)`` pairs, one per param group in order (members: positions of the group's
     parameters that a part may stack), adopting any state the members already have."""
     by_part: dict[tuple, list[int]] = defaultdict(list)
-    owners: dict[tuple, dict] = {}
-    for group, members in groups:
+    owners: dict[tuple, tuple[int, dict]] = {}
+    for index, (group, members) in enumerate(groups):
         for j in members:
             p = group["params"][j]
             layout = group["layouts"][j]
@@ -359,12 +361,12 @@ def make_buckets(
             shape = None if flat else tuple(p.shape)
             key = (id(group), shape, layout if not flat else None, p.dtype, p.device, state_dtype(p), flat)
             by_part[key].append(j)
-            owners[key] = group
+            owners[key] = (index, group)
     matrix: dict[tuple, list[Part]] = defaultdict(list)
     adamw: list[Part] = []
     for key, members in by_part.items():
-        group, sdtype, flat = owners[key], key[5], key[6]
-        part = Part(group, members, group["layouts"][members[0]], state, sdtype, flat)
+        (index, group), sdtype, flat = owners[key], key[5], key[6]
+        part = Part(group, members, group["layouts"][members[0]], state, sdtype, flat, index)
         if part.adamw:
             adamw.append(part)
             continue
@@ -396,7 +398,7 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
 
 def run_bucket(
     bucket: Bucket,
-    lrs: dict[int, torch.Tensor],
+    lrs: list[torch.Tensor],
     flags: list,
     skips: torch.Tensor,
     map_fn: Callable[..., maps.Factored] = factored_map,
@@ -407,7 +409,7 @@ def run_bucket(
     flags, ``skips`` counts the updates the guard refused."""
     works, coefs = [], []
     for part in bucket.parts:
-        lr = lrs[id(part.group)]
+        lr = lrs[part.index]
         grads, ok, reported = part.gradients()
         flags.append((part.names, reported))
         okf = ok.to(part.state_dtype)

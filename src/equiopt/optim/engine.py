@@ -622,11 +622,10 @@ class EquivariantOptimizer(Optimizer):
         covered: set[int] = set()
         if stacked is not None:
             covered = stacked.covered
-            by_group = {id(g): lr for g, lr in zip(self.param_groups, lrs)}
             for bucket in stacked.matrix:
-                run_bucket(bucket, by_group, last_flags, self._skip_counter(), distribute.factored_map)
+                run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map)
             for part in stacked.adamw:
-                run_adamw(part, by_group[id(part.group)], last_flags)
+                run_adamw(part, lrs[part.index], last_flags)
         for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None and id(p) not in covered]
             if not live or group["rule"] in PEER_RULES:
