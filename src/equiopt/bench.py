@@ -123,9 +123,13 @@ def _shrunk(shape, shrink: int):
     return (*lead, max(8, m // shrink), max(8, n // shrink))
 
 
-def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype, compile_step: bool = False) -> None:
+def speed(
+    device: torch.device, shrink: int, repeats: int, dtype: torch.dtype, compile_step: bool = False, cases=None
+) -> dict[tuple[str, str], float]:
     """Table (a); eager steps unless ``compile_step`` (each optimizer compiles its own step,
-    and a process reaches Dynamo's recompilation limit after a few of them)."""
+    and a process reaches Dynamo's recompilation limit after a few of them). Returns each
+    ``(parameter, rule)``'s ratio to AdamW; ``cases``: only these parameters' names."""
+    ratios: dict[tuple[str, str], float] = {}
     fused = device.type == "cuda"
     print(
         f"(a) optimizer step time / torch AdamW ({'fused' if fused else 'foreach'}), device {device}, dtype {dtype}, shapes / {shrink}"
@@ -133,6 +137,8 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype, c
     print(f"{'parameter':36s} {'rule':30s} {'ms':>9s} {'AdamW ms':>9s} {'ratio':>7s}")
     settings = dict(RULES)
     for name, shape, layout, rules in CASES:
+        if cases is not None and name not in cases:
+            continue
         shape = _shrunk(shape, shrink)
         g = torch.Generator(device=device).manual_seed(0)
         params = [torch.nn.Parameter(0.02 * torch.randn(shape, generator=g, device=device, dtype=dtype))]
@@ -144,6 +150,8 @@ def speed(device: torch.device, shrink: int, repeats: int, dtype: torch.dtype, c
             t = _time_steps(opt, params, grads, device, repeats)
             label = f"{name} {tuple(shape)}" if shrink > 1 else name
             print(f"{label:36s} {rule:30s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
+            ratios[(name, rule)] = t / base
+    return ratios
 
 
 STACK_RECIPES = [
@@ -227,7 +235,10 @@ def stack(
     gram_dtypes=("float32",),
     structure: int | None = None,
     graphed: bool = False,
-) -> None:
+) -> dict:
+    """Table (c); returns ``{"fwd_bwd_ms", "adamw_ms", "adamw_state_mib", "rows": [...]}``, a row
+    per recipe (and Gram precision) with ``ms``, ``state_mib``, ``peak_extra_mib`` and, with
+    ``graphed``, ``graphed_ms`` and ``graphed_vs_eager``."""
     from .optim import GraphedStep
     from .roles import build_optimizer
 
@@ -257,6 +268,7 @@ def stack(
         f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB"
     )
     print(f"{'recipe':32s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}")
+    out: dict = {"fwd_bwd_ms": 1e3 * fb, "adamw_ms": 1e3 * base, "adamw_state_mib": base_state, "rows": []}
     for label, recipe in (v for name in recipes for v in _gram_variants(name, gram_dtypes)):
         opt, _ = build_optimizer(model, recipe, eager_state=True)
         if compile_step is not None:
@@ -270,6 +282,8 @@ def stack(
         if device.type == "cuda":
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         print(f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
+        row = {"recipe": label, "ms": 1e3 * t, "state_mib": _state_mib(opt), "peak_extra_mib": peak}
+        out["rows"].append(row)
         del opt
         if graphed:
             opt, _ = build_optimizer(model, recipe, eager_state=True, compile=False)
@@ -278,7 +292,9 @@ def stack(
             t = _median_time(GraphedStep(opt), repeats, device)
             rel = graphed_vs_eager(model, params, grads, recipe)
             print(f"{label + ' (CUDA graph)':32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f}   graphed vs eager {rel:.1e}")
+            row.update(graphed_ms=1e3 * t, graphed_vs_eager=rel)
             del opt
+    return out
 
 
 def graphed_vs_eager(model, params, grads, recipe, steps: int = 6) -> float:

@@ -1,0 +1,140 @@
+"""The GPU figures in one JSON file: ``python scripts/gpu_figures.py [--out results/gpu/figures.json]``.
+
+On one CUDA device, in this order (each against a baseline run in the same process):
+
+- ``*_over_fused_adamw``: one 151936 x 1024 float32 embedding, each rule's eager step over
+  ``torch.optim.AdamW(fused=True)`` on the same parameter (``bench --speed``);
+- ``stack_*_over_fwd_bwd``: Qwen3-0.6B (625.8 M parameters), each recipe's step over one
+  forward+backward of 8 x 1024 tokens under bf16 autocast, the best of eager, CUDA graph
+  (:class:`equiopt.optim.GraphedStep`) and compiled, ``stack_mode`` naming which
+  (``bench --stack --graphed``); ``peak_extra_over_state`` and ``graphed_vs_eager_rel`` from
+  the same runs;
+- ``compile_s``: the first compiled step of ``paper:qwen3:a-i`` on Qwen3-0.6B (cold cache,
+  in a child process with a time limit; ``null`` if it did not finish);
+- ``cuda_tests``: ``{passed, failed}`` of ``tests/test_cuda.py`` and ``tests/test_buckets.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+RECIPES = ("paper:qwen3:a-i", "paper:qwen3:b-ii", "equiopt:default")
+RULES = {
+    "row_norm_over_fused_adamw": "row",
+    "row_norm_centred_over_fused_adamw": "row centred",
+    "right_over_fused_adamw": "right",
+    "hybrid_over_fused_adamw": "hybrid row->right",
+}
+
+
+def _key(recipe: str) -> str:
+    return recipe.split(":")[-1].replace("-", "_")
+
+
+def compiled(recipe: str) -> dict:
+    """The first compiled step (compile time) and the median of later ones, on Qwen3-0.6B."""
+    import torch
+
+    from equiopt.bench import _median_time, _stack_model
+    from equiopt.roles import build_optimizer
+
+    device = torch.device("cuda")
+    model = _stack_model(device)
+    for p in model.parameters():
+        p.grad = 1e-3 * torch.randn_like(p)
+    opt, _ = build_optimizer(model, recipe, eager_state=True, compile=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    return {"compile_s": first, "ms": 1e3 * _median_time(opt.step, 20, device)}
+
+
+def _child(recipe: str, limit: float) -> dict | None:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"))
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--compiled", recipe], capture_output=True, text=True, timeout=limit, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
+def _tests(limit: float) -> dict:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_buckets.py"],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
+        text = done.stdout
+    except subprocess.TimeoutExpired as err:
+        text = str(err.stdout or "")
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error)", text)}
+    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/gpu/figures.json")
+    ap.add_argument("--compiled", default=None, help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--compile-limit", type=float, default=150.0, help="seconds the compiled child may take")
+    args = ap.parse_args()
+    if args.compiled:
+        print(json.dumps(compiled(args.compiled)))
+        return
+
+    import torch
+
+    from equiopt.bench import speed, stack
+
+    device = torch.device("cuda")
+    commit = os.environ.get("EQUIOPT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    fig: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or None}
+    ratios = speed(device, 1, 20, torch.float32, cases=["embedding 151936x1024"])
+    for key, rule in RULES.items():
+        fig[key] = round(ratios[("embedding 151936x1024", rule)], 3)
+    table = stack(device, list(RECIPES), 20, 8, 1024, False, graphed=True)
+    fb = table["fwd_bwd_ms"]
+    fig["fwd_bwd_ms"], fig["fused_adamw_ms"] = round(fb, 2), round(table["adamw_ms"], 3)
+    best_modes = {}
+    for row in table["rows"]:
+        modes = {"eager": row["ms"], "graphed": row["graphed_ms"]}
+        best_modes[row["recipe"]] = modes
+    found = _child("paper:qwen3:a-i", args.compile_limit)
+    fig["compile_s"] = None if found is None else round(found["compile_s"], 1)
+    if found is not None:
+        best_modes["paper:qwen3:a-i"]["compiled"] = found["ms"]
+    for recipe, modes in best_modes.items():
+        mode = min(modes, key=modes.get)
+        fig[f"stack_{_key(recipe)}_over_fwd_bwd"] = round(modes[mode] / fb, 4)
+        fig[f"stack_{_key(recipe)}_mode"] = mode
+        fig[f"stack_{_key(recipe)}_ms"] = {k: round(v, 2) for k, v in modes.items()}
+    fig["stack_mode"] = fig[f"stack_{_key(RECIPES[0])}_mode"]
+    fig["peak_extra_over_state"] = round(max(r["peak_extra_mib"] / r["state_mib"] for r in table["rows"]), 3)
+    fig["graphed_vs_eager_rel"] = max(r["graphed_vs_eager"] for r in table["rows"])
+    fig["cuda_tests"] = _tests(150.0)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(fig, f, indent=2)
+    print(json.dumps(fig, indent=2))
+
+
+if __name__ == "__main__":
+    main()
