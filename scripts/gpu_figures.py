@@ -76,7 +76,8 @@ def _child(recipe: str, limit: float) -> dict | None:
 def _tests(limit: float) -> dict:
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_buckets.py"],
+            # (pyproject's addopts already give -q; a second -q drops the summary line read below)
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_buckets.py"],
             capture_output=True,
             text=True,
             timeout=limit,

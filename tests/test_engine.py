@@ -314,3 +314,11 @@ def test_centred_maps_keep_the_momentum_in_the_quotient_and_copy_nothing_full_si
     assert stored.mean(dim=-2).abs().max() < 1e-6
     full = m * n * 4
     assert _largest_allocation(opt.step) < full // 4
+
+
+def test_fullgraph_compile_of_the_step_says_what_to_use_instead():
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    opt = EquivariantOptimizer([p], lr=0.01)
+    p.grad = torch.randn(16, 8)
+    with pytest.raises(Exception, match=r"compile=True\), capture it with equiopt.optim.GraphedStep"):
+        torch.compile(opt.step, fullgraph=True, backend="eager")()

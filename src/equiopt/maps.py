@@ -296,7 +296,7 @@ def _row_factors(
         norms, n = col_reducer.sum(x.square().sum(dim=-1, keepdim=True)).sqrt(), col_reducer.count
     # A non-finite row norm (an overflowing or non-finite row) makes its scale NaN, not 0,
     # so the update's finite check sees it.
-    s = torch.where(norms.isfinite(), eta_scale(norms, eta, eps, n), norms.new_full((), float("nan")))
+    s = eta_scale(norms, eta, eps, n) + (norms - norms)  # + 0, or NaN where the norm is Inf or NaN
     shift = None
     if centered:
         shift = (

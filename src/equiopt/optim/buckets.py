@@ -189,21 +189,21 @@ class Part:
             # a sum carries any NaN or Inf; the largest magnitude gives the bound
             sums = torch.stack(torch._foreach_norm(self._scratch_members, 1))
             largest = torch.stack(torch._foreach_norm(self._scratch_members, float("inf")))
-            finite = sums.isfinite() & (largest <= GRAD_LIMIT)
+            finite = _finite(sums) & (largest <= GRAD_LIMIT)
         else:
             # two reductions (aminmax along a dimension is many times slower on a CPU)
             finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)  # NaN fails both
         if missing:
             present = self._mask(tuple(p.grad is not None for p in self.params))
-            ok, bad = finite & present, present & ~finite
+            ok, bad, reported = finite & present, present & ~finite, ~(present & ~finite)
         else:
-            ok, bad = finite, ~finite
+            ok, bad, reported = finite, ~finite, finite
         self.stacks["nonfinite"].add_(bad)
         if single:
             torch.nan_to_num(grads[0], nan=0.0, posinf=0.0, neginf=0.0, out=self._scratch_members[0])
         else:
             torch.nan_to_num_(stacked, nan=0.0, posinf=0.0, neginf=0.0)
-        return stacked, ok, ~bad
+        return stacked, ok, reported
 
     def _mask(self, pattern: tuple[bool, ...]) -> torch.Tensor:
         found = self._masks.get(pattern)
@@ -377,6 +377,11 @@ def make_buckets(
     return Buckets([Bucket(k[0], parts) for k, parts in matrix.items()], adamw)
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``t.isfinite()`` in two operators (``t - t`` is 0 exactly where ``t`` is finite)."""
+    return (t - t) == 0
+
+
 def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     """``f`` (a batch of ``N`` updates) with its non-finite entries zeroed, and each update's
     finite flag (``(N,)`` bool), read from its small factors, or from the update itself when
@@ -386,7 +391,7 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     checked = [getattr(f, k) for k in names] or [f.x]
     ok: Any = None
     for t in checked:
-        flag = t.sum(dim=(-2, -1)).isfinite()  # a sum carries any NaN or Inf (one pass)
+        flag = _finite(t.sum(dim=(-2, -1)))  # a sum carries any NaN or Inf (one pass)
         ok = flag if ok is None else ok & flag
     if names:
         if f.low is not None:
@@ -419,7 +424,7 @@ def run_bucket(
         if bucket.key.center == "precentred":
             part.centre(direction, okf)
         works.append(part.work(direction))
-        coef = okl * (-lr * part.factor)
+        coef = (lr * -part.factor) * okl
         coefs.append(coef.repeat_interleave(part.per_member) if part.per_member > 1 else coef)
     x = works[0] if len(works) == 1 else torch.cat(works)
     f = map_fn(bucket.key, bucket.eta, x)

@@ -60,6 +60,21 @@ def _replica_group(divide_work):
     return dist.group.WORLD if divide_work is True else divide_work
 
 
+_HOST_SIDE = (
+    "EquivariantOptimizer keeps its bookkeeping (buckets, peer optimizers, learning rates) on "
+    "the host: compile its tensor work with EquivariantOptimizer(..., compile=True), capture it "
+    "with equiopt.optim.GraphedStep, or call torch.compile(optimizer.step) without fullgraph=True"
+)
+
+
+def _host_side(fn):
+    """Keep ``fn`` out of any graph, with the reason Dynamo reports under ``fullgraph=True``."""
+    try:
+        return torch._dynamo.disable(fn, reason=_HOST_SIDE)
+    except TypeError:  # torch < 2.7: no reason
+        return torch._dynamo.disable(fn)
+
+
 class NonFiniteGradientError(FloatingPointError, ValueError):
     """Raised for a NaN/Inf gradient when a group's ``nonfinite="raise"``."""
 
@@ -541,7 +556,7 @@ class EquivariantOptimizer(Optimizer):
             out.append(j)
         return out
 
-    @torch._dynamo.disable
+    @_host_side
     def _refresh_buckets(self) -> None:
         """Make the buckets again when a parameter that a bucket could hold has none, or a
         member's state entry is no longer the view its bucket handed out (a loaded state
@@ -559,7 +574,7 @@ class EquivariantOptimizer(Optimizer):
             [(g, self._stackable(g)) for g in self.param_groups], self.state, self._state_dtype
         )
 
-    @torch._dynamo.disable
+    @_host_side
     def _step_peers(self) -> None:
         """Step the groups of the peer rules with torch's own optimizers (eager, see :mod:`.peers`)."""
         for index, group in enumerate(self.param_groups):
@@ -593,7 +608,7 @@ class EquivariantOptimizer(Optimizer):
             p.device.type == "cuda" and self._sharding(p).kind == "local" for p in params
         )
 
-    @torch._dynamo.disable
+    @_host_side
     def _lr_tensors(self) -> list[torch.Tensor]:
         """Each group's learning rate as a 0-d tensor on its parameters' device (float64
         where the device has it, so float64 runs keep their precision)."""
