@@ -104,9 +104,10 @@ def main() -> None:
     from equiopt.bench import speed, stack
 
     device = torch.device("cuda")
-    commit = os.environ.get("EQUIOPT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("EQUIOPT_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     fig: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or None}
     ratios = speed(device, 1, 20, torch.float32, cases=["embedding 151936x1024"])
     for key, rule in RULES.items():

@@ -20,10 +20,7 @@ SHAPES = [[(64, 32)] * 3, [(96, 16)] * 2, [(128, 16)], [(80, 16)] * 2, [(32,), (
 
 def _model(device):
     g = torch.Generator().manual_seed(0)
-    return [
-        [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
-        for shapes in SHAPES
-    ]
+    return [[torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes] for shapes in SHAPES]
 
 
 def _grads(params, step):

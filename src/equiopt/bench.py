@@ -291,7 +291,9 @@ def stack(
                 p.grad = g
             t = _median_time(GraphedStep(opt), repeats, device)
             rel = graphed_vs_eager(model, params, grads, recipe)
-            print(f"{label + ' (CUDA graph)':32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f}   graphed vs eager {rel:.1e}")
+            print(
+                f"{label + ' (CUDA graph)':32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f}   graphed vs eager {rel:.1e}"
+            )
             row.update(graphed_ms=1e3 * t, graphed_vs_eager=rel)
             del opt
     return out
@@ -319,9 +321,7 @@ def graphed_vs_eager(model, params, grads, recipe, steps: int = 6) -> float:
         return [p.detach().clone() for p in params]
 
     eager, graph = run(False), run(True)
-    return max(
-        float((b - a).norm() / (a - w).norm().clamp_min(1e-30)) for a, b, w in zip(eager, graph, start)
-    )
+    return max(float((b - a).norm() / (a - w).norm().clamp_min(1e-30)) for a, b, w in zip(eager, graph, start))
 
 
 def ops(recipes) -> None:

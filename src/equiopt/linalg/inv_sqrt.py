@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 
 from .coefficients import NEWTON_SCHULZ_CUBIC
-from .products import mm
 from .coefficients import schedule as _schedule
+from .products import mm
 
 INV_SQRT_METHODS = ("polar_express", "newton_schulz", "exact")
 

@@ -1,8 +1,8 @@
 """The optimizer engine and the paper's presets."""
 
 from .engine import EquivariantOptimizer, NonFiniteGradientError
-from .graphed import GraphedStep
 from .fields import FIELDS, LR_SCALES, MATRIX_RULES, RULE_DEFAULTS, RULE_FIELDS, RULES
+from .graphed import GraphedStep
 from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
 
 __all__ = [

@@ -254,7 +254,11 @@ class Part:
             # one parameter: the factored update goes straight into its work views
             view = self.layout.to_work_list(self.params[0].detach())[0]
             lead = view.shape[:-2]
-            _add_(view, maps.Factored(*[None if t is None else t.view(*lead, *t.shape[-2:]) for t in f]), c.view(*lead, 1, 1) if lead else c.view(()))
+            _add_(
+                view,
+                _pieces(f, lambda t: t.view(*lead, *t.shape[-2:])),
+                c.view(*lead, 1, 1) if lead else c.view(()),
+            )
             return
         u = maps.materialize(_scaled(f, c))
         if u.dtype != self.dtype:
@@ -289,6 +293,11 @@ class Part:
             torch._foreach_addcdiv_(self.params, self.views["exp_avg"], self._scratch_members)
         else:
             torch._foreach_add_(self.params, self.members_of(torch.div(m, denom).to(self.dtype)))
+
+
+def _pieces(f: maps.Factored, take: Callable[[torch.Tensor], torch.Tensor]) -> maps.Factored:
+    """``f`` with ``take`` applied to each of its tensors (a view of some of its matrices)."""
+    return maps.Factored(take(f.x), *[None if t is None else take(t) for t in f[1:]])
 
 
 def _scaled(f: maps.Factored, c: torch.Tensor) -> maps.Factored:
@@ -435,7 +444,7 @@ def run_bucket(
     at = 0
     for part, w in zip(bucket.parts, works):
         n = w.shape[0]
-        piece = f if len(works) == 1 else maps.Factored(*[None if t is None else t.narrow(0, at, n) for t in f])
+        piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
         part.add(piece, coef.narrow(0, at, n))
         at += n
 

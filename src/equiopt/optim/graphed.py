@@ -78,8 +78,7 @@ class GraphedStep:
         if self.graph is None and self.steps < self.warmup:
             self._eager_on_side_stream()
         elif self.graph is None:
-            self._capture()
-            self.graph.replay()  # type: ignore[union-attr]  # the capture itself ran nothing
+            self._capture().replay()  # the capture itself ran nothing
         else:
             self._check()
             opt._step_peers()
@@ -106,7 +105,7 @@ class GraphedStep:
             opt._last_flags = opt._step_impl(opt._lr_tensors())
         torch.cuda.current_stream().wait_stream(side)
 
-    def _capture(self) -> None:
+    def _capture(self) -> torch.cuda.CUDAGraph:
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         if any(p.grad is None for p in params):
@@ -127,6 +126,7 @@ class GraphedStep:
         with torch.cuda.graph(graph):
             opt._last_flags = opt._step_impl(self._lrs)
         self.graph = graph
+        return graph
 
     def _state_pointers(self) -> list[int]:
         return [t.data_ptr() for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
