@@ -162,3 +162,44 @@ def test_operators_per_step_stay_few_and_flat_in_depth(recipe):
     counts = {n: ops_per_step(lambda m: build_optimizer(m, recipe, compile=False)[0], n).total for n in (28, 56)}
     assert counts[28] <= 600, counts
     assert counts[56] < 1.1 * counts[28], counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["paper:qwen3:a-i", "paper:qwen3:b-ii"])
+def test_compiled_cores_compile_once_per_kind_and_equal_eager(recipe):
+    """``compile=``: one graph per kind of bucket (no graph break: fullgraph), none more over
+    10 steps under a schedule, and the same weights as eager steps (float32 polar)."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from equiopt.opcount import qwen3_structure
+    from equiopt.roles import build_optimizer
+
+    def train(compile_setting):
+        model = qwen3_structure(3, 32)
+        opt, _ = build_optimizer(model, recipe, compile=compile_setting, overrides={"*": {"polar_dtype": "float32"}})
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+        g = torch.Generator().manual_seed(3)
+        graphs = []
+        for _ in range(10):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+            sched.step()
+            graphs.append(counter.frame_count)
+        return list(model.parameters()), opt, graphs
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled, opt, graphs = train(counter)
+    kinds = len(opt._buckets.matrix) + len(opt._buckets.adamw)
+    # the backend may be asked again while Dynamo restarts one trace (a float input made a
+    # tensor); no graph is added after the first step
+    assert counters["stats"]["unique_graphs"] == kinds and not opt._compile_failed
+    assert graphs == [graphs[0]] * 10
+    eager, _, _ = train(False)
+    for a, b in zip(compiled, eager):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-5

@@ -32,18 +32,31 @@ loaded, or a state entry no longer is the view it handed out.
 
 from __future__ import annotations
 
+import types
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT, _add_
-from .rules import MapKey, factored_map, map_key, precentred, shape_factor
+from .rules import PRECENTRED, MapKey, factored_map, map_key, precentred, shape_factor
 
-__all__ = ["Part", "Bucket", "Buckets", "make_buckets"]
+__all__ = [
+    "Part",
+    "Spec",
+    "Bucket",
+    "Buckets",
+    "Cores",
+    "make_buckets",
+    "bucket_core",
+    "adamw_core",
+    "run_bucket",
+    "run_adamw",
+]
 
 #: The state entries a part stacks, per rule kind.
 MOMENTUM_KEYS = ("momentum_buffer",)
@@ -108,6 +121,23 @@ class Part:
             for key, views in self.views.items():
                 entry[key] = views[k]
         self._zeros: dict[torch.Size, torch.Tensor] = {}  # the gradient of a member that has none
+        self.spec = Spec(
+            layout=None if flat else layout,
+            members=len(self.params),
+            shape=self.shape,
+            work_shape=self.work_shape,
+            per_member=self.per_member,
+            factor=self.factor,
+            beta=float(group.get("beta") or 0.0),
+            nesterov=bool(group.get("nesterov")),
+            weight_decay=float(group["weight_decay"]),
+            single=len(self.params) == 1 and not flat and first.dtype == state_dtype,
+            dtype=first.dtype,
+            flat=flat,
+            numel=self.numel,
+            betas=tuple(group["betas"]),
+            adam_eps=float(group["adam_eps"]),
+        )
         self._masks: dict[tuple[bool, ...], torch.Tensor] = {}
         self.scratch: torch.Tensor | None = None  # the gradients in, see :class:`Buckets`
         self._scratch_members: list[torch.Tensor] = []
@@ -157,11 +187,13 @@ class Part:
         return True
 
     # --------------------------------------------------------------- per step
-    def gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The members' gradients stacked in the state dtype and sanitised (NaN and Inf
-        set to 0; ``.grad`` itself is never written), their finite flags (``(B,)`` bool:
-        free of NaN and Inf with every entry within ``GRAD_LIMIT``, and present), and the
-        flags reported for the step (True for a member that has no gradient this step)."""
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The members' gradients in (eager, before the part's core): ``(source, present,
+        finite)``. ``source`` is the one gradient of a single-member part, else the stack
+        of them in :attr:`scratch` (one ``stack``, or one foreach copy where the state is
+        wider or the part flat); ``present`` masks members without a gradient this step
+        (None: all have one); ``finite`` are a flat part's finite flags (two foreach norms),
+        None where the core takes them. ``.grad`` itself is never written."""
         grads: list[torch.Tensor] = []
         missing = False
         for p, name in zip(self.params, self.names):
@@ -174,36 +206,20 @@ class Part:
             elif g.is_sparse:
                 raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
             grads.append(g)
-        stacked = self.scratch
-        assert stacked is not None
-        single = len(grads) == 1 and not self.flat and self.dtype == self.state_dtype
-        if single:
-            # one gradient: flags from it, then copied and sanitised in one pass below
-            seen = grads[0].reshape(1, -1)
-        elif self.dtype == self.state_dtype and not self.flat:
-            seen = torch.stack(grads, out=stacked).view(len(grads), -1)
-        else:
-            torch._foreach_copy_(self._scratch_members, grads)
-            seen = stacked if self.flat else stacked.view(len(grads), -1)
-        if self.flat:
-            # a sum carries any NaN or Inf; the largest magnitude gives the bound
-            sums = torch.stack(torch._foreach_norm(self._scratch_members, 1))
-            largest = torch.stack(torch._foreach_norm(self._scratch_members, float("inf")))
-            finite = _finite(sums) & (largest <= GRAD_LIMIT)
-        else:
-            # two reductions (aminmax along a dimension is many times slower on a CPU)
-            finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)  # NaN fails both
-        if missing:
-            present = self._mask(tuple(p.grad is not None for p in self.params))
-            ok, bad, reported = finite & present, present & ~finite, ~(present & ~finite)
-        else:
-            ok, bad, reported = finite, ~finite, finite
-        self.stacks["nonfinite"].add_(bad)
-        if single:
-            torch.nan_to_num(grads[0], nan=0.0, posinf=0.0, neginf=0.0, out=self._scratch_members[0])
-        else:
-            torch.nan_to_num_(stacked, nan=0.0, posinf=0.0, neginf=0.0)
-        return stacked, ok, reported
+        present = self._mask(tuple(p.grad is not None for p in self.params)) if missing else None
+        scratch = self.scratch
+        assert scratch is not None
+        if self.spec.single:
+            return grads[0], present, None
+        if self.dtype == self.state_dtype and not self.flat:
+            return torch.stack(grads, out=scratch), present, None
+        torch._foreach_copy_(self._scratch_members, grads)
+        if not self.flat:
+            return scratch, present, None
+        # a sum carries any NaN or Inf; the largest magnitude gives the bound
+        sums = torch.stack(torch._foreach_norm(self._scratch_members, 1))
+        largest = torch.stack(torch._foreach_norm(self._scratch_members, float("inf")))
+        return scratch, present, _finite(sums) & (largest <= GRAD_LIMIT)
 
     def _mask(self, pattern: tuple[bool, ...]) -> torch.Tensor:
         found = self._masks.get(pattern)
@@ -211,88 +227,85 @@ class Part:
             found = self._masks[pattern] = torch.tensor(pattern, dtype=torch.bool, device=self.device)
         return found
 
-    def _lead(self, t: torch.Tensor, ndim: int) -> torch.Tensor:
-        """``(B,)`` ``t`` (one value per member) spread over a stack of ``ndim`` dimensions:
-        a broadcasting view, or for a flat part each value repeated over its member's entries."""
-        if self.flat:
-            return torch.repeat_interleave(t, self._sizes, output_size=self.numel)  # type: ignore[arg-type]
-        return t.view(-1, *([1] * (ndim - 1)))
-
-    def decay(self, lr: torch.Tensor, okl: torch.Tensor) -> None:
-        """Decoupled weight decay ``W <- (1 - lr wd) W`` of every member (exactly 1 where skipped)."""
+    def finish(self, update: torch.Tensor | None, okl: torch.Tensor, lr: torch.Tensor) -> None:
+        """After the core (eager): the decay ``W <- (1 - lr wd) W`` of every member (exactly 1
+        where skipped) and the update's foreach add; a single-member part's core did both."""
+        if self.spec.single and not self.adamw:
+            return
         wd = self.group["weight_decay"]
         if wd:
             torch._foreach_mul_(self.params, list(torch.unbind(1.0 - (lr * wd) * okl, 0)))
-
-    def direction(self, grads: torch.Tensor, okf: torch.Tensor) -> torch.Tensor:
-        """EMA momentum ``M <- beta M + (1 - beta) G`` in place (weight 0 where skipped); the
-        direction ``M``, or with Nesterov ``beta M + (1 - beta) G`` (written over ``grads``)."""
-        beta = self.group["beta"]
-        buf = self.stacks["momentum_buffer"]
-        buf.lerp_(grads, self._lead(okf * (1.0 - beta), buf.ndim))
-        if self.group["nesterov"]:
-            return grads.lerp_(buf, beta)
-        return buf
-
-    def work(self, direction: torch.Tensor) -> torch.Tensor:
-        """The direction's work matrices, ``(B * per_member, m, n)`` (a view where the layout allows)."""
-        w = self.layout.stacked_to_work(direction)[0]
-        return w.reshape(-1, *self.work_shape[-2:])
-
-    def centre(self, direction: torch.Tensor, okf: torch.Tensor) -> None:
-        """``D <- Pi D`` in place on every work matrix (the quotient maps' input; see the
-        engine's ``_centre_in_place``); a skipped member is left as it is."""
-        w = self.layout.stacked_to_work(direction)[0]
-        w.sub_(w.mean(dim=-2, keepdim=True).mul_(self._lead(okf, w.ndim)))
-
-    def add(self, f: maps.Factored, coef: torch.Tensor) -> None:
-        """Add ``coef * U`` (``coef``: one per work matrix, skips and learning rate folded
-        in) to the members' weights."""
-        dtype = f.x.dtype
-        c = coef.to(dtype).view(-1, 1, 1)
-        if len(self.params) == 1:
-            # one parameter: the factored update goes straight into its work views
-            view = self.layout.to_work_list(self.params[0].detach())[0]
-            lead = view.shape[:-2]
-            _add_(
-                view,
-                _pieces(f, lambda t: t.view(*lead, *t.shape[-2:])),
-                c.view(*lead, 1, 1) if lead else c.view(()),
-            )
-            return
-        u = maps.materialize(_scaled(f, c))
-        if u.dtype != self.dtype:
-            u = u.to(self.dtype)
-        stored = self.layout.stacked_from_work([u.view(len(self.params), *self.work_shape)])
-        torch._foreach_add_(self.params, list(stored.unbind(0)))
-
-    def adamw_step(self, grads: torch.Tensor, okf: torch.Tensor, lr: torch.Tensor) -> None:
-        """AdamW with bias correction and decoupled decay on the stacked moments (the
-        engine's ``adamw`` rule; see :func:`~.apply.adamw_`): a skipped member keeps its
-        step count, moments and weights."""
-        b1, b2 = self.group["betas"]
-        eps = self.group["adam_eps"]
-        m, v, steps = self.stacks["exp_avg"], self.stacks["exp_avg_sq"], self.stacks["step"]
-        steps.add_(okf)
-        m.lerp_(grads, self._lead(okf * (1.0 - b1), m.ndim))
-        # a skipped gradient may hold entries whose square overflows: squares are capped
-        sq = torch.mul(grads, grads, out=grads).clamp_(max=torch.finfo(grads.dtype).max)
-        v.lerp_(sq, self._lead(okf * (1.0 - b2), v.ndim))
-        denom = torch.sqrt(v, out=sq)
-        counts = steps.clamp(min=1.0).to(m.dtype)
-        bc1 = 1.0 - torch.pow(b1, counts)
-        c = torch.sqrt(1.0 - torch.pow(b2, counts))
-        # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)):
-        # a skipped step divides by 0 (m / inf = 0)
-        denom.add_(self._lead(c * eps, denom.ndim))
-        okl = okf.to(lr.dtype)
-        size = (okl * -lr) * c.to(lr.dtype) / bc1.to(lr.dtype)
-        denom.div_(self._lead(size.to(denom.dtype), denom.ndim))
-        self.decay(lr, okl)
-        if self.dtype == m.dtype:
+        if self.adamw and update is None:
             torch._foreach_addcdiv_(self.params, self.views["exp_avg"], self._scratch_members)
-        else:
-            torch._foreach_add_(self.params, self.members_of(torch.div(m, denom).to(self.dtype)))
+        elif update is not None:
+            torch._foreach_add_(self.params, self.members_of(update))
+
+    def stacked(self) -> torch.Tensor:
+        """The buffer the gradients come in through (made with the buckets)."""
+        assert self.scratch is not None
+        return self.scratch
+
+    def core_tensors(self) -> tuple:
+        """The state tensors the part's core updates in place."""
+        if self.adamw:
+            return (self.stacks["exp_avg"], self.stacks["exp_avg_sq"], self.stacks["step"], self.stacks["nonfinite"])
+        return (self.stacks["momentum_buffer"], self.stacks["nonfinite"])
+
+
+class Spec(NamedTuple):
+    """What a part's core computes with besides its tensors: the constants of its compiled code."""
+
+    layout: Layout | None
+    members: int
+    shape: tuple[int, ...]
+    work_shape: tuple[int, ...]
+    per_member: int
+    factor: float
+    beta: float
+    nesterov: bool
+    weight_decay: float
+    single: bool  # one member in the state's dtype: read from its gradient, its update added in place
+    dtype: torch.dtype
+    flat: bool
+    numel: int
+    betas: tuple[float, float]
+    adam_eps: float
+
+
+def _lead(spec: Spec, t: torch.Tensor, ndim: int, sizes: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B,)`` ``t`` (one value per member) spread over a stack of ``ndim`` dimensions: a
+    broadcasting view, or for a flat part each value repeated over its member's entries."""
+    if spec.flat:
+        return torch.repeat_interleave(t, sizes, output_size=spec.numel)  # type: ignore[arg-type]
+    return t.view(-1, *([1] * (ndim - 1)))
+
+
+def _gradients(
+    spec: Spec,
+    source: torch.Tensor,
+    scratch: torch.Tensor,
+    present: torch.Tensor | None,
+    finite: torch.Tensor | None,
+    counters: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sanitised gradients (in ``scratch``: NaN and Inf set to 0), the finite flags (``(B,)``
+    bool: free of NaN and Inf, every entry within ``GRAD_LIMIT``, present) and the flags a step
+    reports (True for a member without a gradient); skips counted in ``counters``."""
+    if finite is None:
+        seen = source.reshape(spec.members, -1)
+        # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
+        finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
+    if present is not None:
+        bad = present & ~finite
+        ok, reported = finite & present, ~bad
+    else:
+        ok, bad, reported = finite, ~finite, finite
+    counters.add_(bad)
+    if spec.single:  # copied and sanitised in one pass
+        torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(source.shape))
+    else:
+        torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
+    return scratch, ok, reported
 
 
 def _pieces(f: maps.Factored, take: Callable[[torch.Tensor], torch.Tensor]) -> maps.Factored:
@@ -410,47 +423,212 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     return f, ok
 
 
+def bucket_core(
+    key: MapKey,
+    eta: Any,
+    specs: tuple[Spec, ...],
+    sources: list[torch.Tensor],
+    scratches: list[torch.Tensor],
+    presents: list[torch.Tensor | None],
+    momenta: list[torch.Tensor],
+    counters: list[torch.Tensor],
+    lrs: list[torch.Tensor],
+    weights: list[torch.Tensor | None],
+    skips: torch.Tensor,
+    map_fn: Callable[..., maps.Factored],
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
+    """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
+    once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
+    momentum (and centring), the map (``map_fn``, :func:`~.rules.factored_map`) on every work
+    matrix at once, the guard of each matrix's update (refusals counted in ``skips``), and each
+    part's update with its learning rate, shape factor and skip flags folded in.
+
+    Returns, per part: the update as a ``(B, *shape)`` stack to add (None for a single-member
+    part, whose decay and update the core applied to ``weights[i]`` in place), the skip
+    flags in the learning rates' dtype, and the flags the step reports."""
+    works, coefs, okls, reported = [], [], [], []
+    for i, spec in enumerate(specs):
+        grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
+        reported.append(flags)
+        okf = ok.to(grads.dtype)
+        okl = okf.to(lrs[i].dtype)
+        okls.append(okl)
+        weight = weights[i]
+        if weight is not None and spec.weight_decay:
+            weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
+        buf = momenta[i]
+        # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction over G
+        buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
+        direction = grads.lerp_(buf, spec.beta) if spec.nesterov else buf
+        work = spec.layout.stacked_to_work(direction)[0]  # type: ignore[union-attr]
+        if key.center == PRECENTRED:
+            # D <- Pi D in place (see the engine's _centre_in_place); a skipped member stays
+            work.sub_(work.mean(dim=-2, keepdim=True).mul_(_lead(spec, okf, work.ndim)))
+        works.append(work.reshape(-1, *spec.work_shape[-2:]))
+        coef = (lrs[i] * -spec.factor) * okl
+        coefs.append(coef.repeat_interleave(spec.per_member) if spec.per_member > 1 else coef)
+    x = works[0] if len(works) == 1 else torch.cat(works)
+    f = map_fn(key, eta, x)
+    f, ok = guard(f)
+    coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
+    skips.add_((~ok & (coef != 0)).sum())
+    coef = coef * ok
+    updates: list[torch.Tensor | None] = []
+    at = 0
+    for spec, w, weight in zip(specs, works, weights):
+        n = w.shape[0]
+        piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
+        c = coef.narrow(0, at, n).to(f.x.dtype).view(-1, 1, 1)
+        at += n
+        if weight is not None:
+            # one parameter: the factored update goes straight into its work views
+            view = spec.layout.to_work_list(weight.detach())[0]  # type: ignore[union-attr]
+            lead = view.shape[:-2]
+            _add_(
+                view,
+                _pieces(piece, lambda t: t.view(*lead, *t.shape[-2:])),
+                c.view(*lead, 1, 1) if lead else c.view(()),
+            )
+            updates.append(None)
+            continue
+        u = maps.materialize(_scaled(piece, c))
+        if u.dtype != spec.dtype:
+            u = u.to(spec.dtype)
+        updates.append(spec.layout.stacked_from_work([u.view(spec.members, *spec.work_shape)]))  # type: ignore[union-attr]
+    return updates, okls, reported
+
+
+def adamw_core(
+    spec: Spec,
+    source: torch.Tensor,
+    scratch: torch.Tensor,
+    present: torch.Tensor | None,
+    finite: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    steps: torch.Tensor,
+    counters: torch.Tensor,
+    lr: torch.Tensor,
+    sizes: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """AdamW with bias correction on a part's stacked moments (the engine's ``adamw`` rule;
+    see :func:`~.apply.adamw_`): a skipped member keeps its step count and moments. Leaves
+    ``m / denominator``'s denominator in ``scratch`` for the eager ``addcdiv`` (or returns the
+    update where the parameters' dtype differs from the state's), with the skip flags in the
+    learning rate's dtype and the reported flags."""
+    b1, b2 = spec.betas
+    grads, ok, reported = _gradients(spec, source, scratch, present, finite, counters)
+    okf = ok.to(grads.dtype)
+    steps.add_(okf)
+    exp_avg.lerp_(grads, _lead(spec, okf * (1.0 - b1), exp_avg.ndim, sizes))
+    # a skipped gradient may hold entries whose square overflows: squares are capped
+    sq = torch.mul(grads, grads, out=grads).clamp_(max=torch.finfo(grads.dtype).max)
+    exp_avg_sq.lerp_(sq, _lead(spec, okf * (1.0 - b2), exp_avg_sq.ndim, sizes))
+    denom = torch.sqrt(exp_avg_sq, out=sq)
+    counts = steps.clamp(min=1.0).to(exp_avg.dtype)
+    bc1 = 1.0 - torch.pow(b1, counts)
+    c = torch.sqrt(1.0 - torch.pow(b2, counts))
+    # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)):
+    # a skipped step divides by 0 (m / inf = 0)
+    denom.add_(_lead(spec, c * spec.adam_eps, denom.ndim, sizes))
+    okl = okf.to(lr.dtype)
+    size = (okl * -lr) * c.to(lr.dtype) / bc1.to(lr.dtype)
+    denom.div_(_lead(spec, size.to(denom.dtype), denom.ndim, sizes))
+    update = None if spec.dtype == exp_avg.dtype else torch.div(exp_avg, denom).to(spec.dtype)
+    return update, okl, reported
+
+
+class Cores:
+    """Compiled cores (``torch.compile`` of :func:`bucket_core` and :func:`adamw_core`), one
+    per kind of bucket or part: each kind gets its own copy of the function's code, so
+    Dynamo's cache (and its recompilation limit) counts per kind, and buckets of one kind
+    (equal settings, shapes and dtypes) share one compiled graph.
+
+    ``fallback``: a core that fails to compile (before it runs anything) warns once and runs
+    eagerly from then on; otherwise the error is raised. :attr:`failed` keeps the error."""
+
+    def __init__(self, backend: Any, fallback: bool = False):
+        self.backend = backend
+        self.fallback = fallback
+        self.failed: BaseException | None = None
+        self.kinds: dict[tuple, Callable] = {}
+
+    def compiled(self, fn: Callable, kind: tuple) -> Callable:
+        key = (fn.__name__, kind)
+        found = self.kinds.get(key)
+        if found is None:
+            name = f"{fn.__name__}_{len(self.kinds)}"
+            code = fn.__code__.replace(co_name=name)
+            fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+            found = self.kinds[key] = torch.compile(fresh, backend=self.backend, fullgraph=True, dynamic=False)
+        return found
+
+    def __call__(self, fn: Callable, kind: tuple) -> Callable:
+        if self.failed is not None:
+            return fn
+        compiled = self.compiled(fn, kind)
+
+        def run(*args):
+            if self.failed is not None:
+                return fn(*args)
+            try:
+                return compiled(*args)
+            except (torch._dynamo.exc.TorchDynamoException, AssertionError) as err:
+                # compiling fails before the core runs (Dynamo's own assertions raise
+                # AssertionError); a genuine error of the core comes back from the eager call
+                if not self.fallback:
+                    raise
+                self.failed = err
+                warnings.warn(
+                    f"EquivariantOptimizer: compiling the step failed ({type(err).__name__}: {err}); "
+                    "stepping eagerly from now on (pass compile=False to silence, compile=True to raise)",
+                    stacklevel=5,
+                )
+                return fn(*args)
+
+        return run
+
+
 def run_bucket(
     bucket: Bucket,
     lrs: list[torch.Tensor],
     flags: list,
     skips: torch.Tensor,
     map_fn: Callable[..., maps.Factored] = factored_map,
+    cores: Cores | None = None,
 ) -> None:
-    """One step of a bucket: each part's gradients, flags, momentum, decay (and centring),
-    the map (``map_fn``, :func:`~.rules.factored_map`) on all of their work matrices at
-    once, the guard, and each part's update; ``flags`` gains each part's names and finite
-    flags, ``skips`` counts the updates the guard refused."""
-    works, coefs = [], []
-    for part in bucket.parts:
-        lr = lrs[part.index]
-        grads, ok, reported = part.gradients()
-        flags.append((part.names, reported))
-        okf = ok.to(part.state_dtype)
-        okl = okf.to(lr.dtype)
-        part.decay(lr, okl)
-        direction = part.direction(grads, okf)
-        if bucket.key.center == "precentred":
-            part.centre(direction, okf)
-        works.append(part.work(direction))
-        coef = (lr * -part.factor) * okl
-        coefs.append(coef.repeat_interleave(part.per_member) if part.per_member > 1 else coef)
-    x = works[0] if len(works) == 1 else torch.cat(works)
-    f = map_fn(bucket.key, bucket.eta, x)
-    f, ok = guard(f)
-    coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
-    skips.add_((~ok & (coef != 0)).sum())
-    coef = coef * ok
-    at = 0
-    for part, w in zip(bucket.parts, works):
-        n = w.shape[0]
-        piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
-        part.add(piece, coef.narrow(0, at, n))
-        at += n
+    """One step of a bucket: its parts' gradients in, its core (compiled by ``cores`` when
+    given), then each part's decay and update; ``flags`` gains each part's names and flags."""
+    taken = [part.take() for part in bucket.parts]
+    specs = tuple(part.spec for part in bucket.parts)
+    core = bucket_core if cores is None else cores(bucket_core, (bucket.key, specs))
+    part_lrs = [lrs[part.index] for part in bucket.parts]
+    updates, okls, reported = core(
+        bucket.key,
+        bucket.eta,
+        specs,
+        [t[0] for t in taken],
+        [part.stacked() for part in bucket.parts],
+        [t[1] for t in taken],
+        [part.stacks["momentum_buffer"] for part in bucket.parts],
+        [part.stacks["nonfinite"] for part in bucket.parts],
+        part_lrs,
+        [part.params[0] if part.spec.single else None for part in bucket.parts],
+        skips,
+        map_fn,
+    )
+    for part, update, okl, flag, lr in zip(bucket.parts, updates, okls, reported, part_lrs):
+        flags.append((part.names, flag))
+        part.finish(update, okl, lr)
 
 
-def run_adamw(part: Part, lr: torch.Tensor, flags: list) -> None:
-    """One AdamW step of a part."""
-    grads, ok, reported = part.gradients()
+def run_adamw(part: Part, lr: torch.Tensor, flags: list, cores: Cores | None = None) -> None:
+    """One AdamW step of a part: its gradients in, its core, its decay and update."""
+    source, present, finite = part.take()
+    core = adamw_core if cores is None else cores(adamw_core, (part.spec,))
+    m, v, steps, counters = part.core_tensors()
+    update, okl, reported = core(
+        part.spec, source, part.stacked(), present, finite, m, v, steps, counters, lr, part._sizes
+    )
     flags.append((part.names, reported))
-    part.adamw_step(grads, ok.to(part.state_dtype), lr)
+    part.finish(update, okl, lr)

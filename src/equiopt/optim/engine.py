@@ -12,7 +12,6 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,7 +24,7 @@ from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .buckets import Buckets, make_buckets, run_adamw, run_bucket
+from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
@@ -230,7 +229,7 @@ class EquivariantOptimizer(Optimizer):
         self._replicas = _replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
-        self._compiled_step: Callable[[list[torch.Tensor]], list] | None = None
+        self._compiled_step: Cores | None = None
         self._compile_failed = False
         self._lr_cache: dict[int, torch.Tensor] = {}
         self._last_flags: list = []
@@ -496,27 +495,17 @@ class EquivariantOptimizer(Optimizer):
         self._refresh_buckets()
         lrs = self._lr_tensors()
         backend = self._resolve_compile()
-        if not backend:
-            self._last_flags = self._step_impl(lrs)
-            return loss
-        if self._compiled_step is None:
-            self._compiled_step = torch.compile(self._step_impl, backend=backend, fullgraph=True, dynamic=False)
-        self._skip_counter()  # made outside the graph: a compiled step sets no attribute
-        try:
-            self._last_flags = self._compiled_step(lrs)
-        except (torch._dynamo.exc.TorchDynamoException, AssertionError) as err:
-            # Compiling fails before the step runs (fullgraph; Dynamo's own assertions raise
-            # AssertionError); a genuine error of the step comes back from the eager step below.
-            if self.compile is not None:
-                raise
-            # The automatic choice (CUDA) must not cost a run: say why, and step eagerly.
-            warnings.warn(
-                f"EquivariantOptimizer: compiling the step failed ({type(err).__name__}: {err}); "
-                "stepping eagerly from now on (pass compile=False to silence, compile=True to raise)",
-                stacklevel=2,
-            )
+        cores = None
+        if backend:
+            found = self._compiled_step
+            if not isinstance(found, Cores) or found.backend != backend:
+                # the automatic choice (CUDA) must not cost a run: a failed compile warns and steps eagerly
+                found = self._compiled_step = Cores(backend, fallback=self.compile is None)
+            cores = found
+        self._skip_counter()  # made outside any graph: a compiled core sets no attribute
+        self._last_flags = self._step_impl(lrs, cores)
+        if cores is not None and cores.failed is not None:
             self._compile_failed = True
-            self._last_flags = self._step_impl(lrs)
         return loss
 
     def _skip_counter(self) -> torch.Tensor:
@@ -587,7 +576,7 @@ class EquivariantOptimizer(Optimizer):
             inner = cached[1]
             step_peer(inner, group, self.state)
 
-    def _resolve_compile(self) -> str | None:
+    def _resolve_compile(self) -> Any:
         """The ``torch.compile`` backend of the step, or None for eager."""
         setting = self.compile
         if setting is None:
@@ -597,8 +586,8 @@ class EquivariantOptimizer(Optimizer):
                 and all(g["nonfinite"] != "raise" for g in self.param_groups)
                 and self._on_cuda()
             )
-        if isinstance(setting, str):
-            return setting
+        if isinstance(setting, str) or callable(setting):
+            return setting  # a backend name, or a backend itself
         return "inductor" if setting else None
 
     def _on_cuda(self) -> bool:
@@ -628,8 +617,10 @@ class EquivariantOptimizer(Optimizer):
         return out
 
     @torch.no_grad()
-    def _step_impl(self, lrs: list[torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
-        """The step (eager or compiled); returns each group's parameter names and finite flags."""
+    def _step_impl(self, lrs: list[torch.Tensor], cores: Cores | None = None) -> list[tuple[list[str], torch.Tensor]]:
+        """The step; returns each group's (or part's) parameter names and finite flags. With
+        ``cores`` each bucket's tensor work runs compiled (:class:`~.buckets.Cores`); the
+        parameters outside buckets step eagerly."""
         last_flags: list[tuple[list[str], torch.Tensor]] = []
         buckets: dict[BucketKey, list[WorkItem]] = defaultdict(list)
         whole: list[WholeTask] = []
@@ -638,9 +629,9 @@ class EquivariantOptimizer(Optimizer):
         if stacked is not None:
             covered = stacked.covered
             for bucket in stacked.matrix:
-                run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map)
+                run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map, cores)
             for part in stacked.adamw:
-                run_adamw(part, lrs[part.index], last_flags)
+                run_adamw(part, lrs[part.index], last_flags, cores)
         for group, lr in zip(self.param_groups, lrs):
             live = [j for j, p in enumerate(group["params"]) if p.grad is not None and id(p) not in covered]
             if not live or group["rule"] in PEER_RULES:
