@@ -10,7 +10,8 @@ On one CUDA device, in this order (each against a baseline run in the same proce
   (``bench --stack --graphed``); ``peak_extra_over_state`` and ``graphed_vs_eager_rel`` from
   the same runs;
 - ``compile_s``: the first compiled step of ``paper:qwen3:a-i`` on Qwen3-0.6B (cold cache,
-  in a child process with a time limit; ``null`` if it did not finish);
+  in a child process with a time limit; ``null`` if it did not finish), and
+  ``compile_s_each`` of every recipe the child finished;
 - ``cuda_tests``: ``{passed, failed}`` of ``tests/test_cuda.py`` and ``tests/test_buckets.py``.
 """
 
@@ -38,8 +39,9 @@ def _key(recipe: str) -> str:
     return recipe.split(":")[-1].replace("-", "_")
 
 
-def compiled(recipe: str) -> dict:
-    """The first compiled step (compile time) and the median of later ones, on Qwen3-0.6B."""
+def compiled(recipes: str) -> None:
+    """Per recipe, one JSON line: the first compiled step (tracing and compiling every
+    bucket's core, ``compile=True``) and the median of later ones, on Qwen3-0.6B."""
     import torch
 
     from equiopt.bench import _median_time, _stack_model
@@ -49,28 +51,32 @@ def compiled(recipe: str) -> dict:
     model = _stack_model(device)
     for p in model.parameters():
         p.grad = 1e-3 * torch.randn_like(p)
-    opt, _ = build_optimizer(model, recipe, eager_state=True, compile=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    opt.step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
-    return {"compile_s": first, "ms": 1e3 * _median_time(opt.step, 20, device)}
+    for recipe in recipes.split(","):
+        opt, _ = build_optimizer(model, recipe, eager_state=True, compile=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        ms = 1e3 * _median_time(opt.step, 20, device)
+        print(json.dumps({"recipe": recipe, "compile_s": first, "ms": ms}), flush=True)
+        del opt
 
 
-def _child(recipe: str, limit: float) -> dict | None:
+def _child(recipes: str, limit: float) -> dict[str, dict]:
+    """:func:`compiled` in a child process with an empty Inductor cache; the recipes it finished."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"))
     try:
         done = subprocess.run(
-            [sys.executable, __file__, "--compiled", recipe], capture_output=True, text=True, timeout=limit, env=env
+            [sys.executable, __file__, "--compiled", recipes], capture_output=True, text=True, timeout=limit, env=env
         )
-    except subprocess.TimeoutExpired:
-        return None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
+        out, err = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as stopped:
+        out, err = str(stopped.stdout or ""), "timed out"
+    if err:
+        print(err[-4000:], file=sys.stderr)
+    found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {r["recipe"]: r for r in found}
 
 
 def _tests(limit: float) -> dict:
@@ -96,7 +102,7 @@ def main() -> None:
     ap.add_argument("--compile-limit", type=float, default=150.0, help="seconds the compiled child may take")
     args = ap.parse_args()
     if args.compiled:
-        print(json.dumps(compiled(args.compiled)))
+        compiled(args.compiled)
         return
 
     import torch
@@ -119,10 +125,12 @@ def main() -> None:
     for row in table["rows"]:
         modes = {"eager": row["ms"], "graphed": row["graphed_ms"]}
         best_modes[row["recipe"]] = modes
-    found = _child("paper:qwen3:a-i", args.compile_limit)
-    fig["compile_s"] = None if found is None else round(found["compile_s"], 1)
-    if found is not None:
-        best_modes["paper:qwen3:a-i"]["compiled"] = found["ms"]
+    found = _child(",".join(RECIPES), args.compile_limit)
+    first = found.get(RECIPES[0])
+    fig["compile_s"] = None if first is None else round(first["compile_s"], 1)
+    fig["compile_s_each"] = {r: round(v["compile_s"], 1) for r, v in found.items()}
+    for recipe, r in found.items():
+        best_modes[recipe]["compiled"] = r["ms"]
     for recipe, modes in best_modes.items():
         mode = min(modes, key=modes.get)
         fig[f"stack_{_key(recipe)}_over_fwd_bwd"] = round(modes[mode] / fb, 4)
