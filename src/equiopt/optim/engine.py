@@ -146,13 +146,20 @@ class EquivariantOptimizer(Optimizer):
     next wave's maps run. Results are bitwise those of ``overlap=False``, which waits for
     every collective as it is issued.
 
-    ``compile`` runs the step through ``torch.compile`` (one graph for the whole step,
-    so momentum, row scaling, centring and the weight update fuse into few passes):
-    ``True`` (Inductor), a backend name, ``False``, or ``None`` (default: on when every
+    The step runs in buckets (:mod:`.buckets`): parameters with equal settings, shapes and
+    layouts keep their state stacked and step together in a fixed number of operators;
+    sharded and divided parameters, ``lazy`` rows, multi-block layouts and
+    ``nonfinite="raise"`` groups step one parameter at a time.
+
+    ``compile`` compiles each bucket's tensor work with ``torch.compile`` (one graph per kind
+    of bucket, so momentum, row scaling, centring and the weight update fuse into few
+    passes; the bookkeeping and the per-parameter remainder stay eager): ``True``
+    (Inductor), a backend name or backend, ``False``, or ``None`` (default: on when every
     parameter is on a CUDA device and the step sends nothing: no DTensor parameters and
-    no ``divide_work``). The step has no host reads, so
-    ``torch.compile(optimizer.step)`` works as well; learning rates enter as device
-    tensors, so a schedule does not recompile either way.
+    no ``divide_work``; a failed compile then warns and steps eagerly). The step has no host
+    reads, so ``torch.compile(optimizer.step)`` works as well, and
+    :class:`~equiopt.optim.GraphedStep` replays it from a CUDA graph; learning rates enter
+    as device tensors, so a schedule does not recompile either way.
 
     Args:
         params: parameters or param groups (dicts with ``"params"`` and any setting below).
@@ -180,7 +187,7 @@ class EquivariantOptimizer(Optimizer):
         lazy: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         state_dtype: dtype of momentum and Adam moments (default: float32, float64 for float64 parameters).
         eager_state: create every state tensor at construction.
-        compile: ``torch.compile`` the step: ``True``, a backend name, ``False`` or ``None`` (automatic).
+        compile: ``torch.compile`` each bucket's work: ``True``, a backend name or backend, ``False`` or ``None`` (automatic).
         divide_work: process group over which plain parameters are replicated (DDP), or ``True``.
         cost_model: how sharded and replicated maps choose their plan (name or ``CostModel``).
         overlap: start owner exchanges and broadcasts asynchronously, in waves.
