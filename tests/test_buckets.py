@@ -203,3 +203,27 @@ def test_compiled_cores_compile_once_per_kind_and_equal_eager(recipe):
     eager, _, _ = train(False)
     for a, b in zip(compiled, eager):
         assert ((a - b).norm() / b.norm()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("change", [{"beta": 0.5, "weight_decay": 0.2}, {"method": "newton_schulz"}, {"lazy": True}])
+def test_settings_changed_between_steps_apply_as_on_the_per_parameter_path(change):
+    """A schedule of momentum or decay, or a map setting changed by hand, takes effect at the
+    next step, as it does one parameter at a time."""
+    results = []
+    for nonfinite in ("skip", "raise"):
+        params = _params([(16, 8)] * 3)
+        opt = EquivariantOptimizer(
+            [{"params": params, "rule": "spectral", "layout": "heads:4", "nonfinite": nonfinite}],
+            lr=0.02,
+            polar_dtype=torch.float32,
+        )
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 2:
+                opt.param_groups[0].update(change)
+            opt.step()
+        results.append(params)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)

@@ -10,18 +10,20 @@ parameter as always. A :class:`Bucket` is the parts whose work matrices share on
 batched call.
 
 A step then dispatches a fixed number of operators per part and bucket, however many
-parameters they hold (``docs/step.md`` has the counts):
+parameters they hold (``docs/step.md`` has the counts). It runs in three stages:
 
-- per part: the gradients in (one ``stack``, and a cast where the state is wider), the
-  finite flags (one ``aminmax`` over each member, two comparisons), the skip counters,
-  sanitising (one ``nan_to_num_`` on the stack, never on ``.grad``), the momentum (one
-  ``lerp_``; Nesterov one more), the decay (one foreach multiply), the centring of
-  quotient maps;
-- per bucket: the map on the stacked work matrices, the guard of each matrix's update
-  (its small factors checked and cleaned), and per part the update, materialised once
-  with the learning rate, the shape factor and the skip flags folded in, and added to the
-  weights with one foreach add (a part of one parameter adds its factored update straight
-  into the weights' work views, no full-size update formed).
+- in, eager (:meth:`Part.take`): the gradients into a buffer made once (one ``stack``, or
+  one foreach copy where the state is wider or the part flat; never into ``.grad``);
+- the core (:func:`bucket_core`, :func:`adamw_core`), on stacks alone, what
+  ``compile=`` compiles once per kind of bucket: the finite flags (a minimum and a maximum
+  per member), the skip counters, sanitising (one ``nan_to_num``), the momentum (one
+  ``lerp_``; Nesterov one more), the centring of quotient maps, the map on every work
+  matrix of the bucket at once, the guard of each matrix's update (its small factors
+  checked and cleaned), and each part's update materialised once with the learning rate,
+  the shape factor and the skip flags folded in (a part of one parameter adds its
+  factored update straight into the weights' work views: no full-size update formed);
+- out, eager (:meth:`Part.finish`): the decay (one foreach multiply) and the update (one
+  foreach add) of the members.
 
 Parameters that cannot be stacked this way (sharded or divided ones, ``lazy`` rows,
 multi-block layouts, ``nonfinite="raise"``) keep the per-parameter path of the engine.
@@ -101,7 +103,7 @@ class Part:
         self.per_member = 1
         for size in self.work_shape[:-2]:
             self.per_member *= size
-        self.factor = 1.0 if self.adamw else shape_factor(group, *self.work_shape[-2:])
+        self.structure = _structure(group)  # what the part was built for (checked each step)
         self.sizes = [p.numel() for p in self.params]
         self.numel = sum(self.sizes)
         self._sizes = torch.tensor(self.sizes, device=self.device) if flat else None
@@ -121,26 +123,45 @@ class Part:
             for key, views in self.views.items():
                 entry[key] = views[k]
         self._zeros: dict[torch.Size, torch.Tensor] = {}  # the gradient of a member that has none
-        self.spec = Spec(
-            layout=None if flat else layout,
-            members=len(self.params),
-            shape=self.shape,
-            work_shape=self.work_shape,
-            per_member=self.per_member,
-            factor=self.factor,
-            beta=float(group.get("beta") or 0.0),
-            nesterov=bool(group.get("nesterov")),
-            weight_decay=float(group["weight_decay"]),
-            single=len(self.params) == 1 and not flat and first.dtype == state_dtype,
-            dtype=first.dtype,
-            flat=flat,
-            numel=self.numel,
-            betas=tuple(group["betas"]),
-            adam_eps=float(group["adam_eps"]),
-        )
+        self._scalars: tuple | None = None
+        self._spec: Spec | None = None
         self._masks: dict[tuple[bool, ...], torch.Tensor] = {}
         self.scratch: torch.Tensor | None = None  # the gradients in, see :class:`Buckets`
         self._scratch_members: list[torch.Tensor] = []
+
+    @property
+    def spec(self) -> Spec:
+        """The part's :class:`Spec` from its group's settings as they are now (a schedule may
+        move ``beta`` or ``weight_decay`` between steps; the stacks stay)."""
+        g = self.group
+        scalars = (
+            g.get("beta"),
+            g.get("nesterov"),
+            g["weight_decay"],
+            tuple(g["betas"]),
+            g["adam_eps"],
+            g.get("lr_scale"),
+        )
+        if self._spec is None or scalars != self._scalars:
+            self._scalars = scalars
+            self._spec = Spec(
+                layout=None if self.flat else self.layout,
+                members=len(self.params),
+                shape=self.shape,
+                work_shape=self.work_shape,
+                per_member=self.per_member,
+                factor=1.0 if self.adamw else shape_factor(g, *self.work_shape[-2:]),
+                beta=float(g.get("beta") or 0.0),
+                nesterov=bool(g.get("nesterov")),
+                weight_decay=float(g["weight_decay"]),
+                single=len(self.params) == 1 and not self.flat and self.dtype == self.state_dtype,
+                dtype=self.dtype,
+                flat=self.flat,
+                numel=self.numel,
+                betas=(float(g["betas"][0]), float(g["betas"][1])),
+                adam_eps=float(g["adam_eps"]),
+            )
+        return self._spec
 
     def members_of(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Each member's view of a stack ``t`` (made once per stack; a step uses them as they are)."""
@@ -176,7 +197,10 @@ class Part:
         return torch.stack(filled)
 
     def intact(self, state: dict) -> bool:
-        """Whether every member's state entries still are the views this part handed out."""
+        """Whether the part still holds: its group's rule and map settings are the ones it was
+        built for, and every member's state entries are the views it handed out."""
+        if _structure(self.group) != self.structure:
+            return False
         for k, p in enumerate(self.params):
             entry = state.get(p)
             if entry is None:
@@ -366,6 +390,12 @@ class Buckets:
 
     def intact(self, state: dict) -> bool:
         return all(part.intact(state) for part in self.parts)
+
+
+def _structure(group: dict) -> tuple:
+    """The settings a part's stacking and its bucket depend on (changing one makes the buckets again)."""
+    rule = group["rule"]
+    return (rule, group["nonfinite"], group["lazy"], map_key(group) if rule != "adamw" else None)
 
 
 def make_buckets(
