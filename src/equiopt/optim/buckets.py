@@ -28,8 +28,10 @@ parameters they hold (``docs/step.md`` has the counts). It runs in three stages:
 Parameters that cannot be stacked this way (sharded or divided ones, ``lazy`` rows,
 multi-block layouts, ``nonfinite="raise"``) keep the per-parameter path of the engine.
 :func:`make_buckets` builds parts and buckets from the parameters that have state (or a
-gradient now); the engine makes them again when a group is added, a state dict is
-loaded, or a state entry no longer is the view it handed out.
+gradient now): at construction with ``eager_state``, at ``load_state_dict``, else at the
+first step; the engine makes them again when a group is added, a state dict is loaded, a
+parameter gets its first gradient, a group's rule or map settings change, or a state
+entry no longer is the view it handed out.
 """
 
 from __future__ import annotations

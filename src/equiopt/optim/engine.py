@@ -296,6 +296,7 @@ class EquivariantOptimizer(Optimizer):
         if self.eager_state:
             for p in group["params"]:
                 self._init_state(p, group)
+            self._refresh_buckets()  # the state exists: stack it now
 
     def _prepare_group(self, group: dict, index: int) -> None:
         where = f"param_groups[{index}]"
@@ -448,6 +449,7 @@ class EquivariantOptimizer(Optimizer):
             state = self.state.get(p)  # (no empty entry for a parameter without state)
             if state and "nonfinite" not in state:
                 state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        self._refresh_buckets()  # stack the loaded state now
 
     # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
     _CACHES = (
