@@ -527,8 +527,9 @@ class EquivariantOptimizer(Optimizer):
     def _stackable(self, group: dict) -> list[int]:
         """Positions of ``group``'s parameters whose state a bucket may stack (see
         :mod:`.buckets`): plain tensors of the matrix rules (one work tensor each, not
-        ``lazy``) and of ``adamw``, when nothing is divided among replicas and the group
-        skips non-finite gradients; each once it has state or a gradient."""
+        ``lazy``; not the matrix-product maps that ``divide_work`` divides among replicas)
+        and of ``adamw``, when the group skips non-finite gradients; each once it has state
+        or a gradient."""
         settings = (group["rule"], group["nonfinite"], group["lazy"], len(group["params"]))
         cached = self._eligible.get(id(group))
         if cached is None or cached[0] != settings:
@@ -539,7 +540,7 @@ class EquivariantOptimizer(Optimizer):
     def _eligible_members(self, group: dict) -> list[int]:
         rule = group["rule"]
         if (
-            self._replicas is not None
+            (self._replicas is not None and rule in DIVIDED_RULES)  # divided among replicas: distribute.run
             or group["nonfinite"] != "skip"
             or group["lazy"]
             or (rule not in MATRIX_RULES and rule != "adamw")
