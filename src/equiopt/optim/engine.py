@@ -419,29 +419,72 @@ class EquivariantOptimizer(Optimizer):
         """Load a :meth:`state_dict`, keeping the saved state dtypes (float32 moments of
         bfloat16 parameters) so a round trip is exact.
 
+        All or nothing: every group's settings and layouts and every state tensor's shape are
+        checked before anything changes, so a refused load leaves the optimizer as it was.
+        Older formats load: a state dict from before a setting existed keeps this optimizer's
+        value, and an AdamW ``step`` saved as a number becomes a tensor.
+
         Args:
             state_dict: from :meth:`state_dict` (also of an earlier version of this optimizer).
+
+        Raises:
+            ValueError: a group, layout or state tensor that does not fit, naming it.
         """
         sd = dict(state_dict)
         sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
         skips = sd.pop("nonfinite_updates", None)
+        groups = [dict(g) for g in sd["param_groups"]]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        ids, params = [], []
+        for index, (group, own) in enumerate(zip(groups, self.param_groups)):
+            where = f"param_groups[{index}]"
+            if len(group["params"]) != len(own["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
+            for key, value in own.items():
+                if key != "params":
+                    group.setdefault(key, value)  # a state_dict from before a setting existed: keep this one's
+            validate_group(group, where)
+            layouts = []
+            for j, (spec, p) in enumerate(zip(group["layouts"], own["params"])):
+                name = group["names"][j] if group.get("names") else f"{where}.params[{j}]"
+                try:
+                    layout = parse_layout(spec)
+                    if group["rule"] in MATRIX_RULES:
+                        layout.check(tuple(p.shape), name)
+                except ValueError as err:
+                    raise ValueError(f"{where}: {err}") from None
+                layouts.append(layout)
+            group["layouts"] = layouts
+            ids.extend(group["params"])
+            params.extend(own["params"])
+        saved = dict(sd["state"])
+        for i, p in zip(ids, params):
+            entry = saved.get(i)
+            if not entry:
+                continue
+            entry = saved[i] = dict(entry)
+            for key, value in entry.items():
+                if key in ("momentum_buffer", "exp_avg", "exp_avg_sq") and torch.is_tensor(value):
+                    if tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
+                            f"the parameter {tuple(p.shape)}"
+                        )
+            if "step" in entry and not torch.is_tensor(entry["step"]):
+                entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)  # older format
+        # everything checked: from here on nothing refuses
+        sd["param_groups"], sd["state"] = groups, saved
         if skips is not None:
             device = next((p.device for g in self.param_groups for p in g["params"]), skips.device)
             self._update_skips = skips.detach().to(device=device, dtype=torch.float32, copy=True)
-        saved = sd["state"]
         self._buckets, self._eligible = None, {}
-        built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         super().load_state_dict(sd)
-        for index, (group, own) in enumerate(zip(self.param_groups, built)):
-            for key, value in own.items():
-                group.setdefault(key, value)  # a state_dict from before a setting existed: keep this one's
-            validate_group(group, f"param_groups[{index}]")
-            group["layouts"] = [parse_layout(spec) for spec in group["layouts"]]
         # torch casts floating state to each parameter's dtype; keep the saved dtypes
         # (float32 moments of bfloat16 parameters) so a round trip is exact, and keep
         # the counters on the parameter's device so the step never mixes devices.
-        ids = [i for g in sd["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             for key, value in saved.get(i, {}).items():
                 if torch.is_tensor(value) and value.is_floating_point():
@@ -615,7 +658,7 @@ class EquivariantOptimizer(Optimizer):
         for index, group in enumerate(self.param_groups):
             lr = group["lr"]
             if torch.is_tensor(lr):
-                out.append(lr)
+                out.append(lr if lr.dim() == 0 else lr.view(()))  # torch's tensor lr, read on its device
                 continue
             device = group["params"][0].device if group["params"] else torch.device("cpu")
             dtype = torch.float32 if device.type == "mps" else torch.float64

@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import torch
+
 from .. import maps
 from ..linalg import POLAR_METHODS
 
@@ -96,6 +98,21 @@ def interval(low: float, high: float, closed: bool, what: str) -> Callable[[Any,
         return v
 
     return check
+
+
+def _learning_rate(value: Any, rule: str) -> Any:
+    """A number >= 0, or a one-element tensor (torch's tensor learning rates) kept as it is
+    (read here once, at construction, to check its value; the step reads it on the device)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not value.dtype.is_floating_point:
+            raise ValueError(f"a tensor lr must be floating point, got {value.dtype}")
+        v = float(value.detach().reshape(()).cpu())
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"must be a finite number >= 0, got {value!r}")
+        return value
+    return _at_least(0.0, strict=False)(value, rule)
 
 
 def _at_least(low: float, strict: bool) -> Callable[[Any, str], float]:
@@ -210,7 +227,7 @@ FIELDS: dict[str, Field] = {
             "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
             "adamw, sgd; torch_adamw, torch_muon (torch's own optimizers, as peer arms)",
         ),
-        Field("lr", _ALL, 1e-3, _at_least(0.0, strict=False), "learning rate (a recipe must give it)"),
+        Field("lr", _ALL, 1e-3, _learning_rate, "learning rate (a recipe must give it; a float or a 1-element tensor)"),
         Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
         Field(
             "beta",

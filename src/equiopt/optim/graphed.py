@@ -83,7 +83,7 @@ class GraphedStep:
             self._check()
             opt._step_peers()
             lrs = opt._lr_tensors()
-            if any(a is not b for a, b in zip(lrs, self._lrs)):
+            if any(a.data_ptr() != b.data_ptr() for a, b in zip(lrs, self._lrs)):
                 raise RuntimeError(
                     "GraphedStep: a learning-rate tensor was replaced since the capture; update a "
                     "tensor lr in place (lr.fill_(...)) or set a float lr"
