@@ -117,3 +117,21 @@ def test_an_older_adamw_step_saved_as_a_number_loads_and_steps():
     _train(twin_params, twin, seed=2)
     for x, y in zip(params, twin_params):
         assert torch.equal(x, y)
+
+
+def test_a_warmup_longer_than_the_run_is_shortened_with_a_warning_naming_the_role():
+    pytest.importorskip("transformers")
+    import equiopt
+    from equiopt.opcount import qwen3_structure
+
+    model = qwen3_structure(2, 16)
+    with pytest.warns(UserWarning, match=r"role 'vector'.*warm-up of 100 steps does not fit in total_steps=50") as seen:
+        opt, sched = equiopt.build_optimizer(model, "paper:qwen3:a-i", total_steps=50)
+    assert any("shortened to 5 steps" in str(w.message) for w in seen)
+    group = next(g for g in opt.param_groups if g.get("role") == "vector")
+    peak = group["lr"]
+    for _ in range(50):
+        opt.step()  # no gradients: nothing moves, the schedule still runs
+        sched.step()
+        peak = max(peak, group["lr"])
+    assert peak == pytest.approx(group["initial_lr"], rel=1e-9)  # the run reaches its learning rate

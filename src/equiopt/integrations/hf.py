@@ -211,7 +211,10 @@ class RecipeSchedule(TrainerCallback):
             return
         if not all(isinstance(f, _Multiplier) for f in lr_scheduler.lr_lambdas):
             total = state.max_steps if state.max_steps and state.max_steps > 0 else None
-            lr_scheduler.lr_lambdas = [make_lr_lambda(g.get("schedule"), total) for g in opt.param_groups]
+            lr_scheduler.lr_lambdas = [
+                make_lr_lambda(g.get("schedule"), total, f"param group {i} (role {g.get('role')!r})")
+                for i, g in enumerate(opt.param_groups)
+            ]
             step = lr_scheduler.last_epoch
             lrs = [base * f(step) for base, f in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
             for group, lr in zip(opt.param_groups, lrs):

@@ -12,7 +12,9 @@ reaches exactly 0 at ``step = total_steps`` and stays 0 after it.
     update ``w`` uses the full rate), then ``0.5 * (1 + cos(pi * p))`` with
     ``p = (step - w) / (T - w)`` clipped to ``[0, 1]``: 1 at ``step = w``, 0 at
     ``step = T``. Without ``T``: warmup, then constant 1. With ``T <= w`` the
-    multiplier is 0 once warmup ends.
+    multiplier would be 0 once warmup ends, never having reached 1:
+    :func:`make_lr_lambda` and :func:`build_scheduler` shorten such a warm-up to
+    ``max(1, T // 10)`` steps and warn, naming the param group, its role and both numbers.
 
 ``stable_decay`` (``stable_fraction = f``, ``total_steps = T``)
     1 for ``step < S = floor(f * T)``, then ``(T - step) / (T - S)``: 1 at
@@ -29,6 +31,7 @@ restores them; they are also picklable.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -163,7 +166,9 @@ class Constant(_Multiplier):
         return 1.0
 
 
-def make_lr_lambda(schedule: Mapping[str, Any] | None, total_steps: int | None = None) -> Callable[[int], float]:
+def make_lr_lambda(
+    schedule: Mapping[str, Any] | None, total_steps: int | None = None, where: str = "schedule"
+) -> Callable[[int], float]:
     """The lr multiplier ``step -> float`` of ``schedule`` (``None``: constant 1).
 
     See the module docstring for the formulas and for the behaviour without
@@ -174,7 +179,11 @@ def make_lr_lambda(schedule: Mapping[str, Any] | None, total_steps: int | None =
             ``{"kind": "stable_decay", "stable_fraction": 0.6}`` or
             ``{"kind": "constant"}``; missing fields take their defaults, see
             :func:`~equiopt.recipes.schema.normalize_schedule`), or None.
-        total_steps: the number of optimizer updates of the run; None: no decay.
+        total_steps: the number of optimizer updates of the run; None: no decay. A warm-up
+            that does not fit in it (``warmup_steps >= total_steps``) is shortened to a tenth
+            of the run, with a warning naming ``where`` and both numbers: otherwise the run
+            would never reach its learning rate.
+        where: what the warning calls the schedule (the param group and its role).
 
     Returns:
         A picklable multiplier (:class:`WarmupCosine`, :class:`StableDecay` or
@@ -190,7 +199,17 @@ def make_lr_lambda(schedule: Mapping[str, Any] | None, total_steps: int | None =
     sched = normalize_schedule(schedule)
     kind = sched["kind"]
     if kind == "warmup_cosine":
-        return WarmupCosine(sched["warmup_steps"], total)
+        warmup = sched["warmup_steps"]
+        if total is not None and warmup >= total:
+            short = max(1, total // 10)
+            warnings.warn(
+                f"{where}: a warm-up of {warmup} steps does not fit in total_steps={total}; "
+                f"shortened to {short} steps (a tenth of the run)",
+                UserWarning,
+                stacklevel=3,
+            )
+            warmup = short
+        return WarmupCosine(warmup, total)
     if kind == "stable_decay":
         return StableDecay(sched["stable_fraction"], total)
     return Constant()
@@ -222,10 +241,10 @@ def build_scheduler(
     lambdas = []
     for i, group in enumerate(optimizer.param_groups):
         schedule = group.get("schedule")
+        role = group.get("role")
+        where = f"param group {i}" + (f" (role {role!r})" if role is not None else "")
         try:
-            lambdas.append(make_lr_lambda(schedule, total))
+            lambdas.append(make_lr_lambda(schedule, total, where))
         except ValueError as err:
-            role = group.get("role")
-            where = f"param group {i}" + (f" (role {role!r})" if role is not None else "")
             raise ValueError(f"{where}: {err}") from None
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas, last_epoch=last_epoch)
