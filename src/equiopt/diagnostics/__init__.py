@@ -2,6 +2,7 @@
 
 from .equivariance import GROUPS, check_equivariance, random_orthogonal, random_permutation
 from .logits import LOGIT_METRIC_KEYS, logit_metrics, sample_positions, softcap
+from .replicas import check_replicas
 from .router import (
     ROUTER_METRIC_KEYS,
     RouterLogitsRecorder,
@@ -15,6 +16,7 @@ from .weights import WEIGHT_STAT_KEYS, WeightTracker
 
 __all__ = [
     "check_equivariance",
+    "check_replicas",
     "random_orthogonal",
     "random_permutation",
     "GROUPS",

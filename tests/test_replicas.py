@@ -1,0 +1,65 @@
+"""The replica check (equiopt.diagnostics.check_replicas) on two gloo ranks: tensor
+parallelism on a Qwen3 leaves q_norm / k_norm replicated with per-rank gradients."""
+
+import pytest
+import torch
+
+
+def _worker(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from equiopt.diagnostics import check_replicas
+    from equiopt.opcount import qwen3_structure
+
+    torch.manual_seed(0)
+    model = qwen3_structure(2, 32)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    # replicated everywhere (as under DDP): nothing differs, weights or gradients
+    model(input_ids=ids, labels=ids).loss.backward()
+    for p in model.parameters():  # what DDP's all-reduce leaves: the same gradient on every rank
+        dist.all_reduce(p.grad)
+    clean = check_replicas(model)
+    # a rank that drifted: named
+    with torch.no_grad():
+        model.model.norm.weight.add_(float(rank))
+    drifted = check_replicas(model, grads=False)
+    with torch.no_grad():
+        model.model.norm.weight.sub_(float(rank))
+    # tensor parallelism on the attention projections: q_norm / k_norm stay plain and replicated
+    mesh = init_device_mesh("cpu", (world,))
+    model.zero_grad(set_to_none=True)
+    plan = {
+        "q_proj": ColwiseParallel(),
+        "k_proj": ColwiseParallel(),
+        "v_proj": ColwiseParallel(),
+        "o_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, mesh, plan)
+    model(input_ids=ids, labels=ids).loss.backward()
+    trapped = check_replicas(model)
+    return clean, drifted, trapped
+
+
+@pytest.mark.slow
+def test_check_replicas_names_what_differs_across_ranks(gloo):
+    pytest.importorskip("transformers")
+    results = gloo(_worker, 2)
+    assert results[0] == results[1]  # every rank gets the same answer
+    clean, drifted, trapped = results[0]
+    assert clean == []
+    assert drifted == ["model.norm.weight"]
+    # exactly the q / k norms' gradients (their weights are still equal, and every sharded
+    # projection is a DTensor with nothing replicated)
+    assert sorted(trapped) == sorted(
+        f"model.layers.{i}.self_attn.{k}_norm.weight (grad)" for i in range(2) for k in ("q", "k")
+    ), trapped
+
+
+def test_check_replicas_needs_torch_distributed():
+    from equiopt.diagnostics import check_replicas
+
+    with pytest.raises(ValueError, match="torch.distributed"):
+        check_replicas(torch.nn.Linear(2, 2))
