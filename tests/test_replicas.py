@@ -40,6 +40,12 @@ def _worker(rank, world):
         parallelize_module(layer.self_attn, mesh, plan)
     model(input_ids=ids, labels=ids).loss.backward()
     trapped = check_replicas(model)
+    from equiopt.roles import verify_roles
+
+    report = verify_roles(model, checks=[], replicas=True)
+    replica = [c for c in report if c.kind == "replica"]
+    assert len(replica) == 1 and not replica[0].passed and not report.ok
+    assert sorted(replica[0].names) == sorted(trapped)
     return clean, drifted, trapped
 
 

@@ -243,6 +243,7 @@ def verify_roles(
     checks: Sequence[str] | None = None,
     fill_zeros: bool = True,
     raise_on_failure: bool = False,
+    replicas: bool = False,
     **role_options: Any,
 ) -> RoleReport:
     """Check that the symmetry each role of ``table`` claims holds in ``model``.
@@ -272,6 +273,9 @@ def verify_roles(
             projections, heads) with small random values while checking, so that the
             checks can see it; restored afterwards.
         raise_on_failure: raise a ValueError listing the failed checks.
+        replicas: under ``torch.distributed``, also compare every parameter and gradient that
+            should be equal on every rank (:func:`equiopt.diagnostics.check_replicas`; a
+            collective, so every rank calls it): one ``"replica"`` check naming what differs.
         **role_options: passed to :func:`assign_roles` when ``table`` is None.
 
     Weights are changed in place under ``torch.no_grad()`` with the model in eval
@@ -334,6 +338,22 @@ def verify_roles(
             0,
             f"{len(names)} all-zero parameter(s) filled with N(0, {_FILL_STD}^2) during the "
             f"checks (so that the checks can see them): {shown}",
+        )
+    if replicas:
+        from ..diagnostics.replicas import check_replicas
+
+        differ = check_replicas(model)
+        runner.results.append(
+            RoleCheck(
+                kind="replica",
+                names=tuple(differ) or ("every replicated parameter",),
+                max_change=float(len(differ)),
+                tolerance=0.0,
+                passed=not differ,
+                detail=("differ across ranks: " + ", ".join(differ))
+                if differ
+                else "parameters and gradients equal on every rank",
+            )
         )
     report = RoleReport(
         runner.results,
