@@ -593,6 +593,7 @@ def main(argv=None) -> None:
         default="float32",
         help="--stack: comma-separated gram_dtype values (float32, bfloat16) each recipe with Gram maps is timed at",
     )
+    parser.add_argument("--json", default=None, help="--stack: also write its figures to this JSON file")
     parser.add_argument(
         "--graphed", action="store_true", help="--stack: each recipe also through a CUDA graph (GraphedStep)"
     )
@@ -644,7 +645,7 @@ def main(argv=None) -> None:
     if args.stack:
         seq = args.seq or (1024 if device.type == "cuda" else 256)
         comp = {"auto": None, "on": True, "off": False}[args.compile]
-        stack(
+        table = stack(
             device,
             args.recipes.split(","),
             args.repeats or (20 if device.type == "cuda" else 7),
@@ -655,6 +656,12 @@ def main(argv=None) -> None:
             args.structure,
             args.graphed,
         )
+        if args.json:
+            import json
+
+            table.update(device=str(device), torch=torch.__version__, structure=args.structure)
+            with open(args.json, "w") as f:
+                json.dump(table, f, indent=2)
         return
     both = not (args.speed or args.accuracy)
     if args.speed or both:
