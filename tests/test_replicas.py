@@ -69,3 +69,20 @@ def test_check_replicas_needs_torch_distributed():
 
     with pytest.raises(ValueError, match="torch.distributed"):
         check_replicas(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_equiopt_roles_check_replicas_under_torchrun(torchrun):
+    """``torchrun -m equiopt roles module:builder --check-replicas``: exit 0 and "equal" for a
+    replicated model; exit 1 naming the q / k norms' gradients under tensor parallelism."""
+    pytest.importorskip("transformers")
+    import subprocess
+
+    from _launch import torchrun_command
+
+    done = torchrun("-m", "equiopt", "roles", "replica_model:replicated", "--check-replicas")
+    assert "every replicated parameter and gradient equal on every rank" in done.stdout
+    command, env = torchrun_command("-m", "equiopt", "roles", "replica_model:tensor_parallel", "--check-replicas")
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0, run.stdout[-2000:]
+    assert "model.layers.0.self_attn.q_norm.weight (grad) differs across ranks" in run.stdout, run.stdout[-3000:]

@@ -37,6 +37,33 @@ def _load_model(spec: str):
     )
 
 
+def _check_replicas(model) -> int:
+    """``equiopt roles --check-replicas``: :func:`equiopt.diagnostics.check_replicas` on every rank
+    of a ``torchrun`` launch; 1 when something differs."""
+    import os
+
+    import torch.distributed as dist
+
+    from .diagnostics import check_replicas
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise SystemExit("equiopt roles --check-replicas compares ranks: launch it with torchrun")
+        dist.init_process_group("nccl" if any(p.is_cuda for p in model.parameters()) else "gloo")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise SystemExit(
+            "equiopt roles --check-replicas needs real weights: give a module:attribute that builds the model "
+            "(parallelised as you train it), not a FAMILY:SIZE, which is built on the meta device"
+        )
+    differ = check_replicas(model)
+    if dist.get_rank() == 0:
+        if not differ:
+            print("replicas: every replicated parameter and gradient equal on every rank")
+        for name in differ:
+            print(f"replicas: {name} differs across ranks")
+    return 1 if differ else 0
+
+
 def _parse_sets(items: list[str]) -> dict:
     """``section.field=value`` overrides; values are parsed as TOML scalars when they can be."""
     from .train.config import tomllib
@@ -181,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         "--recipe", default="equiopt:default", help="recipe whose rule and lr are shown (default %(default)s)"
     )
     roles.add_argument("--no-reasons", action="store_true", help="omit the reason column")
+    roles.add_argument(
+        "--check-replicas",
+        action="store_true",
+        help="under torchrun (a module:attribute model with real weights): also compare every parameter and "
+        "gradient that should be equal on every rank, name those that differ, and exit 1 if any does",
+    )
     coord = sub.add_parser(
         "coord-check",
         help="train a few steps at several widths and show whether each role's activation and update RMS "
@@ -271,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             print(assign_roles(model).format(get_recipe(args.recipe), reasons=not args.no_reasons))
         except (ValueError, TypeError) as err:  # RoleInferenceError, an unknown recipe, not a module
             raise SystemExit(f"equiopt roles: {err}") from None
+        if args.check_replicas:
+            return _check_replicas(model)
     elif args.command == "plan":
         from . import planning
 
