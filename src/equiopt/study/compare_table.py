@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .plots import Run, _si, as_runs
+from .stats import paired_interval
 
 __all__ = ["CompareRow", "compare_rows", "compare_table", "config_key", "strip_seed_suffix", "main_table"]
 
@@ -203,13 +204,25 @@ def compare_rows(
     return rows
 
 
+def paired_differences(row: CompareRow, base: CompareRow) -> tuple[list, list, list, list, list, list, list]:
+    """``row`` against ``base`` seed by seed: ``(seeds, values, base values, differences,
+    paths, base paths, unpaired seeds)`` over the seeds both have a finite value for."""
+    by_seed = {s: (v, p) for s, v, p in zip(base.seeds, base.values, base.paths)}
+    seeds, vals, bvals, diffs, paths, bpaths, unpaired = [], [], [], [], [], [], []
+    for s, v, p in zip(row.seeds, row.values, row.paths):
+        if s not in by_seed or not math.isfinite(v) or not math.isfinite(by_seed[s][0]):
+            unpaired.append(s)
+            continue
+        b, bp = by_seed[s]
+        seeds.append(s), vals.append(v), bvals.append(b), diffs.append(v - b), paths.append(p), bpaths.append(bp)
+    return seeds, vals, bvals, diffs, paths, bpaths, unpaired
+
+
 def _separated(best: CompareRow, other: CompareRow, metric: str) -> bool:
     """Whether the paired 95 % Student-t interval of ``best - other`` (see
     :class:`~equiopt.study.paired.PairedRow`; at least two common seeds) lies strictly on
     ``best``'s side of 0."""
-    from .paired import _pair
-
-    ci = _pair(best, other, metric).ci
+    ci = paired_interval(paired_differences(best, other)[3])[2]
     if ci is None:
         return False
     return ci[0] > 0 if metric in HIGHER_IS_BETTER else ci[1] < 0
