@@ -58,9 +58,13 @@ def _check_replicas(model) -> int:
     differ = check_replicas(model)
     if dist.get_rank() == 0:
         if not differ:
-            print("replicas: every replicated parameter and gradient equal on every rank")
+            print("replicas: every replicated parameter and gradient equal on every rank", flush=True)
         for name in differ:
-            print(f"replicas: {name} differs across ranks")
+            print(f"replicas: {name} differs across ranks", flush=True)
+    # every rank done with the group before it goes: a process leaving with gloo's threads
+    # still running aborts ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
     return 1 if differ else 0
 
 
