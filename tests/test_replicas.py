@@ -6,20 +6,13 @@ import torch
 
 
 def _worker(rank, world):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from replica_model import backward, model_and_batch, shard_attention
 
     from equiopt.diagnostics import check_replicas
-    from equiopt.opcount import qwen3_structure
 
-    torch.manual_seed(0)
-    model = qwen3_structure(2, 32)
-    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    model, ids = model_and_batch()
     # replicated everywhere (as under DDP): nothing differs, weights or gradients
-    model(input_ids=ids, labels=ids).loss.backward()
-    for p in model.parameters():  # what DDP's all-reduce leaves: the same gradient on every rank
-        dist.all_reduce(p.grad)
+    backward(model, ids, all_reduce=True)
     clean = check_replicas(model)
     # a rank that drifted: named
     with torch.no_grad():
@@ -28,17 +21,9 @@ def _worker(rank, world):
     with torch.no_grad():
         model.model.norm.weight.sub_(float(rank))
     # tensor parallelism on the attention projections: q_norm / k_norm stay plain and replicated
-    mesh = init_device_mesh("cpu", (world,))
     model.zero_grad(set_to_none=True)
-    plan = {
-        "q_proj": ColwiseParallel(),
-        "k_proj": ColwiseParallel(),
-        "v_proj": ColwiseParallel(),
-        "o_proj": RowwiseParallel(),
-    }
-    for layer in model.model.layers:
-        parallelize_module(layer.self_attn, mesh, plan)
-    model(input_ids=ids, labels=ids).loss.backward()
+    shard_attention(model)
+    backward(model, ids)
     trapped = check_replicas(model)
     from equiopt.roles import verify_roles
 

@@ -233,8 +233,7 @@ class Part:
                 raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
             grads.append(g)
         present = self._mask(tuple(p.grad is not None for p in self.params)) if missing else None
-        scratch = self.scratch
-        assert scratch is not None
+        scratch = self.stacked()
         if self.spec.single:
             return grads[0], present, None
         if self.dtype == self.state_dtype and not self.flat:
