@@ -2,8 +2,11 @@
 
 On one CUDA device, in this order (each against a baseline run in the same process):
 
-- ``*_over_fused_adamw``: one 151936 x 1024 float32 embedding, each rule's eager step over
-  ``torch.optim.AdamW(fused=True)`` on the same parameter (``bench --speed``);
+- ``*_over_fused_adamw``: one 151936 x 1024 float32 embedding, each rule's step with the
+  optimizer's automatic settings (compiled cores, the fused vocabulary stages, and
+  ``gram_dtype="auto"``) over ``torch.optim.AdamW(fused=True)`` on the same parameter
+  (``bench --speed``); ``right_over_fused_adamw_by_gram_dtype`` and
+  ``hybrid_over_fused_adamw_by_gram_dtype``: the same for each Gram precision;
 - ``stack_*_over_fwd_bwd``: Qwen3-0.6B (625.8 M parameters), each recipe's step over one
   forward+backward of 8 x 1024 tokens under bf16 autocast, the best of eager, CUDA graph
   (:class:`equiopt.optim.GraphedStep`) and compiled, ``stack_mode`` naming which
@@ -115,9 +118,21 @@ def main() -> None:
         or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     )
     fig: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or None}
-    ratios = speed(device, 1, 20, torch.float32, cases=["embedding 151936x1024"])
+    # the optimizer's automatic setting, as users step: compiled cores (the fused vocabulary
+    # stages) and gram_dtype="auto"; then each Gram precision beside it
+    ratios = speed(device, 1, 20, torch.float32, compile_step=None, cases=["embedding 151936x1024"])
     for key, rule in RULES.items():
         fig[key] = round(ratios[("embedding 151936x1024", rule)], 3)
+    for name, rule in (("right", "right"), ("hybrid", "hybrid row->right")):
+        fig[f"{name}_over_fused_adamw_by_gram_dtype"] = {
+            d: round(ratios[("embedding 151936x1024", f"{rule}{suffix}")], 3)
+            for d, suffix in (
+                ("auto", ""),
+                ("float32", ", f32 products"),
+                ("bfloat16", ", bf16 Gram"),
+                ("bfloat16x6", ", bf16x6 products"),
+            )
+        }
     table = stack(device, list(RECIPES), 20, 8, 1024, False, graphed=True)
     fb = table["fwd_bwd_ms"]
     fig["fwd_bwd_ms"], fig["fused_adamw_ms"] = round(fb, 2), round(table["adamw_ms"], 3)

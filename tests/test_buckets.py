@@ -20,6 +20,7 @@ CASES = [
     ({"rule": "hybrid", "order": "right_then_row"}, [(48, 8)]),
     ({"rule": "hybrid", "order": "left_then_row", "center": True}, [(6, 32), (6, 32)]),
     ({"rule": "hybrid", "gram_dtype": "bfloat16"}, [(48, 8), (48, 8)]),
+    ({"rule": "right", "center": True, "gram_dtype": "bfloat16x6"}, [(48, 8), (48, 8)]),
     ({"rule": "adamw", "weight_decay": 0.1}, [(8,), (3, 5), (8,), (2,)]),
     ({"rule": "adamw"}, [(300, 260), (300, 260)]),  # large: stacked by shape
 ]

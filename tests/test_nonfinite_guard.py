@@ -19,6 +19,8 @@ RULES = [
     {"rule": "hybrid", "order": "right_then_row", "scale": "rms"},
     {"rule": "right", "gram_dtype": "bfloat16"},
     {"rule": "hybrid", "gram_dtype": "bfloat16"},
+    {"rule": "hybrid", "gram_dtype": "bfloat16x6"},
+    {"rule": "left", "center": True, "gram_dtype": "bfloat16x6"},
 ]
 
 
@@ -77,10 +79,11 @@ def test_raise_names_the_parameter_for_a_gradient_beyond_the_limit():
         {"rule": "right"},
         {"rule": "hybrid"},
         {"rule": "hybrid", "gram_dtype": "bfloat16"},
+        {"rule": "hybrid", "gram_dtype": "bfloat16x6"},
         {"rule": "row"},
         {"rule": "spectral"},
     ],
-    ids=["right", "hybrid", "hybrid-bf16", "row", "spectral"],
+    ids=["right", "hybrid", "hybrid-bf16", "hybrid-bf16x6", "row", "spectral"],
 )
 def test_a_non_finite_update_from_a_usable_gradient_is_not_added(settings, monkeypatch):
     """The last guard: a map that returns NaN (here forced) adds nothing to the weights,

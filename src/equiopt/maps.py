@@ -34,7 +34,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .linalg import inv_sqrt, polar
-from .linalg.products import mm
+from .linalg.products import OUT_DTYPE_MM, mm, split, split_gram, split_times
 
 EtaRule = str | Callable[[torch.Tensor], torch.Tensor]
 ETA_RULES = ("inverse", "normalize", "rms")
@@ -122,9 +122,10 @@ class Factored(NamedTuple):
     ``right`` ``(..., n, n)`` and ``shift`` ``(..., 1, n)`` are optional; ``left`` and
     ``right`` are never both set, and ``row`` comes alone or with ``right`` (the hybrid's
     row-normalised stage left unformed, see :func:`hybrid_factored`). ``low``, when set,
-    is ``x`` rounded to a low precision (``gram_dtype="bfloat16"``): the product with
-    ``left`` or ``right`` is then taken in that precision (float32 accumulation), see
-    :func:`low_product`.
+    is ``x`` in the precision of the product with ``left`` or ``right``: rounded to
+    bfloat16 (``gram_dtype="bfloat16"``, float32 accumulation, see :func:`low_product`),
+    or its three bfloat16 parts side by side, ``(..., m, 3 n)`` (``"bfloat16x6"``, a
+    float32-accurate product, see :mod:`equiopt.linalg.products`).
     """
 
     x: torch.Tensor
@@ -135,19 +136,46 @@ class Factored(NamedTuple):
     low: torch.Tensor | None = None
 
 
-GRAM_DTYPES = ("float32", "bfloat16")
+GRAM_DTYPES = ("auto", "float32", "bfloat16", "bfloat16x6")
 
-# torch.mm / torch.bmm with out_dtype: low-precision operands, a float32 result (CUDA)
-_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
+# "auto" takes the split products on CUDA for matrices whose smaller side reaches this: the
+# products then dominate the map (a few small ones stay at float32, whose launches are fewer)
+AUTO_SPLIT_MIN = 512
+
+_OUT_DTYPE_MM = OUT_DTYPE_MM
+
+
+def gram_precision(x: torch.Tensor, gram_dtype: str | None) -> str:
+    """The precision the one-sided maps' products of ``x`` run at: ``"float32"`` (strict, the
+    compute dtype: float64 inputs stay float64), ``"bfloat16"`` or ``"bfloat16x6"``.
+
+    ``gram_dtype``: one of :data:`GRAM_DTYPES`, or None for ``"float32"``. ``"auto"`` is the
+    fastest precision within 0.5 % of float64 at condition numbers up to 1e3: the split
+    products (:mod:`equiopt.linalg.products`) on CUDA, where they run on tensor cores, for
+    matrices whose smaller side is at least :data:`AUTO_SPLIT_MIN`; strict float32 elsewhere.
+    """
+    if gram_dtype not in (None, *GRAM_DTYPES):
+        raise ValueError(f"unknown gram_dtype {gram_dtype!r}; valid: {', '.join(GRAM_DTYPES)}")
+    if gram_dtype in (None, "float32") or x.dtype == torch.float64:
+        return "float32"
+    if gram_dtype == "auto":
+        wide = min(x.shape[-2:]) >= AUTO_SPLIT_MIN
+        return "bfloat16x6" if x.is_cuda and OUT_DTYPE_MM and wide else "float32"
+    return gram_dtype
 
 
 def _low(x: torch.Tensor, gram_dtype: str | None) -> torch.Tensor | None:
-    """``x`` in the Gram precision, or None for float32 (or wider) Grams."""
-    if gram_dtype in (None, "float32") or x.dtype == torch.float64:
+    """``x`` in the Gram precision: None for float32 (or wider), ``x`` rounded to bfloat16,
+    or its three bfloat16 parts side by side (:func:`~equiopt.linalg.products.split`)."""
+    precision = gram_precision(x, gram_dtype)
+    if precision == "float32":
         return None
-    if gram_dtype != "bfloat16":
-        raise ValueError(f"unknown gram_dtype {gram_dtype!r}; valid: {', '.join(GRAM_DTYPES)}")
-    return x.to(torch.bfloat16)
+    return x.to(torch.bfloat16) if precision == "bfloat16" else split(x)
+
+
+def _is_split(low: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``low`` holds the split parts of ``x`` (not ``x`` rounded once)."""
+    return low.shape[-1] != x.shape[-1]
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -204,10 +232,15 @@ def materialize(f: Factored) -> torch.Tensor:
         if f.shift is not None:
             return torch.addcmul(-f.shift, f.x, f.row)
         return f.x * f.row
-    if f.right is not None:
-        u = mm(f.x, f.right) if f.low is None else low_times(f.low, f.right)
-    elif f.left is not None:
-        u = mm(f.left, f.x) if f.low is None else low_times(f.low, f.left, right=False)
+    if f.right is not None or f.left is not None:
+        right = f.right is not None
+        factor = f.right if right else f.left
+        assert factor is not None
+        if f.low is None:
+            u = mm(f.x, factor) if right else mm(factor, f.x)
+        else:
+            times = split_times if _is_split(f.low, f.x) else low_times
+            u = times(f.low, factor, right=right)
     else:
         return f.x if f.shift is None else f.x - f.shift
     u = u.to(f.x.dtype)
@@ -494,7 +527,10 @@ def _one_sided(
     ``x R`` is taken in bfloat16 too; the inverse square root, ``nu`` and the shift stay in
     float32. The rounding of ``x`` costs accuracy in the directions of its small singular
     values: the relative error grows like ``2^-9`` times the condition number (docs: "Gram
-    precision").
+    precision"). ``"bfloat16x6"``: the Gram, every product of the inverse square root and
+    the final product from six bfloat16 products each (four for the Gram) of ``x``'s three
+    bfloat16 parts: float32's accuracy on tensor cores (:mod:`equiopt.linalg.products`).
+    ``"auto"``: see :func:`gram_precision`.
     """
     _check_settings(scale, damping)
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
@@ -507,13 +543,23 @@ def _one_sided(
     if method == "gram_newton_schulz":
         return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows)
     low = _low(x, gram_dtype)
+    split_products = low is not None and _is_split(low, x)
     if left:
-        C = mm(x, x.mT) if low is None else low_product(low, low.mT)
+        if low is None:
+            C = mm(x, x.mT)
+        else:
+            C = split_gram(low, left=True) if split_products else low_product(low, low.mT)
     else:
         part = _take(reducer, x if low is None else low)
-        C = mm(part.mT, part) if low is None else low_product(part.mT, part)
+        if low is None:
+            C = mm(part.mT, part)
+        else:
+            C = split_gram(part) if split_products else low_product(part.mT, part)
 
-    R = _small_factor(C, reducer, m, n, left, centered, eps, alpha, method, steps, damping, scale, rows, x.dtype)
+    products = "bfloat16x6" if split_products else "float32"
+    R = _small_factor(
+        C, reducer, m, n, left, centered, eps, alpha, method, steps, damping, scale, rows, x.dtype, products
+    )
     if left:
         return Factored(x, left=R, shift=R.mean(dim=-2, keepdim=True) @ x if centered else None, low=low)
     return Factored(x, right=R, shift=_col_mean(x, reducer) @ R if centered else None, low=low)
@@ -541,6 +587,7 @@ def _small_factor(
     scale: str,
     rows: torch.Tensor | None,
     dtype: torch.dtype,
+    products: str = "float32",
 ) -> torch.Tensor:
     """The one-sided maps' small factor from the Gram ``C`` (this rank's partial sums of a
     right Gram when ``reducer`` is set): ``nu^alpha (C + eps I)^(-1/2)``, or the factor of
@@ -557,7 +604,7 @@ def _small_factor(
             # 1-perp (the paper's inverse square root "on the centred expert subspace") and
             # spares the iteration the eps^(-1/2) eigenvalue that would amplify rounding.
             A = C + (trace[..., None, None] / m / m) * torch.ones_like(C)
-        R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps).to(dtype)
+        R = inv_sqrt(A, _damping(trace, eps, half, damping, min(m, n)), method, steps, products=products).to(dtype)
         factor = half
         if alpha != 0 or scale != "nu":
             nu = (C * R.mT).sum(dim=(-2, -1))  # of the normalised Gram; tr(C R) of D's is nu / half
@@ -662,8 +709,9 @@ def one_sided_factored(
         centered_input: ``D`` already has zero column means (``centred_input=``: the
             deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
-        gram_dtype: ``"float32"`` (default) or ``"bfloat16"``: the precision of the Gram
-            and of the final product (see :func:`_one_sided`).
+        gram_dtype: the precision of the Gram, the inverse square root and the final
+            product: one of :data:`GRAM_DTYPES`, None for ``"float32"`` (see
+            :func:`gram_precision` and :func:`_one_sided`).
 
     Returns:
         The update as a :class:`Factored`.
@@ -708,8 +756,9 @@ def right_spectral(
         gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
         scale: ``"nu"`` (``nu^alpha``) or ``"rms"`` (an update of RMS about 1).
         damping: ``"relative"`` (default) or ``"absolute"``.
-        gram_dtype: ``"float32"`` (default) or ``"bfloat16"`` (the Gram and the final
-            product from bfloat16 operands; see :func:`_one_sided` for what it costs).
+        gram_dtype: the precision of the Gram, the inverse square root and the final
+            product: one of :data:`GRAM_DTYPES`, None for ``"float32"`` (see
+            :func:`gram_precision`; :func:`_one_sided` for what each costs).
 
     Returns:
         The update, of ``D``'s shape and dtype.
@@ -750,7 +799,7 @@ def left_spectral(
         gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
         scale: ``"nu"`` or ``"rms"``.
         damping: ``"relative"`` (default) or ``"absolute"``.
-        gram_dtype: ``"float32"`` (default) or ``"bfloat16"``, as in :func:`right_spectral`.
+        gram_dtype: the products' precision, as in :func:`right_spectral`.
 
     Returns:
         The update, of ``D``'s shape and dtype.
@@ -833,8 +882,8 @@ def hybrid(
         gram: ``"auto"``, ``"right"`` or ``"left"``: the Gram matrix formed.
         scale: ``"nu"`` or ``"rms"``.
         damping: ``"relative"`` (default) or ``"absolute"``.
-        gram_dtype: ``"float32"`` (default) or ``"bfloat16"``: the precision of the
-            one-sided stage's Gram and product, as in :func:`right_spectral`.
+        gram_dtype: the precision of the one-sided stage's products, as in
+            :func:`right_spectral`.
 
     Returns:
         The update, of ``D``'s shape and dtype.
@@ -911,7 +960,7 @@ def _unformed_stage(x: torch.Tensor, gram: str, method: str, gram_dtype: str | N
     return (
         gram_side(m, x.shape[-1], gram) == "right"
         and method != "gram_newton_schulz"
-        and _low(x, gram_dtype) is None
+        and gram_precision(x, gram_dtype) == "float32"
         and not _compiling()
     )
 
@@ -1013,7 +1062,7 @@ def hybrid_factored(
         centered_input: ``D`` already has zero column means (``centred_input=``: the
             deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
-        gram_dtype: ``"float32"`` (default) or ``"bfloat16"`` (the one-sided stage).
+        gram_dtype: the precision of the one-sided stage's products (see :func:`right_spectral`).
 
     Returns:
         The update as a :class:`Factored`.
@@ -1069,6 +1118,7 @@ __all__ = [
     "DAMPINGS",
     "GRAM_DTYPES",
     "low_product",
+    "gram_precision",
     "row_blocks",
     "row_scaled_blocks",
     "low_times",

@@ -197,8 +197,16 @@ def _dtype(value: Any, rule: str) -> Any:
 
 
 def _gram_dtype(value: Any, rule: str) -> str:
-    """``"float32"`` or ``"bfloat16"``, from a name or a torch dtype (``"bf16"``, ``torch.bfloat16``)."""
-    dtype = _dtype(value, rule) if value is not None else None
+    """One of :data:`equiopt.maps.GRAM_DTYPES`, from its name or a torch dtype (``"bf16"``,
+    ``torch.bfloat16``); None is ``"auto"``."""
+    if value is None:
+        return "auto"
+    if isinstance(value, str) and value.strip().lower() in maps.GRAM_DTYPES:
+        return value.strip().lower()
+    try:
+        dtype = _dtype(value, rule)
+    except ValueError:
+        raise ValueError(f"expected one of {', '.join(maps.GRAM_DTYPES)}, got {value!r}") from None
     name = "float32" if dtype is None else str(dtype).removeprefix("torch.")
     if name not in maps.GRAM_DTYPES:
         raise ValueError(f"expected one of {', '.join(maps.GRAM_DTYPES)}, got {value!r}")
@@ -307,10 +315,12 @@ FIELDS: dict[str, Field] = {
         Field(
             "gram_dtype",
             _GRAM_RULES,
-            "float32",
+            "auto",
             _gram_dtype,
-            "precision of the Gram and the final product: float32, or bfloat16 (float32 accumulation; "
-            "safe to condition numbers of about 100, see the docs)",
+            "precision of the Gram, inverse square root and final product: float32; bfloat16x6 "
+            "(float32's accuracy from six bfloat16 tensor-core products each); bfloat16 (one "
+            "rounding, safe to condition numbers of about 100); auto (bfloat16x6 on CUDA for "
+            "matrices of 512 and more, float32 elsewhere)",
             optional=True,
         ),
         Field("betas", ("adamw", "torch_adamw"), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),

@@ -56,7 +56,7 @@ class MapKey(NamedTuple):
     polar_dtype: torch.dtype | None
     scale: str
     damping: str
-    gram_dtype: str = "float32"
+    gram_dtype: str = "auto"
 
 
 def map_key(group: dict) -> MapKey:
@@ -75,7 +75,7 @@ def map_key(group: dict) -> MapKey:
         polar_dtype=group.get("polar_dtype"),
         scale=group["scale"],
         damping=group.get("damping", "relative"),
-        gram_dtype=group.get("gram_dtype") or "float32",
+        gram_dtype=group.get("gram_dtype") or "auto",
     )
 
 
