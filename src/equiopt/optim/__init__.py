@@ -1,6 +1,6 @@
 """The optimizer engine and the paper's presets."""
 
-from .engine import EquivariantOptimizer, NonFiniteGradientError
+from .engine import EquivariantOptimizer, NonFiniteGradientError, UnsupportedTensorError
 from .fields import FIELDS, LR_SCALES, MATRIX_RULES, RULE_DEFAULTS, RULE_FIELDS, RULES
 from .graphed import GraphedStep
 from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
@@ -8,6 +8,7 @@ from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, Ro
 __all__ = [
     "EquivariantOptimizer",
     "NonFiniteGradientError",
+    "UnsupportedTensorError",
     "GraphedStep",
     "Muon",
     "RightPolarGradM",

@@ -229,7 +229,7 @@ class Part:
                 g = self._zeros.get(p.shape)
                 if g is None:
                     g = self._zeros[p.shape] = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
-            elif g.is_sparse:
+            elif g.layout != torch.strided:  # (the step refuses these first, by rule and name)
                 raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
             grads.append(g)
         present = self._mask(tuple(p.grad is not None for p in self.params)) if missing else None

@@ -12,7 +12,7 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -76,6 +76,44 @@ def _host_side(fn):
 
 class NonFiniteGradientError(FloatingPointError, ValueError):
     """Raised for a NaN/Inf gradient when a group's ``nonfinite="raise"``."""
+
+
+class UnsupportedTensorError(ValueError, RuntimeError):
+    """A parameter or gradient a rule cannot step: a complex parameter of a matrix rule, a
+    sparse gradient. A :class:`RuntimeError`, as torch's own optimizers raise for these,
+    and a :class:`ValueError`, as every other check of a parameter here."""
+
+
+#: Rules that step complex parameters, as torch's AdamW and SGD do: as their real views
+#: (``torch.view_as_real``), every operation being element-wise.
+COMPLEX_RULES = ("adamw", "sgd", "torch_adamw")
+
+#: torch's optimizer flags that would change what a step computes; this optimizer does not
+#: offer them, so a param group asking for one is refused rather than silently ignored.
+_UNOFFERED_FLAGS = {
+    "maximize": "minimise the negated loss instead",
+    "differentiable": "the step runs under torch.no_grad and is not differentiable",
+}
+
+
+def _default_names(where: str, count: int) -> list[str]:
+    """The names of a param group's parameters when it gives none: their places."""
+    return [f"{where}.params[{j}]" for j in range(count)]
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's real view (a trailing dimension of 2), any other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _check_flags(group: dict, where: str) -> None:
+    """Refuse torch's ``maximize=True`` and ``differentiable=True`` in a param group, by name."""
+    for flag, instead in _UNOFFERED_FLAGS.items():
+        if group.get(flag):
+            raise ValueError(
+                f"{where}, field {flag!r}: EquivariantOptimizer does not offer {flag}=True ({instead}); "
+                f"leave it out or set it to False"
+            )
 
 
 class EquivariantOptimizer(Optimizer):
@@ -192,9 +230,17 @@ class EquivariantOptimizer(Optimizer):
         cost_model: how sharded and replicated maps choose their plan (name or ``CostModel``).
         overlap: start owner exchanges and broadcasts asynchronously, in waves.
 
+    Complex parameters: the element-wise rules (``adamw``, ``sgd``) step them as their real
+    views (``torch.view_as_real``), as torch's AdamW and SGD do, with complex state; the
+    matrix rules refuse them (:class:`UnsupportedTensorError`). torch's ``maximize`` and
+    ``differentiable`` are not offered: a param group setting either to True is refused.
+
     Raises:
         ValueError: an unknown setting value, a parameter the rule cannot step, or placements that
             cannot be supported, each naming the group, setting or parameter.
+        UnsupportedTensorError: a complex parameter of a matrix rule (also a ValueError and a
+            RuntimeError, as torch's Muon raises for it).
+        TypeError: ``params`` a tensor or a set, as torch's optimizers refuse them.
     """
 
     def __init__(
@@ -229,6 +275,13 @@ class EquivariantOptimizer(Optimizer):
         cost_model: Any = None,
         overlap: bool = True,
     ):
+        if isinstance(params, (set, frozenset)):
+            # torch refuses a set in a param group; at the top its order would decide the
+            # positions that state dicts and names refer to just the same
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the ordering of "
+                "tensors in sets will change between runs: pass a list (or model.named_parameters())"
+            )
         self.state_dtype = state_dtype
         resolve_cost_model(cost_model)  # an unknown name fails here, by name
         self.cost_model = cost_model
@@ -301,12 +354,13 @@ class EquivariantOptimizer(Optimizer):
     def _prepare_group(self, group: dict, index: int) -> None:
         where = f"param_groups[{index}]"
         validate_group(group, where)
+        _check_flags(group, where)
         params = group["params"]
         names = group.get("names")
         if names is None:
             names = group.get("param_names")  # torch's, from named_parameters()
         if names is None:
-            names = [f"{where}.params[{j}]" for j in range(len(params))]
+            names = _default_names(where, len(params))
         elif len(names) != len(params):
             raise ValueError(f"{where}: 'names' has {len(names)} entries for {len(params)} parameters")
         group["names"] = list(names)
@@ -314,12 +368,22 @@ class EquivariantOptimizer(Optimizer):
         if per_param is not None and len(per_param) != len(params):
             raise ValueError(f"{where}: 'layouts' has {len(per_param)} entries for {len(params)} parameters")
         layouts = []
+        rule = group["rule"]
         for j, p in enumerate(params):
-            if not p.is_floating_point():
+            if p.is_complex():
+                if rule not in COMPLEX_RULES:
+                    raise UnsupportedTensorError(
+                        f"rule {rule!r} does not support complex parameters: parameter {names[j]!r} has dtype "
+                        f"{p.dtype} (its maps act on real matrices); give it rule 'adamw' or 'sgd', which step "
+                        "complex parameters as their real views, or optimise its real and imaginary parts"
+                    )
+                if group["lazy"]:
+                    raise ValueError(f"parameter {names[j]!r} has dtype {p.dtype}: lazy=True needs real parameters")
+            elif not p.is_floating_point():
                 raise ValueError(
-                    f"parameter {names[j]!r} has dtype {p.dtype}: EquivariantOptimizer steps real "
-                    "floating-point tensors only (float64, float32, bfloat16, float16), not complex "
-                    "or integer ones"
+                    f"parameter {names[j]!r} has dtype {p.dtype}: EquivariantOptimizer steps floating-point "
+                    "tensors (float64, float32, bfloat16, float16; complex ones with rule 'adamw' or 'sgd'), "
+                    "not integer or boolean ones"
                 )
             # unsupported placements (Partial, non-contiguous splits) fail here, by name
             sharding = self._shardings[id(p)] = describe_sharding(p, names[j])
@@ -334,7 +398,8 @@ class EquivariantOptimizer(Optimizer):
                 if p.ndim < 2:
                     raise ValueError(
                         f"parameter {names[j]!r} has shape {tuple(p.shape)}: rule {group['rule']!r} needs a matrix "
-                        f"(2-D or more); give vectors and scalars rule 'adamw' or 'sgd'"
+                        f"(it only supports parameters of 2 or more dimensions); give vectors and scalars rule "
+                        "'adamw' or 'sgd'"
                     )
                 layout.check(tuple(p.shape), names[j])
                 _check_views(p, layout, names[j])
@@ -359,9 +424,13 @@ class EquivariantOptimizer(Optimizer):
         return state
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        if self.state_dtype is not None:
-            return self.state_dtype
-        return torch.float64 if p.dtype == torch.float64 else torch.float32
+        """The dtype of ``p``'s momentum and moments: ``state_dtype``, or float32 (float64 for
+        float64 parameters); for a complex parameter the complex dtype of that precision."""
+        wide = p.dtype in (torch.float64, torch.complex128)
+        dtype = self.state_dtype or (torch.float64 if wide else torch.float32)
+        if p.is_complex():
+            return torch.complex128 if dtype == torch.float64 else torch.complex64
+        return dtype
 
     @property
     def divides_work(self) -> bool:
@@ -375,7 +444,7 @@ class EquivariantOptimizer(Optimizer):
         The counts live on the device, one per parameter (``state[p]["nonfinite"]``, so
         every checkpoint format keeps them); reading this property reads them back.
         """
-        counts = [st["nonfinite"] for st in self.state.values() if "nonfinite" in st]
+        counts = [st["nonfinite"] for st in self.state.values() if isinstance(st, dict) and "nonfinite" in st]
         return int(torch.stack([c.detach().cpu() for c in counts]).sum()) if counts else 0
 
     @property
@@ -422,7 +491,11 @@ class EquivariantOptimizer(Optimizer):
         All or nothing: every group's settings and layouts and every state tensor's shape are
         checked before anything changes, so a refused load leaves the optimizer as it was.
         Older formats load: a state dict from before a setting existed keeps this optimizer's
-        value, and an AdamW ``step`` saved as a number becomes a tensor.
+        value, and an AdamW ``step`` saved as a number becomes a tensor. The hooks of
+        :meth:`register_load_state_dict_pre_hook` run first, once, as torch runs them (so a
+        hook may convert a state dict the checks would refuse), then the checks. Parameter
+        names given to this optimizer (``names``, or ``named_parameters()``) stay its own; one
+        built without names takes the saved ones.
 
         Args:
             state_dict: from :meth:`state_dict` (also of an earlier version of this optimizer).
@@ -431,6 +504,10 @@ class EquivariantOptimizer(Optimizer):
             ValueError: a group, layout or state tensor that does not fit, naming it.
         """
         sd = dict(state_dict)
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            changed = hook(self, sd)
+            if changed is not None:
+                sd = dict(changed)
         sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
         skips = sd.pop("nonfinite_updates", None)
         groups = [dict(g) for g in sd["param_groups"]]
@@ -447,9 +524,24 @@ class EquivariantOptimizer(Optimizer):
                 if key != "params":
                     group.setdefault(key, value)  # a state_dict from before a setting existed: keep this one's
             validate_group(group, where)
+            _check_flags(group, where)
+            saved_names = group.get("names")
+            if (
+                own["names"] != _default_names(where, len(own["params"]))
+                or not saved_names
+                or len(saved_names) != len(own["params"])
+            ):
+                group["names"] = own["names"]  # this optimizer's names describe its parameters
+            else:
+                group["names"] = list(saved_names)
             layouts = []
             for j, (spec, p) in enumerate(zip(group["layouts"], own["params"])):
-                name = group["names"][j] if group.get("names") else f"{where}.params[{j}]"
+                name = group["names"][j]
+                if p.is_complex() and group["rule"] not in COMPLEX_RULES:
+                    raise UnsupportedTensorError(
+                        f"{where}: rule {group['rule']!r} does not support complex parameters: parameter "
+                        f"{name!r} has dtype {p.dtype}"
+                    )
                 try:
                     layout = parse_layout(spec)
                     if group["rule"] in MATRIX_RULES:
@@ -481,7 +573,12 @@ class EquivariantOptimizer(Optimizer):
             device = next((p.device for g in self.param_groups for p in g["params"]), skips.device)
             self._update_skips = skips.detach().to(device=device, dtype=torch.float32, copy=True)
         self._buckets, self._eligible = None, {}
-        super().load_state_dict(sd)
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # they ran above
+        try:
+            super().load_state_dict(sd)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
         # torch casts floating state to each parameter's dtype; keep the saved dtypes
         # (float32 moments of bfloat16 parameters) so a round trip is exact, and keep
         # the counters on the parameter's device so the step never mixes devices.
@@ -538,11 +635,16 @@ class EquivariantOptimizer(Optimizer):
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            UnsupportedTensorError: a sparse gradient (a RuntimeError, as torch's optimizers
+                raise), naming the rule and parameter; checked before anything is stepped.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_gradients()
         self._step_peers()
         self._refresh_buckets()
         lrs = self._lr_tensors()
@@ -591,7 +693,12 @@ class EquivariantOptimizer(Optimizer):
             return []
         out = []
         for j, p in enumerate(group["params"]):
-            if p.numel() == 0 or self._sharding(p).kind != "local" or type(p.data) is not torch.Tensor:
+            if (
+                p.numel() == 0
+                or p.is_complex()  # stepped as its real view, on the per-parameter path
+                or self._sharding(p).kind != "local"
+                or type(p.data) is not torch.Tensor
+            ):
                 continue
             if rule != "adamw" and group["layouts"][j].num_blocks != 1:
                 continue
@@ -615,6 +722,20 @@ class EquivariantOptimizer(Optimizer):
         self._buckets = make_buckets(
             [(g, self._stackable(g)) for g in self.param_groups], self.state, self._state_dtype
         )
+
+    @_host_side
+    def _check_gradients(self) -> None:
+        """Refuse sparse gradients, by rule and parameter name, before anything is stepped
+        (torch's optimizers raise a RuntimeError for those they do not support)."""
+        for group in self.param_groups:
+            for j, p in enumerate(group["params"]):
+                grad = p.grad
+                if grad is not None and grad.layout != torch.strided:
+                    raise UnsupportedTensorError(
+                        f"rule {group['rule']!r} does not support sparse gradients: parameter "
+                        f"{group['names'][j]!r} has a gradient of layout {grad.layout}; make it dense "
+                        "(p.grad = p.grad.to_dense(), or nn.Embedding(sparse=False))"
+                    )
 
     @_host_side
     def _step_peers(self) -> None:
@@ -691,10 +812,7 @@ class EquivariantOptimizer(Optimizer):
                 continue
             params = [group["params"][j] for j in live]
             names = [group["names"][j] for j in live]
-            for p, name in zip(params, names):
-                if p.grad.is_sparse:
-                    raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
-            flags = finite_flags([local(p.grad) for p in params])
+            flags = finite_flags([_real(local(p.grad)) for p in params])
             flags = global_flags(flags, [self._sharding(p) for p in params])
             if group["nonfinite"] == "raise":
                 self._raise_nonfinite(flags, names)
@@ -728,7 +846,7 @@ class EquivariantOptimizer(Optimizer):
         """Per parameter, its finite flag as a 0-d tensor in its state dtype (for step
         sizes) and in float32 (for the counters)."""
         ok32 = flags.to(torch.float32)
-        wide = [self._state_dtype(p) == torch.float64 for p in params]
+        wide = [self._state_dtype(p) in (torch.float64, torch.complex128) for p in params]
         ok64 = flags.to(torch.float64) if any(wide) else None
         per_param = [ok64[k] if w and ok64 is not None else ok32[k] for k, w in enumerate(wide)]
         return per_param, list(ok32.unbind(0))
@@ -774,8 +892,8 @@ class EquivariantOptimizer(Optimizer):
         shape and mode; under ``divide_work`` the matrix-product maps of plain parameters are
         divided among the replicas) or in ``whole`` (split work that needs whole matrices).
         """
-        buf = local(state["momentum_buffer"])
-        grad = sanitize(local(p.grad), buf.dtype)
+        buf = _real(local(state["momentum_buffer"]))
+        grad = sanitize(_real(local(p.grad)), buf.dtype)
         direction = momentum_(buf, grad, okf, group["beta"], group["nesterov"])
         sharding = self._sharding(p)
         layout = group["layouts"][j]
@@ -783,7 +901,7 @@ class EquivariantOptimizer(Optimizer):
         how = self.plan_of(group, layout, sharding, key)
         if group["lazy"]:
             direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
-        p = local(p)
+        p = _real(local(p))
         decay_(p, lr, group["weight_decay"], okf)
         if group["rule"] == "sgd":
             p.add_((direction * (-lr * okf)).to(p.dtype))
@@ -879,17 +997,19 @@ class EquivariantOptimizer(Optimizer):
         return layout.to_work_list(p.detach())
 
     def _adamw(self, group: dict, lr, params: list, states: list, okfs: list) -> None:
-        """AdamW with bias correction and decoupled decay, with torch's foreach kernels."""
+        """AdamW with bias correction and decoupled decay, with torch's foreach kernels (a
+        complex parameter, its gradient and moments as their real views)."""
         buckets: dict[tuple, list] = defaultdict(list)
         for k, (p, st) in enumerate(zip(params, states)):
-            buckets[(p.dtype, p.device, st["exp_avg"].dtype)].append((local(p), st, okfs[k], local(p.grad)))
+            w, m, v = _real(local(p)), _real(local(st["exp_avg"])), _real(local(st["exp_avg_sq"]))
+            buckets[(w.dtype, w.device, m.dtype)].append((w, (m, v, st["step"]), okfs[k], _real(local(p.grad))))
         for (_, _, s_dtype), items in buckets.items():
             adamw_(
-                [p for p, _, _, _ in items],
+                [w for w, _, _, _ in items],
                 [sanitize(g, s_dtype) for _, _, _, g in items],
-                [local(st["exp_avg"]) for _, st, _, _ in items],
-                [local(st["exp_avg_sq"]) for _, st, _, _ in items],
-                [st["step"] for _, st, _, _ in items],
+                [m for _, (m, _, _), _, _ in items],
+                [v for _, (_, v, _), _, _ in items],
+                [step for _, (_, _, step), _, _ in items],
                 [okf.to(s_dtype) for _, _, okf, _ in items],
                 lr,
                 group["betas"],
@@ -898,4 +1018,11 @@ class EquivariantOptimizer(Optimizer):
             )
 
 
-__all__ = ["EquivariantOptimizer", "NonFiniteGradientError", "ELEMENTWISE_RULES", "MATRIX_RULES"]
+__all__ = [
+    "EquivariantOptimizer",
+    "NonFiniteGradientError",
+    "UnsupportedTensorError",
+    "COMPLEX_RULES",
+    "ELEMENTWISE_RULES",
+    "MATRIX_RULES",
+]

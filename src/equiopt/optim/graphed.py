@@ -100,6 +100,7 @@ class GraphedStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            opt._check_gradients()
             opt._step_peers()
             opt._refresh_buckets()
             opt._last_flags = opt._step_impl(opt._lr_tensors())
@@ -129,7 +130,8 @@ class GraphedStep:
         return graph
 
     def _state_pointers(self) -> list[int]:
-        return [t.data_ptr() for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+        states = [st for st in self.optimizer.state.values() if isinstance(st, dict)]
+        return [t.data_ptr() for st in states for t in st.values() if torch.is_tensor(t)]
 
     def _check(self) -> None:
         opt = self.optimizer
