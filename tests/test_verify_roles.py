@@ -362,3 +362,21 @@ def test_float64_model_uses_a_float64_tolerance():
     assert report.dtype == torch.float64
     assert all(c.tolerance < 1e-7 for c in report)
     assert not verify_roles(model, rules={r"layers\.1\.mlp\.up_proj": "attention"}, checks=["neuron"]).ok
+
+
+def test_entry_modules_keep_their_import_paths():
+    """roles.infer and roles.verify are the entry modules: the names other modules import
+    from them are the ones in roles.inference and roles.checks."""
+    from equiopt.roles import checks, infer, inference, verify
+    from equiopt.roles.infer import _CONVS, _input_embedding, _rule_table
+
+    assert infer.assign_roles is eo.roles.assign_roles and verify.verify_roles is eo.roles.verify_roles
+    assert infer.RoleInferenceError is inference.errors.RoleInferenceError is eo.roles.RoleInferenceError
+    assert infer.ModelDims is eo.roles.ModelDims and infer.model_dims is eo.roles.model_dims
+    assert (
+        verify.RoleReport is checks.report.RoleReport and verify.DEFAULT_TOLERANCES is checks.report.DEFAULT_TOLERANCES
+    )
+    assert _CONVS is inference.storage._CONVS and _input_embedding is inference.embeddings._input_embedding
+    assert _rule_table is inference.rules._rule_table
+    runner = object.__new__(verify._Runner)  # one method a kind, in the order of CHECK_KINDS
+    assert tuple(runner.checks()) == CHECK_KINDS

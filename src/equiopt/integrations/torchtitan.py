@@ -460,7 +460,7 @@ def equiopt_config(
     if overrides:
         rec.with_overrides(overrides)
     if rules:
-        from ..roles.infer import _rule_table
+        from ..roles.inference.rules import _rule_table
 
         _rule_table(rules)
     if param_groups is None:

@@ -113,9 +113,7 @@ class RoleTable(list):
             if reasons:
                 cells.append(r.reason)
             lines.append(cells)
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)] if lines else [len(h) for h in header]
-        fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-        out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines]
+        out = _columns(header, lines)
         counts = {role: sum(r.param.numel() for r in rows) for role, rows in self.by_role().items() if rows}
         out.append("")
         out.append("parameters by role: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
@@ -135,3 +133,10 @@ def _merge(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     if len(shapes) > 1 and all(s == shapes[0] for s in shapes):
         return [(len(shapes), *shapes[0])]
     return shapes
+
+
+def _columns(header: list[str], rows: list[list]) -> list[str]:
+    """A text table: the header, a rule of dashes, then one line a row, columns aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in rows]
