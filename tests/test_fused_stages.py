@@ -15,6 +15,7 @@ STAGES = [
     {"rule": "row"},
     {"rule": "row", "center": True},
     {"rule": "hybrid", "order": "row_then_right", "gram_dtype": "float32"},
+    {"rule": "hybrid", "order": "row_then_right", "center": True, "gram_dtype": "bfloat16x6"},
 ]
 
 
@@ -34,7 +35,7 @@ def _steps(settings, compile_setting, grads, counter=None):
     return p.detach().clone(), opt
 
 
-@pytest.mark.parametrize("settings", STAGES, ids=["row", "row-centred", "hybrid"])
+@pytest.mark.parametrize("settings", STAGES, ids=["row", "row-centred", "hybrid", "hybrid-centred-bf16x6"])
 def test_compiled_vocabulary_stage_equals_eager_and_is_fused(settings):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(1)

@@ -103,6 +103,8 @@ def test_split_parts_sum_to_the_float32_tensor_exactly():
     assert parts.dtype == torch.bfloat16 and parts.shape == (3, 64, 144)
     total = sum(P.part(parts, i).double() for i in range(P.SPLIT_PARTS))
     assert torch.equal(total, x.double())
+    # the same parts compiled (a compiler that folded a bfloat16 round trip would lose parts 2 and 3)
+    assert torch.equal(torch.compile(P.split, fullgraph=True)(x), parts)
 
 
 def test_split_products_are_as_accurate_as_float32_ones():

@@ -8,8 +8,8 @@ they call :func:`mm`, which goes to ``torch.bmm`` / ``torch.mm`` directly where 
 shapes allow and to ``@`` otherwise (same result either way).
 
 **Split products** (``gram_dtype="bfloat16x6"``). A float32 ``x`` is the sum of three
-bfloat16 parts, ``x = x1 + x2 + x3`` (``x1 = bf16(x)``, ``x2 = bf16(x - x1)``,
-``x3 = bf16(x - x1 - x2)``: 24 significant bits, float32's). A product of two such sums,
+bfloat16 parts, ``x = x1 + x2 + x3`` (``x1`` its top 8 significant bits, ``x2`` the next 8
+of ``x - x1``, ``x3 = x - x1 - x2``: 24 significant bits, float32's, see :func:`split`). A product of two such sums,
 kept to the terms of order ``2^-16`` and above,
 
     ``a b ~ a1 b1 + (a1 b2 + a2 b1) + (a1 b3 + a2 b2 + a3 b1)``,
@@ -62,18 +62,29 @@ def wide_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return mm(a.float(), b.float())
 
 
+def _top_bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) with its significand cut to bfloat16's 8 bits (the low 16 bits of each
+    word cleared): exactly a bfloat16 value, and ``x - _top_bits(x)`` is exact."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
 def split(x: torch.Tensor) -> torch.Tensor:
     """The three bfloat16 parts of a float32 ``x`` (``(..., m, n)``), side by side along the
     last axis: ``(..., m, 3 n)``, part ``i`` in columns ``[i n, (i + 1) n)`` (one tensor, so
-    a batch of them slices, views and cleans like ``x`` itself)."""
+    a batch of them slices, views and cleans like ``x`` itself).
+
+    Each part is the top 8 significant bits of what the previous ones leave, cut by masking
+    (truncation, not rounding), so every step is exact and the three parts sum to ``x``
+    exactly (24 bits). Masks, unlike a round trip through bfloat16, survive a compiler: one
+    that folds ``x.to(bfloat16).float()`` back into ``x`` would leave parts 2 and 3 zero."""
     n = x.shape[-1]
     out = torch.empty(*x.shape[:-1], SPLIT_PARTS * n, dtype=torch.bfloat16, device=x.device)
-    rest = x
+    rest = x.contiguous()
     for i in range(SPLIT_PARTS):
-        piece = out[..., i * n : (i + 1) * n]
-        piece.copy_(rest)
+        top = _top_bits(rest) if i + 1 < SPLIT_PARTS else rest
+        out[..., i * n : (i + 1) * n].copy_(top)
         if i + 1 < SPLIT_PARTS:
-            rest = rest - piece.float()
+            rest = rest - top
     return out
 
 
