@@ -555,11 +555,14 @@ def bucket_core(
     f = map_fn(key, eta, x)
     if seconds is not None:
         # NorMuon's row stage, part by part on its own state (views of the stacks)
-        rows, at2 = [], 0
+        rows: list[torch.Tensor] = []
+        at2 = 0
         for spec, w, second, w2 in zip(specs, works, seconds, weights2):
             n = w.shape[0]
             v = second.view(n, spec.work_shape[-2], 1)
-            rows.append(maps.normuon_rows(f.x.narrow(0, at2, n), v, w2, key.eps).row)
+            scales = maps.normuon_rows(f.x.narrow(0, at2, n), v, w2, key.eps).row
+            assert scales is not None
+            rows.append(scales)
             at2 += n
         f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
     f, ok = guard(f)

@@ -192,8 +192,9 @@ def _normuon_stage(item: WorkItem, f: maps.Factored, eps: float) -> maps.Factore
     second, weight = item.second
     shape = f.x.shape
     o = f.x.reshape(-1, *shape[-2:])
-    g = maps.normuon_rows(o, second.view(-1, shape[-2], 1), weight, eps)
-    return f._replace(row=g.row.view(*shape[:-1], 1))
+    scales = maps.normuon_rows(o, second.view(-1, shape[-2], 1), weight, eps).row
+    assert scales is not None
+    return f._replace(row=scales.view(*shape[:-1], 1))
 
 
 def _add_mapped(items: list[WorkItem], mapped, add: Add) -> None:
