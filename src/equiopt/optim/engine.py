@@ -125,11 +125,13 @@ class EquivariantOptimizer(Optimizer):
 
     - ``rule``: ``"spectral"`` (Muon: polar factor), ``"right"`` (RightPolarGradM),
       ``"left"`` (LeftPolarGradM), ``"row"`` (RowNormM), ``"hybrid"`` (HybridPolarGradM,
-      with ``order``), ``"adamw"``, ``"sgd"``.
+      with ``order``), ``"spectral_row"`` (the polar factor, then its rows normalised),
+      ``"normuon"`` (NorMuon), ``"adamw"``, ``"sgd"``.
     - ``layout``: a :mod:`equiopt.layouts` layout or spec string (default ``"row"``), or
       ``layouts``: one per parameter (``None`` entries use ``layout``).
     - ``center`` (horizontal/quotient maps for LM heads and routers), ``order``,
       ``alpha`` (``nu^alpha``; default 1 for hybrid, 0 otherwise), ``eps``, ``method``,
+      ``beta2`` (``normuon``'s row second-moment EMA),
       ``steps``, ``eta`` (row-scaling rule), ``polar_dtype`` (spectral iteration
       precision; default bfloat16), ``damping`` of the one-sided and hybrid maps'
       Grams: ``"relative"`` (default: ``eps`` times the Gram's mean eigenvalue, the same
@@ -214,6 +216,7 @@ class EquivariantOptimizer(Optimizer):
         method: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         steps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         eta: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        beta2: group default: NorMuon's row second-moment EMA (``normuon``).
         betas: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         adam_eps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         lr_scale: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
@@ -259,6 +262,7 @@ class EquivariantOptimizer(Optimizer):
         method: str = default("method"),
         steps: int = default("steps"),
         eta: str | Callable = default("eta"),
+        beta2: float = default("beta2", "normuon"),
         betas: tuple[float, float] = default("betas"),
         adam_eps: float = default("adam_eps"),
         lr_scale: str | None = None,
@@ -315,6 +319,7 @@ class EquivariantOptimizer(Optimizer):
             method=method,
             steps=steps,
             eta=eta,
+            beta2=beta2,
             betas=tuple(betas),
             adam_eps=adam_eps,
             lr_scale=lr_scale,

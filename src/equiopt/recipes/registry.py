@@ -213,10 +213,10 @@ def _registry() -> dict[str, Recipe]:
             for r in (
                 default_recipe(),
                 muon_recipe(),
-                normuon_recipe(),
                 adamw_recipe(),
                 peer_adamw_recipe(),
                 peer_muon_recipe(),
+                normuon_recipe(),
             )
         }
         for recipe in paper_recipes():
@@ -227,7 +227,7 @@ def _registry() -> dict[str, Recipe]:
 
 def list_recipes() -> list[str]:
     """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, ``peer:adamw``, ``peer:muon``,
-    then the paper's, then the user's.
+    ``normuon``, then the paper's, then the user's.
 
     Returns:
         The names, in registration order; each is accepted by :func:`get_recipe`.
