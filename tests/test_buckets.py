@@ -21,6 +21,9 @@ CASES = [
     ({"rule": "hybrid", "order": "left_then_row", "center": True}, [(6, 32), (6, 32)]),
     ({"rule": "hybrid", "gram_dtype": "bfloat16"}, [(48, 8), (48, 8)]),
     ({"rule": "right", "center": True, "gram_dtype": "bfloat16x6"}, [(48, 8), (48, 8)]),
+    ({"rule": "spectral_row", "layout": "heads:4"}, [(16, 8), (16, 8)]),
+    ({"rule": "normuon", "layout": "heads:4", "weight_decay": 0.1}, [(16, 8), (16, 8), (16, 8)]),
+    ({"rule": "normuon", "layout": "experts:col", "beta2": 0.9}, [(2, 6, 12), (2, 6, 12)]),
     ({"rule": "adamw", "weight_decay": 0.1}, [(8,), (3, 5), (8,), (2,)]),
     ({"rule": "adamw"}, [(300, 260), (300, 260)]),  # large: stacked by shape
 ]
@@ -59,7 +62,11 @@ def test_buckets_step_as_the_per_parameter_path(settings, shapes):
             torch.testing.assert_close(opt.state[a][key], value, rtol=2e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("settings,shapes", CASES[:1] + CASES[3:4] + CASES[10:11], ids=["spectral", "row", "adamw"])
+@pytest.mark.parametrize(
+    "settings,shapes",
+    CASES[:1] + CASES[3:4] + CASES[10:11] + CASES[12:13],
+    ids=["spectral", "row", "adamw", "normuon"],
+)
 def test_a_member_without_a_gradient_stays_put_while_the_others_step(settings, shapes):
     bucketed, opt = _run(settings, shapes, "skip", steps=3)
     before = [p.detach().clone() for p in bucketed]

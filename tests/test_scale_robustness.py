@@ -23,6 +23,8 @@ CONFIGS = [
     ("hybrid right->row", {"rule": "hybrid", "order": "right_then_row"}, True),
     ("hybrid right->row rms", {"rule": "hybrid", "order": "right_then_row", "scale": "rms"}, True),
     ("hybrid left->row centred", {"rule": "hybrid", "order": "left_then_row", "center": True}, True),
+    ("spectral_row", {"rule": "spectral_row"}, True),
+    ("normuon", {"rule": "normuon"}, True),
     ("adamw", {"rule": "adamw"}, True),
     ("sgd", {"rule": "sgd", "beta": 0.9}, False),
 ]

@@ -7,7 +7,15 @@ oracles), :mod:`equiopt.maps` (pure update maps), :mod:`equiopt.layouts` (stored
 """
 
 from . import diagnostics, layouts, linalg, maps, models, optim, recipes, roles
-from .optim import EquivariantOptimizer, HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
+from .optim import (
+    EquivariantOptimizer,
+    HybridPolarGradM,
+    LeftPolarGradM,
+    Muon,
+    NorMuon,
+    RightPolarGradM,
+    RowNormM,
+)
 from .roles import assign_roles, build_optimizer, print_roles, verify_roles
 
 
@@ -45,6 +53,7 @@ __all__ = [
     "roles",
     "EquivariantOptimizer",
     "Muon",
+    "NorMuon",
     "RightPolarGradM",
     "LeftPolarGradM",
     "RowNormM",

@@ -3,7 +3,7 @@
 from .engine import EquivariantOptimizer, NonFiniteGradientError, UnsupportedTensorError
 from .fields import FIELDS, LR_SCALES, MATRIX_RULES, RULE_DEFAULTS, RULE_FIELDS, RULES
 from .graphed import GraphedStep
-from .presets import HybridPolarGradM, LeftPolarGradM, Muon, RightPolarGradM, RowNormM
+from .presets import HybridPolarGradM, LeftPolarGradM, Muon, NorMuon, RightPolarGradM, RowNormM
 
 __all__ = [
     "EquivariantOptimizer",
@@ -11,6 +11,7 @@ __all__ = [
     "UnsupportedTensorError",
     "GraphedStep",
     "Muon",
+    "NorMuon",
     "RightPolarGradM",
     "LeftPolarGradM",
     "RowNormM",

@@ -47,6 +47,7 @@ import torch
 from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT, _add_
+from .fields import POLAR_RULES
 from .rules import PRECENTRED, MapKey, factored_map, map_key, precentred, shape_factor
 
 __all__ = [
@@ -60,11 +61,42 @@ __all__ = [
     "adamw_core",
     "run_bucket",
     "run_adamw",
+    "ROW_MOMENT",
+    "row_moment_shape",
+    "row_moment_views",
 ]
 
 #: The state entries a part stacks, per rule kind.
 MOMENTUM_KEYS = ("momentum_buffer",)
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
+#: NorMuon's per-row second moments of the polar factor: one entry per work-matrix row,
+#: ``(rows,)`` per parameter (see :func:`row_moment_shape`), stacked ``(B, rows)``.
+ROW_MOMENT = "row_second_moment"
+
+
+def row_moment_shape(layout: Layout, shape: tuple[int, ...]) -> tuple[int]:
+    """The shape of a parameter's NorMuon row second moments: one entry per row of each of
+    its work matrices (every block, every head or expert), end to end."""
+    total = 0
+    for work in layout.work_shapes(shape):
+        count = 1
+        for size in work[:-1]:
+            count *= size
+        total += count
+    return (total,)
+
+
+def row_moment_views(layout: Layout, shape: tuple[int, ...], second: torch.Tensor) -> list[torch.Tensor]:
+    """Views of a parameter's row second moments ``(rows,)``, one per work block, shaped
+    ``(*lead, m, 1)`` beside its work matrices ``(*lead, m, n)``."""
+    out, at = [], 0
+    for work in layout.work_shapes(shape):
+        count = 1
+        for size in work[:-1]:
+            count *= size
+        out.append(second.narrow(0, at, count).view(*work[:-1], 1))
+        at += count
+    return out
 
 
 #: AdamW parameters of at most this many entries share one flat part whatever their
@@ -115,6 +147,10 @@ class Part:
         for key in keys:
             self.stacks[key] = self._stack(state, key, state_dtype)
             self.views[key] = self.members_of(self.stacks[key])
+        if group["rule"] == "normuon":
+            entry = row_moment_shape(layout, self.shape)
+            self.stacks[ROW_MOMENT] = self._stack(state, ROW_MOMENT, state_dtype, entry=entry)
+            self.views[ROW_MOMENT] = list(self.stacks[ROW_MOMENT].unbind(0))
         counters = ("nonfinite", "step") if self.adamw else ("nonfinite",)
         for key in counters:
             self.stacks[key] = self._stack(state, key, torch.float32, scalar=True)
@@ -143,6 +179,7 @@ class Part:
             tuple(g["betas"]),
             g["adam_eps"],
             g.get("lr_scale"),
+            g.get("beta2"),
         )
         if self._spec is None or scalars != self._scalars:
             self._scalars = scalars
@@ -162,6 +199,7 @@ class Part:
                 numel=self.numel,
                 betas=(float(g["betas"][0]), float(g["betas"][1])),
                 adam_eps=float(g["adam_eps"]),
+                beta2=float(g.get("beta2") or 0.0),
             )
         return self._spec
 
@@ -180,18 +218,25 @@ class Part:
         self.scratch = flat if self.flat else flat.view(len(self.params), *self.shape)
         self._scratch_members = self.members_of(self.scratch)
 
-    def _stack(self, state: dict, key: str, dtype: torch.dtype, scalar: bool = False) -> torch.Tensor:
-        """The stack of ``key``: the members' existing entries (kept at their dtype), else zeros."""
+    def _stack(
+        self, state: dict, key: str, dtype: torch.dtype, scalar: bool = False, entry: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """The stack of ``key``: the members' existing entries (kept at their dtype), else zeros.
+        ``entry``: one member's entry shape where it is not the parameter's."""
         found = [state[p].get(key) if p in state else None for p in self.params]
         count = len(self.params)
         if all(t is None for t in found):
+            if entry is not None:
+                return torch.zeros((count, *entry), dtype=dtype, device=self.device)
             shape = (count,) if scalar else (self.numel,) if self.flat else (count, *self.shape)
             return torch.zeros(shape, dtype=dtype, device=self.device)
         have = next(t for t in found if t is not None)
         filled = [
             t.to(self.device)
             if t is not None
-            else torch.zeros(() if scalar else p.shape, dtype=have.dtype, device=self.device)
+            else torch.zeros(
+                () if scalar else entry if entry is not None else p.shape, dtype=have.dtype, device=self.device
+            )
             for p, t in zip(self.params, found)
         ]
         if self.flat and not scalar:
@@ -274,7 +319,8 @@ class Part:
         """The state tensors the part's core updates in place."""
         if self.adamw:
             return (self.stacks["exp_avg"], self.stacks["exp_avg_sq"], self.stacks["step"], self.stacks["nonfinite"])
-        return (self.stacks["momentum_buffer"], self.stacks["nonfinite"])
+        extra = (self.stacks[ROW_MOMENT],) if ROW_MOMENT in self.stacks else ()
+        return (self.stacks["momentum_buffer"], self.stacks["nonfinite"], *extra)
 
 
 class Spec(NamedTuple):
@@ -295,6 +341,7 @@ class Spec(NamedTuple):
     numel: int
     betas: tuple[float, float]
     adam_eps: float
+    beta2: float = 0.0  # NorMuon's row second-moment EMA
 
 
 def _lead(spec: Spec, t: torch.Tensor, ndim: int, sizes: torch.Tensor | None = None) -> torch.Tensor:
@@ -424,7 +471,7 @@ def make_buckets(
             adamw.append(part)
             continue
         mkey = map_key(group)
-        if group["center"] and mkey.rule != "spectral":
+        if group["center"] and mkey.rule not in POLAR_RULES:
             mkey = precentred(mkey)  # the part centres its direction in place
         matrix[(mkey, part.work_shape[-2:], part.device, sdtype)].append(part)
     return Buckets([Bucket(k[0], parts) for k, parts in matrix.items()], adamw)
@@ -467,17 +514,20 @@ def bucket_core(
     weights: list[torch.Tensor | None],
     skips: torch.Tensor,
     map_fn: Callable[..., maps.Factored],
+    seconds: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
     momentum (and centring), the map (``map_fn``, :func:`~.rules.factored_map`) on every work
-    matrix at once, the guard of each matrix's update (refusals counted in ``skips``), and each
-    part's update with its learning rate, shape factor and skip flags folded in.
+    matrix at once (``normuon``: then each part's row stage, :func:`~equiopt.maps.normuon_rows`,
+    on its stacked row second moments ``seconds``, a skipped member's left as they were), the
+    guard of each matrix's update (refusals counted in ``skips``), and each part's update with
+    its learning rate, shape factor and skip flags folded in.
 
     Returns, per part: the update as a ``(B, *shape)`` stack to add (None for a single-member
     part, whose decay and update the core applied to ``weights[i]`` in place), the skip
     flags in the learning rates' dtype, and the flags the step reports."""
-    works, coefs, okls, reported = [], [], [], []
+    works, coefs, okls, reported, weights2 = [], [], [], [], []
     for i, spec in enumerate(specs):
         grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
         reported.append(flags)
@@ -498,8 +548,23 @@ def bucket_core(
         works.append(work.reshape(-1, *spec.work_shape[-2:]))
         coef = (lrs[i] * -spec.factor) * okl
         coefs.append(coef.repeat_interleave(spec.per_member) if spec.per_member > 1 else coef)
+        if seconds is not None:
+            w2 = okf * (1.0 - spec.beta2)
+            weights2.append((w2.repeat_interleave(spec.per_member) if spec.per_member > 1 else w2).view(-1, 1, 1))
     x = works[0] if len(works) == 1 else torch.cat(works)
     f = map_fn(key, eta, x)
+    if seconds is not None:
+        # NorMuon's row stage, part by part on its own state (views of the stacks)
+        rows: list[torch.Tensor] = []
+        at2 = 0
+        for spec, w, second, w2 in zip(specs, works, seconds, weights2):
+            n = w.shape[0]
+            v = second.view(n, spec.work_shape[-2], 1)
+            scales = maps.normuon_rows(f.x.narrow(0, at2, n), v, w2, key.eps).row
+            assert scales is not None
+            rows.append(scales)
+            at2 += n
+        f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
     f, ok = guard(f)
     coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
     skips.add_((~ok & (coef != 0)).sum())
@@ -647,6 +712,7 @@ def run_bucket(
         [part.params[0] if part.spec.single else None for part in bucket.parts],
         skips,
         map_fn,
+        [part.stacks[ROW_MOMENT] for part in bucket.parts] if bucket.key.rule == "normuon" else None,
     )
     for part, update, okl, flag, lr in zip(bucket.parts, updates, okls, reported, part_lrs):
         flags.append((part.names, flag))

@@ -101,7 +101,7 @@ def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None)
     rule, steps = key.rule, key.steps
     if rule == "row":
         return 4 * batch * m * n
-    if rule in ("spectral", "torch_muon"):
+    if rule in ("spectral", "spectral_row", "normuon", "torch_muon"):
         s = min(m, n)
         if key.method == "gram_newton_schulz":  # Grams and products with the iterate at each restart
             passes = 1 + (steps - 1) // RESTART_EVERY

@@ -54,7 +54,7 @@ LOCAL, REDUCE, ROWS, DIVIDED = "local", "reduce", "rows", "divided"
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
-DIVIDED_RULES = ("spectral", "right", "left", "hybrid")
+DIVIDED_RULES = ("spectral", "spectral_row", "right", "left", "hybrid")
 
 #: Adds a work matrix's update to its weights: ``add(view, update, coef)``.
 Add = Callable[[torch.Tensor, maps.Factored, torch.Tensor], None]
@@ -79,6 +79,9 @@ class WorkItem(NamedTuple):
     coef: torch.Tensor  # -lr * shape factor * finite flag
     group: dict
     sums: tuple | None = None  # (row reducer, column reducer) of a split work matrix
+    # NorMuon: (row second moments (..., m, 1) beside ``work``, updated in place; EMA weight
+    # (1 - beta2) * finite flag)
+    second: tuple | None = None
 
 
 class WholeTask(NamedTuple):
@@ -174,8 +177,24 @@ def run(
 
 
 def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
-    """Map one bucket here (its sums, if split, waited for) and add its updates."""
-    _add_mapped(items, map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums), add)
+    """Map one bucket here (its sums, if split, waited for) and add its updates (NorMuon's
+    row stage applied to each item's polar factor on its own state)."""
+    mapped = map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums)
+    if key.map.rule == "normuon":
+        mapped = [_normuon_stage(item, f, key.map.eps) for item, f in zip(items, mapped)]
+    _add_mapped(items, mapped, add)
+
+
+def _normuon_stage(item: WorkItem, f: maps.Factored, eps: float) -> maps.Factored:
+    """NorMuon's row stage (:func:`~equiopt.maps.normuon_rows`) of one item's polar factors."""
+    if item.second is None:
+        raise ValueError("a normuon work matrix needs its row second moments (WorkItem.second)")
+    second, weight = item.second
+    shape = f.x.shape
+    o = f.x.reshape(-1, *shape[-2:])
+    scales = maps.normuon_rows(o, second.view(-1, shape[-2], 1), weight, eps).row
+    assert scales is not None
+    return f._replace(row=scales.view(*shape[:-1], 1))
 
 
 def _add_mapped(items: list[WorkItem], mapped, add: Add) -> None:

@@ -24,11 +24,11 @@ from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
+from .buckets import ROW_MOMENT, Buckets, Cores, make_buckets, row_moment_shape, row_moment_views, run_adamw, run_bucket
 from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
-from .fields import ELEMENTWISE_RULES, MATRIX_RULES, PEER_RULES, default
+from .fields import ELEMENTWISE_RULES, MATRIX_RULES, PEER_RULES, POLAR_RULES, default
 from .peers import build_peer, check_peer_param, step_peer
 from .rules import MapKey, map_key, precentred, reducible, shape_factor, validate_group
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
@@ -125,11 +125,13 @@ class EquivariantOptimizer(Optimizer):
 
     - ``rule``: ``"spectral"`` (Muon: polar factor), ``"right"`` (RightPolarGradM),
       ``"left"`` (LeftPolarGradM), ``"row"`` (RowNormM), ``"hybrid"`` (HybridPolarGradM,
-      with ``order``), ``"adamw"``, ``"sgd"``.
+      with ``order``), ``"spectral_row"`` (the polar factor, then its rows normalised),
+      ``"normuon"`` (NorMuon), ``"adamw"``, ``"sgd"``.
     - ``layout``: a :mod:`equiopt.layouts` layout or spec string (default ``"row"``), or
       ``layouts``: one per parameter (``None`` entries use ``layout``).
     - ``center`` (horizontal/quotient maps for LM heads and routers), ``order``,
       ``alpha`` (``nu^alpha``; default 1 for hybrid, 0 otherwise), ``eps``, ``method``,
+      ``beta2`` (``normuon``'s row second-moment EMA),
       ``steps``, ``eta`` (row-scaling rule), ``polar_dtype`` (spectral iteration
       precision; default bfloat16), ``damping`` of the one-sided and hybrid maps'
       Grams: ``"relative"`` (default: ``eps`` times the Gram's mean eigenvalue, the same
@@ -214,6 +216,7 @@ class EquivariantOptimizer(Optimizer):
         method: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         steps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         eta: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
+        beta2: group default: NorMuon's row second-moment EMA (``normuon``).
         betas: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         adam_eps: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         lr_scale: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
@@ -259,6 +262,7 @@ class EquivariantOptimizer(Optimizer):
         method: str = default("method"),
         steps: int = default("steps"),
         eta: str | Callable = default("eta"),
+        beta2: float = default("beta2", "normuon"),
         betas: tuple[float, float] = default("betas"),
         adam_eps: float = default("adam_eps"),
         lr_scale: str | None = None,
@@ -315,6 +319,7 @@ class EquivariantOptimizer(Optimizer):
             method=method,
             steps=steps,
             eta=eta,
+            beta2=beta2,
             betas=tuple(betas),
             adam_eps=adam_eps,
             lr_scale=lr_scale,
@@ -403,6 +408,13 @@ class EquivariantOptimizer(Optimizer):
                     )
                 layout.check(tuple(p.shape), names[j])
                 _check_views(p, layout, names[j])
+                if rule == "normuon" and sharding.kind == "sharded" and sharding.is_sharded:
+                    raise ValueError(
+                        f"parameter {names[j]!r}: rule 'normuon' needs every work matrix whole on this rank "
+                        "(its polar factor needs the whole matrix and its row second moments are kept per "
+                        "row), but the parameter is sharded; replicate it, or give it rule 'spectral' or "
+                        "'spectral_row' (which run on split matrices)"
+                    )
                 self._make_groups(self.plan_of(group, layout, sharding), sharding)
             layouts.append(layout)
         group["layouts"] = layouts
@@ -411,6 +423,8 @@ class EquivariantOptimizer(Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
         if state or group["rule"] in PEER_RULES:  # a peer's torch optimizer makes its own
+            if state and group["rule"] == "normuon" and ROW_MOMENT not in state:
+                self._row_moment(p, group, state)  # state of another rule: its rows start at zero
             return state
         dtype = self._state_dtype(p)
         zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -420,8 +434,16 @@ class EquivariantOptimizer(Optimizer):
             state["exp_avg_sq"] = zeros()
         else:
             state["momentum_buffer"] = zeros()
+            if group["rule"] == "normuon":
+                self._row_moment(p, group, state)
         state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return state
+
+    def _row_moment(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        """NorMuon's row second moments of ``p``, zeros: one per row of each work matrix."""
+        j = next(k for k, q in enumerate(group["params"]) if q is p)
+        shape = row_moment_shape(group["layouts"][j], tuple(p.shape))
+        state[ROW_MOMENT] = torch.zeros(shape, dtype=self._state_dtype(p), device=p.device)
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype of ``p``'s momentum and moments: ``state_dtype``, or float32 (float64 for
@@ -514,6 +536,7 @@ class EquivariantOptimizer(Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         ids, params = [], []
+        owner_rule: dict[int, tuple] = {}
         for index, (group, own) in enumerate(zip(groups, self.param_groups)):
             where = f"param_groups[{index}]"
             if len(group["params"]) != len(own["params"]):
@@ -552,6 +575,7 @@ class EquivariantOptimizer(Optimizer):
             group["layouts"] = layouts
             ids.extend(group["params"])
             params.extend(own["params"])
+            owner_rule.update({id(p): (group["rule"], lay) for p, lay in zip(own["params"], layouts)})
         saved = dict(sd["state"])
         for i, p in zip(ids, params):
             entry = saved.get(i)
@@ -564,6 +588,13 @@ class EquivariantOptimizer(Optimizer):
                         raise ValueError(
                             f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
                             f"the parameter {tuple(p.shape)}"
+                        )
+                if key == ROW_MOMENT and torch.is_tensor(value) and owner_rule[id(p)][0] == "normuon":
+                    want = row_moment_shape(owner_rule[id(p)][1], tuple(p.shape))
+                    if tuple(value.shape) != want:
+                        raise ValueError(
+                            f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
+                            f"its work matrices' rows {want}"
                         )
             if "step" in entry and not torch.is_tensor(entry["step"]):
                 entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)  # older format
@@ -909,7 +940,7 @@ class EquivariantOptimizer(Optimizer):
         if how.how == "owner":
             whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
             return
-        if how.how == "local" and group["center"] and key.rule != "spectral":
+        if how.how == "local" and group["center"] and key.rule not in POLAR_RULES:
             key = self._centre_in_place(direction, layout, okf, key)
         global_shapes = layout.work_shapes(sharding.shape)
         sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
@@ -938,7 +969,13 @@ class EquivariantOptimizer(Optimizer):
                     )
                 )
                 return
-        for w, pw, gshape in zip(layout.to_work_list(direction), self._work_views(p, layout), global_shapes):
+        seconds: list = [None] * len(global_shapes)
+        if key.rule == "normuon":
+            weight = okf * (1.0 - group["beta2"])
+            seconds = [(v, weight) for v in row_moment_views(layout, tuple(p.shape), state[ROW_MOMENT])]
+        for w, pw, gshape, second in zip(
+            layout.to_work_list(direction), self._work_views(p, layout), global_shapes, seconds
+        ):
             if sums is None and w.numel() == 0:
                 continue  # an empty block of a stack of experts: nothing to map, nothing sent
             coef = okf * (-lr * shape_factor(group, *gshape[-2:]))
@@ -948,7 +985,7 @@ class EquivariantOptimizer(Optimizer):
                 buckets[BucketKey(key, tuple(gshape[-2:]), REDUCE, groups)].append(WorkItem(w, pw, coef, group, sums))
             else:
                 buckets[BucketKey(key, tuple(w.shape[-2:]), DIVIDED if divide else LOCAL_MODE)].append(
-                    WorkItem(w, pw, coef, group)
+                    WorkItem(w, pw, coef, group, second=second)
                 )
 
     @staticmethod

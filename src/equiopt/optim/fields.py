@@ -34,13 +34,14 @@ __all__ = [
     "RULE_DEFAULTS",
     "OPTIONAL_FIELDS",
     "RULE_METHODS",
+    "POLAR_RULES",
     "default",
     "fill_defaults",
     "check_settings",
     "fields_table",
 ]
 
-MATRIX_RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid")
+MATRIX_RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid", "spectral_row", "normuon")
 ELEMENTWISE_RULES: tuple[str, ...] = ("adamw", "sgd")
 #: torch's own optimizers as rules, the outside reference arms of a comparison
 #: (:mod:`equiopt.optim.peers`): ``torch_adamw`` steps a group with ``torch.optim.AdamW``,
@@ -52,13 +53,15 @@ NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
 _MOMENTUM_RULES = MATRIX_RULES + ("sgd",)
 _OWN_RULES = MATRIX_RULES + ELEMENTWISE_RULES
 _GRAM_RULES = ("right", "left", "hybrid")
+#: Rules built on the polar factor: Muon and its row-normalised hybrids.
+POLAR_RULES: tuple[str, ...] = ("spectral", "spectral_row", "normuon")
 
 #: Inner solvers each rule accepts: ``spectral`` computes a polar factor
 #: (:func:`equiopt.linalg.polar`); the one-sided and hybrid rules an inverse square root
 #: of a Gram (:func:`equiopt.linalg.inv_sqrt`), or the polar factor directly with
 #: ``gram_newton_schulz``.
 RULE_METHODS: dict[str, tuple[str, ...]] = {
-    "spectral": tuple(POLAR_METHODS),
+    **{rule: tuple(POLAR_METHODS) for rule in POLAR_RULES},
     **{rule: tuple(maps.ONE_SIDED_METHODS) for rule in _GRAM_RULES},
 }
 
@@ -233,7 +236,8 @@ FIELDS: dict[str, Field] = {
             None,
             _choice("rule", RULES),
             "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
-            "adamw, sgd; torch_adamw, torch_muon (torch's own optimizers, as peer arms)",
+            "spectral_row (polar factor, then rows normalised), normuon (NorMuon: polar factor, then rows "
+            "normalised by their second-moment EMA), adamw, sgd; torch_adamw, torch_muon (torch's own optimizers, as peer arms)",
         ),
         Field("lr", _ALL, 1e-3, _learning_rate, "learning rate (a recipe must give it; a float or a 1-element tensor)"),
         Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
@@ -247,7 +251,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "nesterov",
             _MOMENTUM_RULES + ("torch_muon",),
-            {**{r: False for r in _ALL}, "spectral": True, "torch_muon": True},
+            {**{r: False for r in _ALL}, **{r: True for r in POLAR_RULES}, "torch_muon": True},
             _boolean,
             "map beta M + (1 - beta) G instead of M (Muon's default)",
         ),
@@ -267,21 +271,20 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "eps",
-            ("right", "left", "row", "hybrid"),
+            ("right", "left", "row", "hybrid", "spectral_row", "normuon"),
             1e-8,
             _at_least(0.0, strict=True),
-            "Gram damping (relative or absolute, see damping) and row-norm smoothing",
+            "Gram damping (relative or absolute, see damping), row-norm smoothing (spectral_row), "
+            "added to sqrt(v_i) (normuon)",
         ),
         Field(
             "method",
-            ("spectral",) + _GRAM_RULES,
+            POLAR_RULES + _GRAM_RULES,
             "polar_express",
             _choice("method", _methods),
             "polar-factor method (spectral) or Gram inverse-square-root method",
         ),
-        Field(
-            "steps", ("spectral",) + _GRAM_RULES + ("torch_muon",), 5, integer_at_least(1), "iterations of the method"
-        ),
+        Field("steps", POLAR_RULES + _GRAM_RULES + ("torch_muon",), 5, integer_at_least(1), "iterations of the method"),
         Field(
             "order",
             ("hybrid",),
@@ -292,7 +295,7 @@ FIELDS: dict[str, Field] = {
         Field("eta", ("row", "hybrid"), "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
         Field(
             "lr_scale",
-            ("spectral", "torch_muon"),
+            POLAR_RULES + ("torch_muon",),
             "spectral",
             _choice("lr_scale", _lr_scales),
             "shape factor: spectral sqrt(max(1, rows/cols)), match_adamw 0.2 sqrt(max(rows, cols)), none",
@@ -323,10 +326,17 @@ FIELDS: dict[str, Field] = {
             "matrices of 512 and more, float32 elsewhere)",
             optional=True,
         ),
+        Field(
+            "beta2",
+            ("normuon",),
+            0.95,
+            interval(0.0, 1.0, False, "in [0, 1)"),
+            "EMA of each row's mean square of the polar factor, v = beta2 v + (1 - beta2) mean_j O_ij^2",
+        ),
         Field("betas", ("adamw", "torch_adamw"), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
         Field("adam_eps", ("adamw", "torch_adamw"), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
         Field(
-            "polar_dtype", ("spectral",), None, _dtype, "dtype of the polar iterations (None: bfloat16)", optional=True
+            "polar_dtype", POLAR_RULES, None, _dtype, "dtype of the polar iterations (None: bfloat16)", optional=True
         ),
         Field(
             "nonfinite",

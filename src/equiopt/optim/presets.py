@@ -29,6 +29,14 @@ Muon = _preset(
     matrix (Polar Express in bfloat16), scaled by ``sqrt(max(1, rows/cols))``.
     ``method="newton_schulz_torch"`` gives the steps of ``torch.optim.Muon``.""",
 )
+NorMuon = _preset(
+    "normuon",
+    """NorMuon: Muon's polar factor ``O`` of the Nesterov EMA momentum, then each row divided
+    by ``sqrt(v_i) + eps``, where ``v_i = beta2 v_i + (1 - beta2) mean_j O_ij^2`` is an EMA
+    of the row's mean square (state ``row_second_moment``, beta2 0.95), rescaled to the
+    Frobenius norm of ``O`` and by Muon's ``sqrt(max(1, rows/cols))``. Symmetry group
+    ``Perm(rows) x O(cols)``. Needs every work matrix whole on its rank (no sharded rows).""",
+)
 RightPolarGradM = _preset(
     "right",
     """RightPolarGradM (Algorithm 1): ``nu^alpha M (M^T M + eps I)^(-1/2)``.""",
@@ -48,6 +56,7 @@ HybridPolarGradM = _preset(
 )
 for _cls, _name in (
     (Muon, "Muon"),
+    (NorMuon, "NorMuon"),
     (RightPolarGradM, "RightPolarGradM"),
     (LeftPolarGradM, "LeftPolarGradM"),
     (RowNormM, "RowNormM"),
@@ -55,4 +64,4 @@ for _cls, _name in (
 ):
     _cls.__name__ = _cls.__qualname__ = _name
 
-__all__ = ["Muon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM"]
+__all__ = ["Muon", "NorMuon", "RightPolarGradM", "LeftPolarGradM", "RowNormM", "HybridPolarGradM"]

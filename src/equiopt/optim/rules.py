@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import maps
-from .fields import LR_SCALES, RULE_FIELDS, check_settings, fill_defaults
+from .fields import LR_SCALES, POLAR_RULES, RULE_FIELDS, check_settings, fill_defaults
 
 
 def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
@@ -34,8 +34,9 @@ def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
 
 def shape_factor(group: dict, rows: int, cols: int) -> float:
     """The group's learning-rate factor for a work matrix of ``rows x cols``: the
-    ``lr_scale`` factor for the spectral rule, 1 for every other rule."""
-    if group["rule"] != "spectral":
+    ``lr_scale`` factor for the polar-factor rules (``spectral``, ``spectral_row``,
+    ``normuon``), 1 for every other rule."""
+    if group["rule"] not in POLAR_RULES:
         return 1.0
     return lr_scale_factor(group["lr_scale"], rows, cols)
 
@@ -106,11 +107,18 @@ def factored_map(
     rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping, gram_dtype = key
     done = center == PRECENTRED
     center = bool(center)
-    if rule == "spectral":
-        if col_reducer is not None or (reducer is not None and method != "gram_newton_schulz"):
+    if rule in POLAR_RULES:
+        if col_reducer is not None or (reducer is not None and (method != "gram_newton_schulz" or rule == "normuon")):
             raise ValueError(
-                "the spectral map needs the whole matrix, or its rows split with method 'gram_newton_schulz'"
+                f"the {rule} map needs the whole matrix"
+                + (", or its rows split with method 'gram_newton_schulz'" if rule != "normuon" else "")
             )
+        if rule == "spectral_row":
+            return maps.spectral_row_factored(
+                D, method=method, steps=steps, dtype=polar_dtype, eps=eps, reducer=reducer
+            )
+        # normuon: the polar factor; its row stage, which reads and updates the optimizer's
+        # state, is applied by the caller (maps.normuon_rows)
         return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype, reducer=reducer))
     # the settings the one-sided maps and the hybrids share
     common = dict(
@@ -149,7 +157,7 @@ def reducible(key: MapKey, rows: int, cols: int) -> bool:
         return True
     if rule in ("right", "left", "hybrid"):
         return method != "gram_newton_schulz" and maps.gram_side(rows, cols) == "right"
-    return rule == "spectral" and method == "gram_newton_schulz" and rows >= cols
+    return rule in ("spectral", "spectral_row") and method == "gram_newton_schulz" and rows >= cols
 
 
 def apply_map(key: MapKey, eta, D: torch.Tensor) -> torch.Tensor:

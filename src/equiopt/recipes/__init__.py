@@ -28,6 +28,7 @@ from .registry import (
     load_recipe_toml,
     loads_recipe_toml,
     muon_recipe,
+    normuon_recipe,
     register_recipe,
 )
 from .schedules import Constant, StableDecay, WarmupCosine, build_scheduler, make_lr_lambda
@@ -56,6 +57,7 @@ __all__ = [
     "default_recipe",
     "DEFAULT_RECIPE",
     "muon_recipe",
+    "normuon_recipe",
     "adamw_recipe",
     "load_recipe_toml",
     "loads_recipe_toml",

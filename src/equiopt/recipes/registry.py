@@ -15,6 +15,7 @@ __all__ = [
     "register_recipe",
     "default_recipe",
     "muon_recipe",
+    "normuon_recipe",
     "adamw_recipe",
     "peer_adamw_recipe",
     "peer_muon_recipe",
@@ -103,6 +104,32 @@ def default_recipe() -> Recipe:
     )
 
 
+def normuon_recipe() -> Recipe:
+    """``normuon``: NorMuon on hidden matrices, the choices of ``equiopt:default`` elsewhere.
+
+    ``attention``, ``mlp_in``, ``mlp_out``, ``matrix``: NorMuon (``normuon``: Muon's polar
+    factor, Polar Express, 5 steps, Nesterov, beta 0.95, then each row divided by the
+    square root of its mean-square EMA, beta2 0.95, rescaled to the polar factor's
+    Frobenius norm; lr 0.02 with the ``sqrt(max(1, rows/cols))`` factor; no weight decay).
+    ``embedding``, ``lm_head``, ``router`` and ``vector`` as in :func:`default_recipe`
+    (unit-RMS RowNormM, centred RowNormM, AdamW), with its schedules. Starting points, not
+    tuned values.
+
+    Returns:
+        A new :class:`Recipe` named ``normuon``.
+    """
+    base = default_recipe()
+    roles = {role: dict(base.roles[role]) for role in base.roles}
+    for role in ("attention", "mlp_in", "mlp_out", "matrix"):
+        roles[role] = {**_MUON, "rule": "normuon", "beta2": 0.95}
+    return Recipe(
+        name="normuon",
+        description="NorMuon (polar factor, rows normalised by their second-moment EMA, lr 0.02) on hidden "
+        "matrices; equiopt:default's rules elsewhere",
+        roles=roles,
+    )
+
+
 def adamw_recipe() -> Recipe:
     """``adamw``: AdamW on every role.
 
@@ -183,7 +210,14 @@ def _registry() -> dict[str, Recipe]:
 
         reg = {
             r.name: r
-            for r in (default_recipe(), muon_recipe(), adamw_recipe(), peer_adamw_recipe(), peer_muon_recipe())
+            for r in (
+                default_recipe(),
+                muon_recipe(),
+                adamw_recipe(),
+                peer_adamw_recipe(),
+                peer_muon_recipe(),
+                normuon_recipe(),
+            )
         }
         for recipe in paper_recipes():
             reg[recipe.name] = recipe
@@ -193,7 +227,7 @@ def _registry() -> dict[str, Recipe]:
 
 def list_recipes() -> list[str]:
     """Names of all registered recipes: ``equiopt:default``, ``muon``, ``adamw``, ``peer:adamw``, ``peer:muon``,
-    then the paper's, then the user's.
+    ``normuon``, then the paper's, then the user's.
 
     Returns:
         The names, in registration order; each is accepted by :func:`get_recipe`.
