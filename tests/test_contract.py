@@ -694,3 +694,26 @@ def test_swalr_anneals_the_learning_rate_the_step_uses(rule):
         swa.step()
         rates.append(opt.param_groups[0]["lr"])
     assert rates[-1] == pytest.approx(0.001) and rates[0] > rates[-1]
+
+
+@pytest.mark.parametrize("rule", ["spectral", "hybrid"])
+def test_a_tensor_lr_under_compiled_cores_steps_as_eager_without_recompiling(rule):
+    """compile=True with a tensor lr and a schedule: the compiled cores read the lr as a
+    tensor (no recompilation as it changes) and step as the eager optimizer does."""
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    compiled = EquivariantOptimizer(
+        [{"params": a[:2], "rule": rule}, {"params": a[2:], "rule": "adamw"}],
+        lr=torch.tensor(0.01),
+        compile=True,
+        polar_dtype="float32",
+    )
+    eager = EquivariantOptimizer(
+        [{"params": b[:2], "rule": rule}, {"params": b[2:], "rule": "adamw"}], lr=0.01, polar_dtype="float32"
+    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _train(a, compiled, steps=4)
+    _train(b, eager, steps=4)
+    assert not compiled._compile_failed
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
