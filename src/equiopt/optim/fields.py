@@ -336,7 +336,12 @@ FIELDS: dict[str, Field] = {
         Field("betas", ("adamw", "torch_adamw"), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
         Field("adam_eps", ("adamw", "torch_adamw"), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
         Field(
-            "polar_dtype", POLAR_RULES, None, _dtype, "dtype of the polar iterations (None: bfloat16)", optional=True
+            "polar_dtype",
+            POLAR_RULES,
+            None,
+            _dtype,
+            "dtype of the polar iterations (None: bfloat16 where the device multiplies it natively, else float32; linalg.default_dtype)",
+            optional=True,
         ),
         Field(
             "nonfinite",

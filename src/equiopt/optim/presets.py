@@ -26,7 +26,7 @@ def _preset(rule: str, doc: str, **fixed: Any):
 Muon = _preset(
     "spectral",
     """Muon: Nesterov EMA momentum (beta 0.95) and the orthogonal polar factor of each work
-    matrix (Polar Express in bfloat16), scaled by ``sqrt(max(1, rows/cols))``.
+    matrix (Polar Express, in bfloat16 where the device multiplies it natively), scaled by ``sqrt(max(1, rows/cols))``.
     ``method="newton_schulz_torch"`` gives the steps of ``torch.optim.Muon``.""",
 )
 NorMuon = _preset(
