@@ -152,8 +152,8 @@ def test_a_warmup_longer_than_the_run_is_shortened_with_a_warning_naming_the_rol
 
 
 # ------------------------------------------------------------ torch's generic checks
-ALL_RULES = ["adamw", "sgd", "spectral", "row", "right", "left", "hybrid"]
-MATRIX = ["spectral", "row", "right", "left", "hybrid"]
+ALL_RULES = ["adamw", "sgd", "spectral", "row", "right", "left", "hybrid", "spectral_row", "normuon"]
+MATRIX = ["spectral", "row", "right", "left", "hybrid", "spectral_row", "normuon"]
 ELEMENTWISE = ["adamw", "sgd"]
 
 

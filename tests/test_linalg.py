@@ -1,4 +1,5 @@
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -102,12 +103,55 @@ def test_polar_iterations_approximate_exact(method, shape):
     assert got.shape == X.shape
 
 
-def test_polar_default_is_bfloat16_and_returns_input_dtype():
+def test_polar_default_returns_input_dtype():
     X = torch.randn(16, 48)
     out = linalg.polar(X)
     assert out.dtype == torch.float32
     s = torch.linalg.svdvals(out.double())
     assert 0.6 < s.min() and s.max() < 1.3
+
+
+def _polar_express_transcribed(X, steps):
+    """Polar Express in float64, as the paper's Muon writes it: X / (1.01 ||X||_F + 1e-7),
+    then X <- a X + b (X X^T) X + c (X X^T)^2 X (on the wide side of a tall X)."""
+    from equiopt.linalg.coefficients import schedule
+    from equiopt.linalg.polar import NORM_FLOOR, NORM_MARGIN, POLAR_LOWER, POLAR_SAFETY
+
+    tall = X.shape[-2] > X.shape[-1]
+    x = X.mT if tall else X
+    x = x / (NORM_MARGIN * torch.linalg.matrix_norm(x, keepdim=True) + NORM_FLOOR)
+    for a, b, c in schedule(POLAR_LOWER, steps, 1.0, POLAR_SAFETY):
+        g = x @ x.mT
+        x = a * x + b * (g @ x) + c * (g @ (g @ x))
+    return x.mT if tall else x
+
+
+@pytest.mark.parametrize("shape", [(4, 24, 80), (3, 80, 24), (2, 2, 32, 32)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_polar_express_equals_its_float64_transcription(shape, dtype, tol):
+    # float32 and float64 iterations fold a X into the small factor: (a I + b G + c G^2) X
+    X = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want = _polar_express_transcribed(X, 5)
+    got = linalg.polar(X.to(dtype), "polar_express", steps=5, dtype=dtype).double()
+    assert ((got - want).norm() / want.norm()).item() < tol
+
+
+def test_polar_default_precision_follows_the_device(monkeypatch):
+    polar_module = sys.modules["equiopt.linalg.polar"]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    X = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(0))
+    for native in (False, True):
+        monkeypatch.setattr(polar_module, "CPU_BFLOAT16", native)
+        # polar_express and Muon's quintic: bfloat16 where the device multiplies it natively
+        for method in ("polar_express", "newton_schulz"):
+            assert linalg.default_dtype(method, cpu) == (torch.bfloat16 if native else torch.float32)
+            assert linalg.default_dtype(method, cuda) == torch.bfloat16
+        # torch.optim.Muon's iteration keeps its own precision everywhere; the Gram form float32
+        assert linalg.default_dtype("newton_schulz_torch", cpu) == torch.bfloat16
+        assert linalg.default_dtype("gram_newton_schulz", cuda) == torch.float32
+        # what polar runs when no dtype is given, bit for bit
+        chosen = linalg.default_dtype("polar_express", cpu)
+        assert torch.equal(linalg.polar(X), linalg.polar(X, dtype=chosen))
 
 
 @pytest.mark.parametrize("bad", ["svd", "newton"])

@@ -157,8 +157,9 @@ def polar(
         x = x.to(dtype)
         x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min(TORCH_NORM_EPS)
     else:
-        norm = torch.linalg.matrix_norm(x.float(), keepdim=True)
-        x = (x.float() / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
+        norm = torch.linalg.matrix_norm(wide, keepdim=True)
+        x = (wide / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
     coeffs = _coefficients(
         "newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps
     )
