@@ -37,7 +37,12 @@ STUDIES = {
     "gemma3_b": ("gemma3", ["b-iii", "b-i", "b-ii"]),
     "gpt_oss": ("gpt_oss", ["iv", "i", "ii", "iii"]),
     "peers": ("qwen3", ["muon=a-iii@muon", "peer-muon=a-iii@peer:muon"]),
+    "normuon": ("qwen3", ["muon=a-iii@muon", "normuon=a-iii@normuon", "peer-muon=a-iii@peer:muon"]),
 }
+# study -> {config name: a line added to its [optim] table}: the normuon study pins the precision
+# of equiopt's polar iterations (float32), which unset would follow the machine's processor
+_FLOAT32_POLAR = 'overrides = { "*" = { polar_dtype = "float32" } }'
+OPTIM_LINES = {"normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR}}
 
 
 def _config_text(src: Path, study: str, name: str, steps: int, recipe: str | None = None) -> str:
@@ -45,6 +50,9 @@ def _config_text(src: Path, study: str, name: str, steps: int, recipe: str | Non
     if recipe is not None:
         text = re.sub(r'^recipe = ".*"$', f'recipe = "{recipe}"', text, count=1, flags=re.M)
         text = re.sub(r'^name = "(.*)"$', rf'name = "{src.parent.name}-{name}"', text, count=1, flags=re.M)
+    line = OPTIM_LINES.get(study, {}).get(name)
+    if line is not None:
+        text = re.sub(r'^(recipe = ".*")$', lambda m: m.group(1) + "\n" + line, text, count=1, flags=re.M)
     rel_logs = f"results/study/{study}/logs/{name}"
     text = re.sub(r'^out_dir = ".*"$', f'out_dir = "{rel_logs}"', text, count=1, flags=re.M)
     text = re.sub(r"^steps = \d+$", f"steps = {steps}", text, count=1, flags=re.M)
@@ -104,6 +112,7 @@ METRICS = {
     "qwen3_a": ["val/loss", "ood/loss"],
     "qwen3_a_heldout": ["val/loss", "ood/loss"],
     "peers": ["val/loss", "ood/loss"],
+    "normuon": ["val/loss", "ood/loss"],
     "gemma3_b": ["val/loss", *_LOGITS, "ood/loss"],
     "gpt_oss": ["val/loss", *_ROUTER, "ood/loss"],
     "gpt_oss_router": [
@@ -131,6 +140,7 @@ CURVES = {
     "qwen3_a": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
     "qwen3_a_heldout": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
     "peers": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
+    "normuon": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
     "gemma3_b": ["val/loss", *_LOGITS],
     "gpt_oss": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
     "gpt_oss_router": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
