@@ -28,9 +28,9 @@ def _grads(params, step):
     return [[torch.randn(p.shape, generator=g).to(p.device) for p in group] for group in params]
 
 
-def _opt(params):
+def _opt(params, lr=0.01):
     return EquivariantOptimizer(
-        [{"params": ps, **settings} for ps, settings in zip(params, GROUPS)], lr=0.01, compile=False
+        [{"params": ps, **settings} for ps, settings in zip(params, GROUPS)], lr=lr, compile=False
     )
 
 
@@ -51,9 +51,9 @@ def test_cuda_step_equals_cpu_step():
         torch.testing.assert_close(x, y.cpu(), rtol=1e-4, atol=1e-5)
 
 
-def test_graphed_step_equals_eager_under_a_schedule():
+def _graphed_against_eager(lr_of):
     eager, graphed = _model("cuda"), _model("cuda")
-    a, b = _opt(eager), _opt(graphed)
+    a, b = _opt(eager, lr_of()), _opt(graphed, lr_of())
     sa = torch.optim.lr_scheduler.LambdaLR(a, lambda t: 1.0 / (1 + t))
     sb = torch.optim.lr_scheduler.LambdaLR(b, lambda t: 1.0 / (1 + t))
     step = GraphedStep(b, warmup=2)
@@ -75,6 +75,15 @@ def test_graphed_step_equals_eager_under_a_schedule():
     assert step.graph is not None
     for x, y in zip(_flat(eager), _flat(graphed)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_graphed_step_equals_eager_under_a_schedule():
+    _graphed_against_eager(lambda: 0.01)
+
+
+def test_graphed_step_with_a_tensor_lr_equals_eager_under_a_schedule():
+    # torch's schedulers fill a tensor lr in place: each replay reads the value it holds then
+    _graphed_against_eager(lambda: torch.tensor(0.01, device="cuda"))
 
 
 def test_graphed_step_refuses_replaced_gradients():

@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -71,6 +72,21 @@ def test_short_end_to_end_run_per_family(data_dir, tmp_path, family):
     trains = records(tmp_path / family, "train")
     assert "update_rms/embedding" in trains[-1] and trains[-1]["tokens_per_s"] > 0
     assert records(tmp_path / family, "end")[-1]["status"] == "done"
+
+
+def test_a_run_records_its_torch_and_the_polar_precision_its_device_took(data_dir, tmp_path, monkeypatch):
+    from equiopt import linalg
+
+    polar_module = sys.modules["equiopt.linalg.polar"]
+    for native, name in ((False, "float32"), (True, "bfloat16")):
+        # a CPU without bfloat16 hardware iterates in float32, one with it in bfloat16
+        monkeypatch.setattr(polar_module, "CPU_BFLOAT16", native)
+        train(make_cfg(data_dir, tmp_path / name, steps=2), progress=False)
+        meta = records(tmp_path / name, "meta")[0]
+        assert meta["torch"] == torch.__version__
+        assert (
+            meta["polar_dtype_default"] == name == str(linalg.default_dtype("polar_express", torch.device("cpu")))[6:]
+        )
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):

@@ -218,6 +218,7 @@ class Trainer:
             total_steps=cfg.train.steps,
         )
         if restored is None:
+            from ..linalg import default_dtype
             from ..models import count_parameters
 
             self.log.log(
@@ -226,6 +227,9 @@ class Trainer:
                 0,
                 params=count_parameters(self.model),
                 device=str(self.device),
+                torch=torch.__version__,
+                # what Muon-like rules iterate in where a recipe leaves polar_dtype unset
+                polar_dtype_default=str(default_dtype("polar_express", self.device)).replace("torch.", ""),
                 recipe=str(cfg.optim.recipe),
                 world_size=self.dist.world_size,
                 strategy=self.strategy,
