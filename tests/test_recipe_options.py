@@ -1,6 +1,7 @@
 """Recipes reach every option of the engine; the default recipe is safe; first errors are clear."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -53,7 +54,9 @@ def _attention_after_one_step(overrides):
     return group, model.model.layers[0].self_attn.q_proj.weight.detach().clone()
 
 
-def test_polar_dtype_from_python_reaches_the_engine(one_thread):
+def test_polar_dtype_from_python_reaches_the_engine(one_thread, monkeypatch):
+    # a processor that multiplies bfloat16 natively, where the unset default is bfloat16
+    monkeypatch.setattr(sys.modules["equiopt.linalg.polar"], "CPU_BFLOAT16", True)
     group, w32 = _attention_after_one_step({"attention": {"polar_dtype": "float32"}})
     assert group["polar_dtype"] is torch.float32
     group, w32b = _attention_after_one_step({"attention": {"polar_dtype": torch.float32}})
