@@ -4,4 +4,12 @@ from .coefficients import greedy_schedule, minimax_quintic
 from .inv_sqrt import INV_SQRT_METHODS, inv_sqrt
 from .polar import POLAR_METHODS, default_dtype, polar
 
-__all__ = ["inv_sqrt", "polar", "greedy_schedule", "minimax_quintic", "INV_SQRT_METHODS", "POLAR_METHODS"]
+__all__ = [
+    "inv_sqrt",
+    "polar",
+    "default_dtype",
+    "greedy_schedule",
+    "minimax_quintic",
+    "INV_SQRT_METHODS",
+    "POLAR_METHODS",
+]
