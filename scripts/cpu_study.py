@@ -281,6 +281,77 @@ def _curves(study: str, dirs: list[Path]) -> Path:
     return path
 
 
+DOCS_IMG = ROOT / "docs" / "img"
+# a verdict's colour: what the claim said held, the opposite held, or neither
+_VERDICT_COLOURS = (
+    (("reproduces", "equivalent", "no harm"), "tab:green"),
+    (("reverses", "differs", "harms"), "tab:red"),
+)
+
+
+def _verdict_colour(verdict: str) -> str:
+    for starts, colour in _VERDICT_COLOURS:
+        if verdict.startswith(starts):
+            return colour
+    return "tab:gray"
+
+
+def _glance(study: str) -> Path | None:
+    """``docs/img/study-<study>.png``, a protocol study at a glance from its report and logs:
+    the validation loss of each arm at its chosen multiplier on the evaluation seeds (mean,
+    band min..max), and each claim's paired difference (arm minus baseline: the seeds as dots,
+    the mean with its 95 % interval) coloured by its verdict. None for a study without a
+    finished protocol report."""
+    import numpy as np
+
+    from equiopt.study.plots import _mpl, read_run
+
+    report = OUT / study / "protocol-report.json"
+    if not report.exists():
+        return None
+    data = json.loads(report.read_text())
+    arms: dict[str, list[str]] = {}
+    for pair in data["paired"]:
+        arms.setdefault(pair["label"], pair["paths"])
+        arms.setdefault(pair["baseline"], pair["baseline_paths"])
+    Figure = _mpl()[0]
+    fig = Figure(figsize=(11, 3.6))
+    curves, claims = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.25]})
+    for arm, paths in arms.items():
+        series = [read_run(ROOT / path).series("val/loss", x="step") for path in paths]
+        n = min(len(x) for x, _ in series)
+        ys = np.stack([y[:n] for _, y in series])
+        label = f"{arm} x{data['chosen'].get(arm, 1):g}: {ys[:, -1].mean():.4f} ({len(series)} seeds)"
+        (line,) = curves.plot(series[0][0][:n], ys.mean(0), marker="o", ms=3, label=label)
+        curves.fill_between(series[0][0][:n], ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+    curves.set_xlabel("step")
+    curves.set_ylabel("validation loss")
+    curves.set_title("validation loss, evaluation seeds", fontsize=9)
+    curves.grid(True, alpha=0.3)
+    curves.legend(fontsize=7)
+    diffs = {(pair["label"], pair["baseline"]): pair["diffs"] for pair in data["paired"]}
+    rows = data["verdicts"]
+    for i, claim in enumerate(rows):
+        colour = _verdict_colour(claim["verdict"])
+        seeds = diffs.get((claim["arm"], claim["baseline"]), [])
+        claims.scatter(seeds, [i] * len(seeds), s=12, color=colour, alpha=0.5)
+        lo, hi = claim["ci"]
+        claims.errorbar(claim["mean"], i, xerr=[[claim["mean"] - lo], [hi - claim["mean"]]], fmt="D", color=colour, capsize=3)
+    claims.axvline(0.0, color="black", lw=0.8)
+    claims.set_yticks(range(len(rows)))
+    claims.set_yticklabels([f"{c['arm']} - {c['baseline']} ({c['direction']})" for c in rows], fontsize=7)
+    claims.invert_yaxis()
+    claims.set_xlabel(f"paired difference of final {data['metric']} (arm - baseline)")
+    claims.set_title("claims: seeds, mean, 95 % interval; green held, red the opposite, grey neither", fontsize=9)
+    claims.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(f"{study}: protocol {data['protocol']['name']}, arms tuned on seed 0", fontsize=10)
+    fig.tight_layout()
+    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    path = DOCS_IMG / f"study-{study}.png"
+    fig.savefig(path, dpi=80, metadata={"Software": None})
+    return path
+
+
 # studies whose arms were tuned: roles swept, and the commands that ran the sweep
 SWEEPS = {
     "qwen3_a": (
@@ -358,6 +429,9 @@ def from_logs_report() -> None:
         lines += [f"![curves]({fig.name})", ""]
         (OUT / study / "tables.md").write_text("\n".join(lines))
         print(OUT / study / "tables.md")
+        glance = _glance(study)
+        if glance is not None:
+            print(glance)
 
 
 if __name__ == "__main__":
