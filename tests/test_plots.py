@@ -330,3 +330,71 @@ def test_compare_table_other_metric_and_cli(tmp_path, capsys):
     assert main_table([str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {d["label"] for d in data} == set(SEED_VALS)
+
+
+# ------------------------------------------------------------------ a study at a glance
+def _cpu_study(monkeypatch, root):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cpu_study.py"
+    spec = importlib.util.spec_from_file_location("cpu_study_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ROOT", root)
+    monkeypatch.setattr(module, "OUT", root / "results" / "study")
+    monkeypatch.setattr(module, "DOCS_IMG", root / "img")
+    return module
+
+
+def test_study_glance_draws_arms_and_claims_from_the_report_and_logs(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from equiopt.study.protocol import VERDICTS, verdict
+
+    cpu_study = _cpu_study(monkeypatch, tmp_path)
+    logs = tmp_path / "results" / "study" / "toy" / "logs"
+    arm = [make_run(logs, f"a/lrx2-s{s}", seed=s).relative_to(tmp_path) for s in (10, 11)]
+    base = [make_run(logs, f"b/lrx1-s{s}", seed=s).relative_to(tmp_path) for s in (10, 11)]
+    report = {
+        "metric": "val/loss",
+        "protocol": {"name": "toy"},
+        "chosen": {"toy-a": 2.0, "toy-b": 1.0},
+        "paired": [
+            {
+                "label": "toy-a",
+                "baseline": "toy-b",
+                "paths": [str(p) for p in arm],
+                "baseline_paths": [str(p) for p in base],
+                "diffs": [-0.02, -0.01],
+            }
+        ],
+        "verdicts": [
+            {
+                "arm": "toy-a",
+                "baseline": "toy-b",
+                "direction": "lower",
+                "mean": -0.015,
+                "ci": [-0.08, 0.05],
+                "verdict": VERDICTS[2],
+            }
+        ],
+    }
+    (tmp_path / "results" / "study" / "toy" / "protocol-report.json").write_text(json.dumps(report))
+    path = cpu_study._glance("toy")
+    assert path == tmp_path / "img" / "study-toy.png"
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+    # a study whose protocol has not finished has no figure; one whose logs are gone fails
+    assert cpu_study._glance("unfinished") is None
+    report["paired"][0]["paths"][0] = "results/study/toy/logs/a/missing"
+    (tmp_path / "results" / "study" / "toy" / "protocol-report.json").write_text(json.dumps(report))
+    with pytest.raises(FileNotFoundError):
+        cpu_study._glance("toy")
+    # every verdict the protocols give has its colour: held, the opposite, neither
+    assert cpu_study._verdict_colour(VERDICTS[0]) == "tab:green"
+    assert cpu_study._verdict_colour(VERDICTS[1]) == "tab:red"
+    assert cpu_study._verdict_colour(VERDICTS[2]) == "tab:gray"
+    assert cpu_study._verdict_colour(verdict((-0.001, 0.001), "equal", 0.01)) == "tab:green"
+    assert cpu_study._verdict_colour(verdict((0.02, 0.03), "equal", 0.01)) == "tab:red"
+    assert cpu_study._verdict_colour(verdict((-0.001, 0.001), "not_higher", 0.01)) == "tab:green"
+    assert cpu_study._verdict_colour(verdict((0.02, 0.03), "not_higher", 0.01)) == "tab:red"
+    assert cpu_study._verdict_colour(verdict((-0.02, 0.03), "not_higher", 0.01)) == "tab:gray"
