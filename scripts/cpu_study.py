@@ -38,11 +38,23 @@ STUDIES = {
     "gpt_oss": ("gpt_oss", ["iv", "i", "ii", "iii"]),
     "peers": ("qwen3", ["muon=a-iii@muon", "peer-muon=a-iii@peer:muon"]),
     "normuon": ("qwen3", ["muon=a-iii@muon", "normuon=a-iii@normuon", "peer-muon=a-iii@peer:muon"]),
+    "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
 }
 # study -> {config name: a line added to its [optim] table}: the normuon study pins the precision
 # of equiopt's polar iterations (float32), which unset would follow the machine's processor
 _FLOAT32_POLAR = 'overrides = { "*" = { polar_dtype = "float32" } }'
-OPTIM_LINES = {"normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR}}
+# the muon_iteration study: Polar Express, torch.optim.Muon's quintic (normalised as torch does), and
+# Polar Express with each hidden role's lr scaled by the quintic's update RMS over Polar Express's
+# (results/study/muon_iteration/update_rms.json: 0.917 attention, 0.928 mlp_in, 0.945 mlp_out of 0.02)
+OPTIM_LINES = {
+    "normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR},
+    "muon_iteration": {
+        "pe": _FLOAT32_POLAR,
+        "quintic": 'overrides = { "*" = { polar_dtype = "float32", method = "newton_schulz_torch" } }',
+        "pe-scaled": 'overrides = { "*" = { polar_dtype = "float32" }, attention = { lr = 0.01834 }, '
+        "mlp_in = { lr = 0.01856 }, mlp_out = { lr = 0.0189 } }",
+    },
+}
 
 
 def _config_text(src: Path, study: str, name: str, steps: int, recipe: str | None = None) -> str:
@@ -113,6 +125,7 @@ METRICS = {
     "qwen3_a_heldout": ["val/loss", "ood/loss"],
     "peers": ["val/loss", "ood/loss"],
     "normuon": ["val/loss", "ood/loss"],
+    "muon_iteration": ["val/loss", "ood/loss"],
     "gemma3_b": ["val/loss", *_LOGITS, "ood/loss"],
     "gpt_oss": ["val/loss", *_ROUTER, "ood/loss"],
     "gpt_oss_router": [
@@ -141,6 +154,7 @@ CURVES = {
     "qwen3_a_heldout": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
     "peers": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
     "normuon": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
+    "muon_iteration": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
     "gemma3_b": ["val/loss", *_LOGITS],
     "gpt_oss": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
     "gpt_oss_router": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
@@ -336,7 +350,9 @@ def _glance(study: str) -> Path | None:
         seeds = diffs.get((claim["arm"], claim["baseline"]), [])
         claims.scatter(seeds, [i] * len(seeds), s=12, color=colour, alpha=0.5)
         lo, hi = claim["ci"]
-        claims.errorbar(claim["mean"], i, xerr=[[claim["mean"] - lo], [hi - claim["mean"]]], fmt="D", color=colour, capsize=3)
+        claims.errorbar(
+            claim["mean"], i, xerr=[[claim["mean"] - lo], [hi - claim["mean"]]], fmt="D", color=colour, capsize=3
+        )
     claims.axvline(0.0, color="black", lw=0.8)
     claims.set_yticks(range(len(rows)))
     claims.set_yticklabels([f"{c['arm']} - {c['baseline']} ({c['direction']})" for c in rows], fontsize=7)
