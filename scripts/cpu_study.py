@@ -39,21 +39,30 @@ STUDIES = {
     "peers": ("qwen3", ["muon=a-iii@muon", "peer-muon=a-iii@peer:muon"]),
     "normuon": ("qwen3", ["muon=a-iii@muon", "normuon=a-iii@normuon", "peer-muon=a-iii@peer:muon"]),
     "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
+    # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories)
+    "gemma3_b_wide": ("gemma3", ["b-iii", "b-i", "b-ii"]),
+    "gpt_oss_wide": ("gpt_oss", ["iv", "i", "ii", "iii"]),
 }
-# study -> {config name: a line added to its [optim] table}: the normuon study pins the precision
-# of equiopt's polar iterations (float32), which unset would follow the machine's processor
-_FLOAT32_POLAR = 'overrides = { "*" = { polar_dtype = "float32" } }'
-# the muon_iteration study: Polar Express, torch.optim.Muon's quintic (normalised as torch does), and
-# Polar Express with each hidden role's lr scaled by the quintic's update RMS over Polar Express's
-# (results/study/muon_iteration/update_rms.json: 0.917 attention, 0.928 mlp_in, 0.945 mlp_out of 0.02)
-OPTIM_LINES = {
+# study -> the study whose run directories it shares (its finished runs are reused, not rerun)
+LOGS_OF = {"gemma3_b_wide": "gemma3_b", "gpt_oss_wide": "gpt_oss"}
+# study -> {config name: entries added to its [optim] overrides}: the normuon and muon_iteration
+# studies pin the precision of equiopt's polar iterations to float32 (unset, it would follow the
+# machine's processor); the wider grids pin bfloat16, the precision of the runs they reuse (made
+# before the default followed the processor, on a CPU with bfloat16 hardware). muon_iteration's
+# pe-scaled arm scales each hidden role's lr by the quintic's update RMS over Polar Express's
+# (results/study/muon_iteration/update_rms.json: 0.917 attention, 0.928 mlp_in, 0.945 mlp_out of 0.02).
+_FLOAT32_POLAR = '"*" = { polar_dtype = "float32" }'
+_BFLOAT16_POLAR = '"*" = { polar_dtype = "bfloat16" }'
+OVERRIDES = {
     "normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR},
     "muon_iteration": {
         "pe": _FLOAT32_POLAR,
-        "quintic": 'overrides = { "*" = { polar_dtype = "float32", method = "newton_schulz_torch" } }',
-        "pe-scaled": 'overrides = { "*" = { polar_dtype = "float32" }, attention = { lr = 0.01834 }, '
-        "mlp_in = { lr = 0.01856 }, mlp_out = { lr = 0.0189 } }",
+        "quintic": '"*" = { polar_dtype = "float32", method = "newton_schulz_torch" }',
+        "pe-scaled": _FLOAT32_POLAR
+        + ", attention = { lr = 0.01834 }, mlp_in = { lr = 0.01856 }, mlp_out = { lr = 0.0189 }",
     },
+    "gemma3_b_wide": dict.fromkeys(STUDIES["gemma3_b_wide"][1], _BFLOAT16_POLAR),
+    "gpt_oss_wide": dict.fromkeys(STUDIES["gpt_oss_wide"][1], _BFLOAT16_POLAR),
 }
 
 
@@ -62,10 +71,17 @@ def _config_text(src: Path, study: str, name: str, steps: int, recipe: str | Non
     if recipe is not None:
         text = re.sub(r'^recipe = ".*"$', f'recipe = "{recipe}"', text, count=1, flags=re.M)
         text = re.sub(r'^name = "(.*)"$', rf'name = "{src.parent.name}-{name}"', text, count=1, flags=re.M)
-    line = OPTIM_LINES.get(study, {}).get(name)
-    if line is not None:
-        text = re.sub(r'^(recipe = ".*")$', lambda m: m.group(1) + "\n" + line, text, count=1, flags=re.M)
-    rel_logs = f"results/study/{study}/logs/{name}"
+    extra = OVERRIDES.get(study, {}).get(name)
+    if extra is not None:
+        optim = text.index("[optim]")
+        found = re.compile(r"^overrides = \{ ", re.M).search(text, optim)
+        if found is not None and "\n[" not in text[optim + 1 : found.start()]:  # the [optim] table's own
+            text = text[: found.end()] + extra + ", " + text[found.end() :]
+        else:
+            text = re.sub(
+                r'^(recipe = ".*")$', lambda m: m.group(1) + f"\noverrides = {{ {extra} }}", text, count=1, flags=re.M
+            )
+    rel_logs = f"results/study/{LOGS_OF.get(study, study)}/logs/{name}"
     text = re.sub(r'^out_dir = ".*"$', f'out_dir = "{rel_logs}"', text, count=1, flags=re.M)
     text = re.sub(r"^steps = \d+$", f"steps = {steps}", text, count=1, flags=re.M)
     text = re.sub(r"^checkpoint_every = \d+$", "checkpoint_every = 0", text, count=1, flags=re.M)
@@ -445,6 +461,7 @@ def from_logs_report() -> None:
         lines += [f"![curves]({fig.name})", ""]
         (OUT / study / "tables.md").write_text("\n".join(lines))
         print(OUT / study / "tables.md")
+    for study in STUDIES:  # a study that reuses another's runs has its own protocol report
         glance = _glance(study)
         if glance is not None:
             print(glance)
