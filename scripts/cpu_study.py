@@ -273,9 +273,19 @@ def _over_run(row, metric: str):
     )
 
 
-def _curves(study: str, dirs: list[Path]) -> Path:
+def _mean_band(ax, series: list, label_of, **style) -> None:
+    """Seeds' ``(x, y)`` series on ``ax``: their mean as a line (``label_of(ys)`` its label, ``ys``
+    the seeds' values stacked over their common steps) and a band from their minimum to maximum."""
     import numpy as np
 
+    n = min(len(x) for x, _ in series)
+    xs = series[0][0][:n]
+    ys = np.stack([y[:n] for _, y in series])
+    (line,) = ax.plot(xs, ys.mean(0), label=label_of(ys), **style)
+    ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+
+
+def _curves(study: str, dirs: list[Path]) -> Path:
     from equiopt.study.plots import _mpl, read_run
 
     Figure = _mpl()[0]
@@ -291,13 +301,8 @@ def _curves(study: str, dirs: list[Path]) -> Path:
     for ax, key in zip(axes, keys):
         for arm, group in by_arm.items():
             series = [r.series(key, x="step") for r in group if r.has(key)]
-            if not series:
-                continue
-            n = min(len(x) for x, _ in series)
-            xs = series[0][0][:n]
-            ys = np.stack([y[:n] for _, y in series])
-            (line,) = ax.plot(xs, ys.mean(0), label=f"{arm} ({len(series)} seeds)")
-            ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+            if series:
+                _mean_band(ax, series, lambda ys, arm=arm: f"{arm} ({len(ys)} seeds)")
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
@@ -332,8 +337,6 @@ def _glance(study: str) -> Path | None:
     band min..max), and each claim's paired difference (arm minus baseline: the seeds as dots,
     the mean with its 95 % interval) coloured by its verdict. None for a study without a
     finished protocol report."""
-    import numpy as np
-
     from equiopt.study.plots import _mpl, read_run
 
     report = OUT / study / "protocol-report.json"
@@ -349,11 +352,14 @@ def _glance(study: str) -> Path | None:
     curves, claims = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.25]})
     for arm, paths in arms.items():
         series = [read_run(ROOT / path).series("val/loss", x="step") for path in paths]
-        n = min(len(x) for x, _ in series)
-        ys = np.stack([y[:n] for _, y in series])
-        label = f"{arm} x{data['chosen'].get(arm, 1):g}: {ys[:, -1].mean():.4f} ({len(series)} seeds)"
-        (line,) = curves.plot(series[0][0][:n], ys.mean(0), marker="o", ms=3, label=label)
-        curves.fill_between(series[0][0][:n], ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+        chosen = data["chosen"].get(arm, 1)
+        _mean_band(
+            curves,
+            series,
+            lambda ys, arm=arm, chosen=chosen: f"{arm} x{chosen:g}: {ys[:, -1].mean():.4f} ({len(ys)} seeds)",
+            marker="o",
+            ms=3,
+        )
     curves.set_xlabel("step")
     curves.set_ylabel("validation loss")
     curves.set_title("validation loss, evaluation seeds", fontsize=9)

@@ -1,8 +1,9 @@
 """Muon's update size under each polar iteration, on the study's own momenta.
 
 Trains the CPU study's Qwen3 (``results/study/peers/configs/muon.toml``: equiopt's Muon on the
-hidden matrices, AdamW elsewhere) for the first ``--steps`` steps of its schedule, then maps every hidden matrix's
-momentum (per work matrix, as the step does) with each polar method and reports, per role,
+hidden matrices, AdamW elsewhere) for the first ``--steps`` steps of its schedule, then maps
+every hidden matrix's momentum (per work matrix, as the step does) with each polar method and
+reports, per role,
 the update's RMS and the mean, smallest and largest singular value of the map:
 
 - ``polar_express`` (the recipes' method) in float32;
