@@ -110,10 +110,11 @@ CASES = [
             ("paper:qwen3:b-ii", "reduce"),
             ("paper:qwen3:b-ii", "auto"),
             ("paper:qwen3:b-iii", "reduce"),
+            ("normuon", "auto"),
         ),
     ),
     ("tp", "qwen3", (("paper:qwen3:a-i", "auto"), ("paper:qwen3:b-ii", "reduce"))),
-    ("hsdp", "qwen3", (("paper:qwen3:a-i", "auto"), ("paper:qwen3:b-ii", "auto"))),
+    ("hsdp", "qwen3", (("paper:qwen3:a-i", "auto"), ("paper:qwen3:b-ii", "auto"), ("normuon", "auto"))),
     (
         "ep-whole",
         "gpt_oss",
@@ -123,7 +124,11 @@ CASES = [
             ("paper:gpt_oss:router-left-centered", "auto"),
         ),
     ),
-    ("ep-s1", "olmoe", (("paper:olmoe:ii", "reduce"), ("paper:olmoe:iii", "reduce"), ("paper:olmoe:iv", "auto"))),
+    (
+        "ep-s1",
+        "olmoe",
+        (("paper:olmoe:ii", "reduce"), ("paper:olmoe:iii", "reduce"), ("paper:olmoe:iv", "auto"), ("normuon", "auto")),
+    ),
 ]
 
 

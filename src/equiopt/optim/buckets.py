@@ -48,6 +48,7 @@ from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT, _add_
 from .fields import POLAR_RULES
+from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
 from .rules import PRECENTRED, MapKey, factored_map, map_key, precentred, shape_factor
 
 __all__ = [
@@ -69,35 +70,6 @@ __all__ = [
 #: The state entries a part stacks, per rule kind.
 MOMENTUM_KEYS = ("momentum_buffer",)
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
-#: NorMuon's per-row second moments of the polar factor: one entry per work-matrix row,
-#: ``(rows,)`` per parameter (see :func:`row_moment_shape`), stacked ``(B, rows)``.
-ROW_MOMENT = "row_second_moment"
-
-
-def row_moment_shape(layout: Layout, shape: tuple[int, ...]) -> tuple[int]:
-    """The shape of a parameter's NorMuon row second moments: one entry per row of each of
-    its work matrices (every block, every head or expert), end to end."""
-    total = 0
-    for work in layout.work_shapes(shape):
-        count = 1
-        for size in work[:-1]:
-            count *= size
-        total += count
-    return (total,)
-
-
-def row_moment_views(layout: Layout, shape: tuple[int, ...], second: torch.Tensor) -> list[torch.Tensor]:
-    """Views of a parameter's row second moments ``(rows,)``, one per work block, shaped
-    ``(*lead, m, 1)`` beside its work matrices ``(*lead, m, n)``."""
-    out, at = [], 0
-    for work in layout.work_shapes(shape):
-        count = 1
-        for size in work[:-1]:
-            count *= size
-        out.append(second.narrow(0, at, count).view(*work[:-1], 1))
-        at += count
-    return out
-
 
 #: AdamW parameters of at most this many entries share one flat part whatever their
 #: shapes (norm weights, biases); larger ones are stacked by shape.

@@ -33,6 +33,7 @@ from ..distributed.placements import Sharding, mesh_group, row_range
 from ..layouts import Layout
 from .costs import mesh_cost_model
 from .owners import Pending, assign, map_cost, start_from_owners, start_row_share, start_share, start_to_owners
+from .row_moments import block_row_stage
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
 
@@ -54,7 +55,7 @@ LOCAL, REDUCE, ROWS, DIVIDED = "local", "reduce", "rows", "divided"
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
-DIVIDED_RULES = ("spectral", "spectral_row", "right", "left", "hybrid")
+DIVIDED_RULES = ("spectral", "spectral_row", "normuon", "right", "left", "hybrid")
 
 #: Adds a work matrix's update to its weights: ``add(view, update, coef)``.
 Add = Callable[[torch.Tensor, maps.Factored, torch.Tensor], None]
@@ -94,7 +95,10 @@ class WholeTask(NamedTuple):
     plan: Plan
     param: torch.Tensor  # this rank's block of the weights
     direction: torch.Tensor  # this rank's block of the momentum direction
-    coef: torch.Tensor  # -lr * ok
+    coef: torch.Tensor  # -lr * ok (NorMuon: times the shape factor, which its owner leaves out)
+    # NorMuon: (this rank's block of the row second moments, updated in place; EMA weight;
+    # the block's [start, stop) per dimension)
+    second: tuple | None = None
 
 
 def _map(key: MapKey, eta, D: torch.Tensor, sums) -> maps.Factored:
@@ -309,16 +313,17 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
     one all-to-all and returns the update's blocks in another."""
     units = []  # one per owner task: a whole parameter, or one expert of a stack
     for t in tasks:
-        start = t.sharding.block[0][0]
-        for lead in owner_units(t.sharding, t.layout, t.sharding.block):
+        block = t.sharding.block
+        for lead in owner_units(t.sharding, t.layout, block):
             if lead is None:
                 units.append((t, None))
             else:
+                at = lead[0] - block[0][0]
+                second = None if t.second is None else (t.second[0].narrow(0, at, 1), t.second[1], (lead, *block[1:]))
                 units.append(
                     (
                         t._replace(
-                            param=t.param.narrow(0, lead[0] - start, 1),
-                            direction=t.direction.narrow(0, lead[0] - start, 1),
+                            param=t.param.narrow(0, at, 1), direction=t.direction.narrow(0, at, 1), second=second
                         ),
                         lead,
                     )
@@ -340,6 +345,9 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
 
     def receive(members, pending):
         for t, u in zip(members, pending.wait()):
+            if t.second is not None:  # NorMuon: the polar factor's row stage on this rank's block
+                second, weight, block = t.second
+                u = block_row_stage(u, second, weight, t.key.eps, t.layout, t.sharding, block)
             add(t.param, maps.Factored(u), t.coef)
 
     # A window of two batches: the next batch's blocks travel to their owners while
@@ -357,7 +365,12 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
             t = members[i]
             works = t.layout.to_work_list(full)
             mapped = map_whole([(t.key, t.group["eta"], w) for w in works])
-            updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)])
+            if t.second is not None:  # NorMuon: the bare polar factor (its factor is in coef)
+                updates[i] = t.layout.from_work(mapped)
+            else:
+                updates[i] = t.layout.from_work(
+                    [u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)]
+                )
         if returning is not None:
             receive(*returning)
         returning = (
@@ -417,10 +430,13 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
         for t, got in zip(ts, wave_shared.wait()):
             shared[t] = got
     start = 0
-    for item, count in zip((item for _, items in buckets for item in items), counts):
-        u = torch.stack(shared[start : start + count]).view(item.work.shape)
+    keyed = [(key, item) for key, items in buckets for item in items]
+    for (key, item), count in zip(keyed, counts):
+        f = maps.Factored(torch.stack(shared[start : start + count]).view(item.work.shape))
         start += count
-        add(item.view, maps.Factored(u), item.coef)
+        if key.rule == "normuon":  # every replica runs the row stage on the same polar factor
+            f = _normuon_stage(item, f, key.eps)
+        add(item.view, f, item.coef)
 
 
 def _run_rows(key: MapKey, items: list[WorkItem], add: Add, overlap: bool) -> Pending:

@@ -12,6 +12,7 @@ are concatenated and mapped in one batched call, then split back exactly.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,16 +21,24 @@ import torch
 from torch.optim import Optimizer
 
 from .. import maps
-from ..distributed.placements import Sharding, describe_sharding, mesh_group
+from ..distributed.placements import Sharding, describe_sharding, is_dtensor, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
-from .buckets import ROW_MOMENT, Buckets, Cores, make_buckets, row_moment_shape, row_moment_views, run_adamw, run_bucket
+from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
 from .fields import ELEMENTWISE_RULES, MATRIX_RULES, PEER_RULES, POLAR_RULES, default
 from .peers import build_peer, check_peer_param, step_peer
+from .row_moments import (
+    ROW_MOMENT,
+    row_moment_block,
+    row_moment_placements,
+    row_moment_shape,
+    row_moment_views,
+    stage_axes,
+)
 from .rules import MapKey, map_key, precentred, reducible, shape_factor, validate_group
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
 
@@ -408,14 +417,13 @@ class EquivariantOptimizer(Optimizer):
                     )
                 layout.check(tuple(p.shape), names[j])
                 _check_views(p, layout, names[j])
-                if rule == "normuon" and sharding.kind == "sharded" and sharding.is_sharded:
-                    raise ValueError(
-                        f"parameter {names[j]!r}: rule 'normuon' needs every work matrix whole on this rank "
-                        "(its polar factor needs the whole matrix and its row second moments are kept per "
-                        "row), but the parameter is sharded; replicate it, or give it rule 'spectral' or "
-                        "'spectral_row' (which run on split matrices)"
-                    )
-                self._make_groups(self.plan_of(group, layout, sharding), sharding)
+                how = self.plan_of(group, layout, sharding)
+                if rule == "normuon" and sharding.kind == "sharded":
+                    if how.how == "owner":  # the groups of its row stage's sums
+                        for axes in stage_axes(layout, sharding):
+                            if axes:
+                                mesh_group(sharding.mesh, axes)
+                self._make_groups(how, sharding)
             layouts.append(layout)
         group["layouts"] = layouts
 
@@ -442,8 +450,18 @@ class EquivariantOptimizer(Optimizer):
     def _row_moment(self, p: torch.Tensor, group: dict, state: dict) -> None:
         """NorMuon's row second moments of ``p``, zeros: one per row of each work matrix."""
         j = next(k for k, q in enumerate(group["params"]) if q is p)
-        shape = row_moment_shape(group["layouts"][j], tuple(p.shape))
-        state[ROW_MOMENT] = torch.zeros(shape, dtype=self._state_dtype(p), device=p.device)
+        layout, dtype = group["layouts"][j], self._state_dtype(p)
+        shape = row_moment_shape(layout, tuple(p.shape))
+        if not is_dtensor(p):
+            state[ROW_MOMENT] = torch.zeros(shape, dtype=dtype, device=p.device)
+            return
+        from torch.distributed.tensor import DTensor
+
+        placements = row_moment_placements(p.placements, layout, tuple(p.shape))
+        mine = row_moment_block(layout, tuple(p.shape), self._sharding(p).block)
+        stride = torch.empty(shape, device="meta").stride()
+        zeros = torch.zeros(mine, dtype=dtype, device=local(p).device)
+        state[ROW_MOMENT] = DTensor.from_local(zeros, p.device_mesh, placements, shape=torch.Size(shape), stride=stride)
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype of ``p``'s momentum and moments: ``state_dtype``, or float32 (float64 for
@@ -591,7 +609,9 @@ class EquivariantOptimizer(Optimizer):
                         )
                 if key == ROW_MOMENT and torch.is_tensor(value) and owner_rule[id(p)][0] == "normuon":
                     want = row_moment_shape(owner_rule[id(p)][1], tuple(p.shape))
-                    if tuple(value.shape) != want:
+                    if tuple(value.shape) != want and not is_dtensor(value) and value.numel() == math.prod(want):
+                        entry[key] = value.reshape(want)  # the flat format of an earlier version
+                    elif tuple(value.shape) != want:
                         raise ValueError(
                             f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
                             f"its work matrices' rows {want}"
@@ -938,7 +958,12 @@ class EquivariantOptimizer(Optimizer):
             p.add_((direction * (-lr * okf)).to(p.dtype))
             return
         if how.how == "owner":
-            whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
+            if key.rule == "normuon":  # the owner maps the polar factor, each rank its rows' stage
+                factor = shape_factor(group, *layout.work_shapes(sharding.shape)[0][-2:])
+                second = (local(state[ROW_MOMENT]), okf * (1.0 - group["beta2"]), sharding.block)
+                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr * factor), second))
+            else:
+                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
             return
         if how.how == "local" and group["center"] and key.rule not in POLAR_RULES:
             key = self._centre_in_place(direction, layout, okf, key)
@@ -972,7 +997,7 @@ class EquivariantOptimizer(Optimizer):
         seconds: list = [None] * len(global_shapes)
         if key.rule == "normuon":
             weight = okf * (1.0 - group["beta2"])
-            seconds = [(v, weight) for v in row_moment_views(layout, tuple(p.shape), state[ROW_MOMENT])]
+            seconds = [(v, weight) for v in row_moment_views(layout, tuple(p.shape), local(state[ROW_MOMENT]))]
         for w, pw, gshape, second in zip(
             layout.to_work_list(direction), self._work_views(p, layout), global_shapes, seconds
         ):

@@ -18,6 +18,7 @@ sharded over a fake process group of any size, is planned exactly like a real on
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +27,7 @@ from ..distributed.placements import Sharding
 from .costs import map_flops, mesh_cost_model, reduce_bytes
 from .fields import MATRIX_RULES
 from .owners import block_numel, elements_sent, joint_block
+from .row_moments import row_moment_block, stage_bytes
 from .rules import map_key
 from .sharded import group_ranks, owner_batches, owner_units
 
@@ -145,6 +147,8 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     add(name, 0, ADAMW_FLOPS * numel, 2 * numel * item)
                     continue
                 state = numel * item
+                if group["rule"] == "normuon":  # its row second moments
+                    state += math.prod(row_moment_block(layout, s.shape, block)) * item
                 if group["rule"] == "sgd":
                     add(name, 0, ELEMENTWISE_FLOPS * numel, state)
                     continue
@@ -176,6 +180,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 name, key, numel, item, state = owner_info[i]
                 owner_axes[name] = tuple(owner_tasks[i][0].axis_name(a) for a in batch.plans[k].axes)
                 sent = elements_sent(batch.blocks[k], batch.sources[k], batch.owners[k], batch.me) * item
+                if key.rule == "normuon":  # its row stage on this rank's block
+                    sharding, _, layout, *_ = owner_tasks[i]
+                    sent += stage_bytes(layout, sharding, batch.blocks[k][batch.me], item)
                 flops = ELEMENTWISE_FLOPS * numel
                 if batch.owners[k] == batch.me:
                     whole = tuple(b - a for a, b in joint_block(batch.blocks[k]))
