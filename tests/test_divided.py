@@ -39,6 +39,7 @@ def _identical_on_every_rank(t: torch.Tensor) -> bool:
 def _check_recipes(world):
     import equiopt
     from equiopt.models import build
+    from equiopt.optim.owners import map_cost
 
     cases = [
         ("qwen3", "paper:qwen3:a-i"),
@@ -47,6 +48,7 @@ def _check_recipes(world):
         ("gemma3", "paper:gemma3:a-iii"),
         ("olmoe", "paper:olmoe:ii"),
         ("gpt_oss", "paper:gpt_oss:router-hybrid"),
+        ("olmoe", "normuon"),  # the polar factors divided, every replica's row stage on its own state
     ]
     for family, recipe in cases:
         ref = build(family, "tiny", seed=0)
@@ -59,12 +61,31 @@ def _check_recipes(world):
                 for name, p in m.named_parameters():
                     p.grad = grads[name].clone()
             opt_ref.step()
-            opt.step()
+            with counting_map_work() as done:
+                opt.step()
+            if recipe == "normuon":  # each polar factor mapped once, on one replica
+                matrices = [
+                    w
+                    for g in opt.param_groups
+                    if g["rule"] == "normuon"
+                    for q, layout in zip(g["params"], g["layouts"])
+                    for w in layout.work_shapes(q.shape)
+                ]
+                check_work_divided(done, [map_cost(m) for w in matrices for m in _matrices(w)])
         want = dict(ref.named_parameters())
         for name, p in model.named_parameters():
             assert _identical_on_every_rank(p), f"{recipe} world {world}: {name} differs across ranks"
             err = _rel(p.detach(), want[name].detach())
             assert err <= 1e-5, f"{recipe} world {world}: {name} differs from the undivided step by {err:.2e}"
+            for key, value in opt.state[p].items():  # momentum, NorMuon's row moments: the same on every rank
+                if torch.is_tensor(value) and value.ndim:
+                    assert _identical_on_every_rank(value), (recipe, name, key)
+                    assert _rel(value, opt_ref.state[want[name]][key]) <= 1e-5, (recipe, name, key)
+
+
+def _matrices(shape):
+    """The matrices of a ``(..., m, n)`` batch of work matrices, as shapes."""
+    return [tuple(shape[-2:])] * int(torch.Size(shape[:-2]).numel())
 
 
 def _check_division(world):

@@ -271,7 +271,7 @@ def _check_placements_seen(sharded):
     assert kinds["model.layers.0.input_layernorm.weight"] == ("Shard(0)", "Replicate")
 
 
-def _check_reshard(rank, directory):
+def _check_reshard(rank, directory, recipe):
     """DCP: save the model and optimizer on the 2 x 2 FSDP + TP mesh, load them into the
     model sharded by FSDP alone over 4 ranks (4 x 1), and the next step still equals one
     process (as the trainer saves and restores: get_state_dict / set_state_dict)."""
@@ -283,7 +283,6 @@ def _check_reshard(rank, directory):
     from equiopt.train.checkpoint import load_checkpoint, save_checkpoint
     from equiopt.train.parallel import apply_fsdp2
 
-    recipe = "paper:qwen3:b-ii"
     ref = build("qwen3", "tiny", seed=0)
     first = _layouts("fsdp+tp", ref)
     opt_ref, _ = equiopt.build_optimizer(ref, recipe, overrides=FLOAT32)
@@ -312,11 +311,17 @@ def _check_reshard(rank, directory):
         assert isinstance(p, DTensor) and len(p.placements) == 1, (name, p.placements)
         err = rel(p.full_tensor(), want[name].detach())
         assert err <= 1e-5, f"after resharding 2 x 2 -> 4: {name} differs by {err:.2e}"
+        for key, value in opt2.state[p].items():  # momentum (as the map sees it), NorMuon's row moments
+            if value.ndim:
+                mine, theirs = value.full_tensor(), opt_ref.state[want[name]][key]
+                if key == "momentum_buffer":
+                    mine, theirs = in_quotient(mine, opt_ref, want[name]), in_quotient(theirs, opt_ref, want[name])
+                assert rel(mine, theirs) <= 1e-5, f"after resharding 2 x 2 -> 4: {name} {key}"
 
 
 def _worker(rank, world, cases, directory=None):
-    if cases == "reshard":
-        _check_reshard(rank, directory)
+    if cases[0] == "reshard":
+        _check_reshard(rank, directory, cases[1])
         cases = []
     for case, family, recipes in cases:
         for recipe, costs in recipes:
@@ -332,5 +337,6 @@ def test_mesh_step_equals_one_process(case, gloo):
     gloo(_worker, WORLD, cases)
 
 
-def test_checkpoint_saved_on_2x2_loads_on_4x1(gloo, tmp_path):
-    gloo(_worker, WORLD, "reshard", str(tmp_path / "checkpoint"))
+@pytest.mark.parametrize("recipe", ["paper:qwen3:b-ii", "normuon"])
+def test_checkpoint_saved_on_2x2_loads_on_4x1(recipe, gloo, tmp_path):
+    gloo(_worker, WORLD, ("reshard", recipe), str(tmp_path / "checkpoint"))

@@ -190,6 +190,30 @@ def test_state_dict_round_trip_continues_exactly(rule):
             ob.load_state_dict(bad)
 
 
+def test_row_moments_keep_the_batch_axes_and_load_the_flat_format():
+    """A stack of experts keeps one row of moments per expert, ``(E, m)``, so an expert
+    split keeps its experts' rows; a state dict of the earlier flat ``(E * m,)`` format loads
+    as that shape, with its values, and one whose size differs is refused by name."""
+
+    def make():
+        p = torch.nn.Parameter(torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(1)))
+        return p, EquivariantOptimizer([{"params": [p], "rule": "normuon", "layout": "experts:col"}], lr=0.05)
+
+    p, opt = make()
+    p.grad = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(2))
+    opt.step()
+    v = opt.state[p]["row_second_moment"]
+    assert v.shape == (3, 4) and bool((v > 0).all())  # col layout: the rows are the 4 stored columns
+    flat = opt.state_dict()
+    flat["state"][0]["row_second_moment"] = v.reshape(-1).clone()
+    q, other = make()
+    other.load_state_dict(flat)
+    assert torch.equal(other.state[q]["row_second_moment"], v)
+    flat["state"][0]["row_second_moment"] = torch.zeros(11)
+    with pytest.raises(ValueError, match="row_second_moment"):
+        other.load_state_dict(flat)
+
+
 def test_presets_recipes_and_fields():
     p = torch.nn.Parameter(torch.randn(8, 4))
     opt = eo.NorMuon([p])

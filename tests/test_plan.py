@@ -181,6 +181,25 @@ def test_equiopt_plan_on_a_fake_512_rank_mesh(tmp_path, capsys):
     assert "busiest rank" in text and "512 ranks" in text
 
 
+def test_normuon_plans_its_row_stage_on_a_fake_mesh():
+    """NorMuon on FSDP x TP over 64 fake ranks: the owner round trip plus the row stage's
+    sums. down_proj (rows = its stored columns, cut by tp; its stored rows cut by dp_shard)
+    all-reduces its row sums over dp_shard and its per-matrix totals over tp; its row
+    moments are split like its stored columns and counted in its state."""
+    from equiopt.planning import plan_model
+
+    def down(recipe):
+        doc = plan_model("qwen3:tiny", recipe, {"dp_shard": 8, "tp": 8}, ranks=[0, 9])
+        return next(p for p in doc["parameters"] if p["name"] == "model.layers.0.mlp.down_proj.weight")
+
+    normuon, muon = down("normuon"), down("equiopt:default")
+    assert normuon["rule"] == "normuon" and normuon["plan"] == muon["plan"] == "owner"
+    d, f = normuon["shape"]  # stored (d, f): the work rows are the f columns
+    assert normuon["state_bytes_per_rank"] == muon["state_bytes_per_rank"] + 4 * (f // 8)
+    # the row sums of its f / 8 rows over dp_shard, its two totals over tp
+    assert normuon["bytes_sent_per_rank"] == muon["bytes_sent_per_rank"] + 4 * (f // 8 + 2)
+
+
 def test_equiopt_plan_reads_a_transformers_config_path(tmp_path):
     from transformers import Qwen3Config
 

@@ -457,11 +457,12 @@ class EquivariantOptimizer(Optimizer):
             return
         from torch.distributed.tensor import DTensor
 
-        placements = row_moment_placements(p.placements, layout, tuple(p.shape))
+        placements = row_moment_placements(p.placements, layout, tuple(p.shape))  # type: ignore[attr-defined]
         mine = row_moment_block(layout, tuple(p.shape), self._sharding(p).block)
         stride = torch.empty(shape, device="meta").stride()
         zeros = torch.zeros(mine, dtype=dtype, device=local(p).device)
-        state[ROW_MOMENT] = DTensor.from_local(zeros, p.device_mesh, placements, shape=torch.Size(shape), stride=stride)
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        state[ROW_MOMENT] = DTensor.from_local(zeros, mesh, placements, shape=torch.Size(shape), stride=stride)
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype of ``p``'s momentum and moments: ``state_dtype``, or float32 (float64 for

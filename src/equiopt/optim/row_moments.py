@@ -131,7 +131,8 @@ def stage_axes(layout: Layout, sharding) -> tuple[tuple[int, ...], tuple[int, ..
     the row stage sums its per-matrix totals over the first, its row sums over the second
     (a fused layout: every axis that cuts more than its batch, as columns)."""
     axes = row_axes(layout, sharding.shape)
-    rows, cols = [], []
+    rows: list[int] = []
+    cols: list[int] = []
     for a, d in enumerate(sharding.dims):
         if d is None or sharding.mesh_shape[a] < 2 or d < axes.batch:
             continue
@@ -190,7 +191,8 @@ def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block) ->
     every row's statistics and rescales its own entries."""
     lead = row_axes(layout, sharding.shape).batch
     whole = o.new_zeros(*o.shape[:lead], *sharding.shape[lead:])
-    whole[(Ellipsis, *(slice(a, b) for a, b in block[lead:]))] = o.square()
+    index: tuple = (Ellipsis,) + tuple(slice(a, b) for a, b in block[lead:])
+    whole[index] = o.square()
     works = layout.to_work_list(whole)
     flat = [w.sum(dim=-1).reshape(*o.shape[:lead], -1) for w in works]
     o_sq = _sum(torch.cat(flat, dim=-1), sharding, stage_axes(layout, sharding)[1])
@@ -209,7 +211,7 @@ def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block) ->
         )
         scales.append((dw * ratio.sqrt()).unsqueeze(-1).expand(w.shape))
     scale = layout.from_work(scales if len(scales) > 1 else scales[0])
-    return o * scale[(Ellipsis, *(slice(a, b) for a, b in block[lead:]))]
+    return o * scale[index]
 
 
 def stage_bytes(layout: Layout, sharding, block, item: int) -> int:
