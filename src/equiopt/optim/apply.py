@@ -28,20 +28,25 @@ def finite_flags(grads: Sequence[torch.Tensor], limit: float = GRAD_LIMIT) -> to
     """1-D bool tensor: is each gradient free of NaN and Inf, with every entry at most
     ``limit`` in magnitude?
 
-    One ``aminmax`` pass each (no temporary): ``min / 2 + max / 2`` is finite exactly when
-    every entry is (an Inf or NaN propagates; halving keeps finite extremes from
-    overflowing), unlike a sum or a 2-norm, which overflow for large finite gradients; a
-    NaN fails the bound's comparisons too.
+    One foreach infinity norm over all of them (the largest magnitude: it neither
+    overflows, as a sum or a 2-norm of large finite entries would, nor hides a NaN, which
+    it propagates as ``torch.nn.utils.clip_grad_norm_``'s non-finite check relies on) and
+    one comparison, which a NaN fails: three operators however many gradients. An empty
+    tensor (an empty shard) is finite.
     """
-    flags = []
-    for g in grads:
-        if g.numel() == 0:  # an empty shard (uneven sharding) has nothing to check
-            flags.append(torch.ones((), dtype=torch.bool, device=g.device))
-            continue
-        lo, hi = torch.aminmax(g)
-        lo, hi = lo.float(), hi.float()
-        flags.append((0.5 * lo + 0.5 * hi).isfinite() & (lo >= -limit) & (hi <= limit))
-    return torch.stack(flags)
+    present = [k for k, g in enumerate(grads) if g.numel()]
+    if not present:
+        return torch.ones(len(grads), dtype=torch.bool, device=grads[0].device if grads else None)
+    norms = torch._foreach_norm([grads[k] for k in present], INF_NORM)
+    if len({n.dtype for n in norms}) > 1:
+        norms = [n.float() for n in norms]
+    largest = torch.stack(norms)
+    flags = largest < limit if limit == INF_NORM else largest <= limit
+    if len(present) == len(grads):
+        return flags
+    out = torch.ones(len(grads), dtype=torch.bool, device=flags.device)
+    out[present] = flags
+    return out
 
 
 def sanitize(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,6 +74,35 @@ def decay_(p: torch.Tensor, lr, weight_decay: float, okf: torch.Tensor) -> None:
     """Decoupled weight decay ``W <- (1 - lr wd) W`` (multiplies by exactly 1 where skipped)."""
     if weight_decay:
         p.mul_(1.0 - (lr * weight_decay) * okf)
+
+
+def _lerps_(starts: list[torch.Tensor], ends: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    """``starts[k].lerp_(ends[k], weights[k])`` for every ``k``: one foreach operator (one per
+    tensor when traced by Dynamo, which cannot trace a list of weights; one graph anyway)."""
+    if torch.compiler.is_compiling():
+        for a, b, w in zip(starts, ends, weights):
+            a.lerp_(b, w)
+    else:
+        torch._foreach_lerp_(starts, ends, weights)
+
+
+def momenta_(
+    bufs: list[torch.Tensor], grads: list[torch.Tensor], okfs: list[torch.Tensor], beta: float, nesterov: bool
+) -> list[torch.Tensor]:
+    """:func:`momentum_` of every ``(buf, grad, okf)`` in two or three foreach operators;
+    returns the directions (new tensors with Nesterov, else the buffers)."""
+    if not bufs:
+        return []
+    _lerps_(bufs, grads, torch._foreach_mul(okfs, 1.0 - beta))
+    if nesterov:
+        return list(torch._foreach_lerp(grads, bufs, beta))
+    return bufs
+
+
+def decays_(params: list[torch.Tensor], lr, weight_decay: float, okfs: list[torch.Tensor]) -> None:
+    """:func:`decay_` of every ``(p, okf)`` in three foreach operators."""
+    if weight_decay and params:
+        torch._foreach_mul_(params, torch._foreach_add(torch._foreach_mul(okfs, -(lr * weight_decay)), 1.0))
 
 
 def _guarded(f: Factored) -> tuple[Factored, torch.Tensor]:
@@ -101,6 +135,19 @@ def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> torch.Te
     """
     f, ok = _guarded(f)
     _add_(pw, f, coef * ok)
+    return ok | (coef == 0)
+
+
+def add_updates_(views: list[torch.Tensor], updates: list[torch.Tensor], coefs: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`add_factored_` of many whole updates (fresh tensors of their views' dtype; the
+    ``coefs`` 0-d tensors of one dtype) in a number of operators that does not grow with
+    their count (one ``nan_to_num`` each aside): ``views[k] += coefs[k] * updates[k]``,
+    a non-finite update adding nothing; returns the ``(N,)`` flags as :func:`add_factored_`."""
+    ok = finite_flags(updates, INF_NORM)
+    for u in updates:
+        torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
+    coef = torch.stack(coefs)
+    torch._foreach_add_(views, torch._foreach_mul(updates, list((coef * ok).unbind(0))))
     return ok | (coef == 0)
 
 
@@ -156,17 +203,16 @@ def adamw_(
     """
     b1, b2 = betas
     torch._foreach_add_(steps, okfs)
-    for m, g, w in zip(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1)):
-        m.lerp_(g, w)
-    # One temporary per parameter serves as g^2 and then as the denominator sqrt(v).
-    denom = []
-    for v, g, w in zip(exp_avg_sqs, grads, torch._foreach_mul(okfs, 1.0 - b2)):
-        # A skipped gradient may hold entries whose square overflows; at weight 0 lerp
-        # returns v exactly only if g^2 is finite, so squares are capped at the dtype's max
-        # (a no-op for every usable gradient, whose entries are within GRAD_LIMIT).
-        t = torch.mul(g, g).clamp_(max=torch.finfo(g.dtype).max)
-        v.lerp_(t, w)
-        denom.append(torch.sqrt(v, out=t))
+    _lerps_(exp_avgs, grads, torch._foreach_mul(okfs, 1.0 - b1))
+    # A skipped gradient may hold entries whose square overflows; at weight 0 lerp returns
+    # v exactly only if g^2 is finite, so squares are capped at the dtype's max (a no-op
+    # for every usable gradient, whose entries are within GRAD_LIMIT).
+    squares = torch._foreach_mul(grads, grads)
+    for dtype in {g.dtype for g in grads}:
+        torch._foreach_clamp_max_([t for t in squares if t.dtype == dtype], torch.finfo(dtype).max)
+    _lerps_(exp_avg_sqs, squares, torch._foreach_mul(okfs, 1.0 - b2))
+    del squares
+    denom = torch._foreach_sqrt(exp_avg_sqs)
     counts = [c.to(m.dtype) for c, m in zip(torch._foreach_maximum(steps, 1.0), exp_avgs)]
     bc1 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b1, counts)), 1.0)
     bc2 = torch._foreach_add(torch._foreach_neg(torch._foreach_pow(b2, counts)), 1.0)

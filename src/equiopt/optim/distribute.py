@@ -57,8 +57,8 @@ LOCAL, REDUCE, ROWS, DIVIDED = "local", "reduce", "rows", "divided"
 # Row-norm maps and the element-wise rules cost less than sending their results.
 DIVIDED_RULES = ("spectral", "spectral_row", "normuon", "right", "left", "hybrid")
 
-#: Adds a work matrix's update to its weights: ``add(view, update, coef)``.
-Add = Callable[[torch.Tensor, maps.Factored, torch.Tensor], None]
+#: Adds work matrices' updates to their weights: ``add([(view, update, coef), ...])``.
+Add = Callable[[list[tuple[torch.Tensor, maps.Factored, torch.Tensor]]], None]
 
 
 class BucketKey(NamedTuple):
@@ -203,8 +203,7 @@ def _normuon_stage(item: WorkItem, f: maps.Factored, eps: float) -> maps.Factore
 
 def _add_mapped(items: list[WorkItem], mapped, add: Add) -> None:
     """Add each item's mapped update to its weights."""
-    for item, f in zip(items, mapped):
-        add(item.view, f, item.coef)
+    add([(item.view, f, item.coef) for item, f in zip(items, mapped)])
 
 
 def _run_reduce(buckets: list[tuple[BucketKey, list[WorkItem]]], add: Add, overlap: bool) -> None:
@@ -344,11 +343,13 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
         )
 
     def receive(members, pending):
+        triples = []
         for t, u in zip(members, pending.wait()):
             if t.second is not None:  # NorMuon: the polar factor's row stage on this rank's block
                 second, weight, block = t.second
                 u = block_row_stage(u, second, weight, t.key.eps, t.layout, t.sharding, block)
-            add(t.param, maps.Factored(u), t.coef)
+            triples.append((t.param, maps.Factored(u), t.coef))
+        add(triples)
 
     # A window of two batches: the next batch's blocks travel to their owners while
     # this one's maps run, and its updates travel back while the next one's run;
@@ -360,17 +361,17 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
         pg = mesh_group(members[0].sharding.mesh, batch.plans[0].axes)
         arrived = incoming.wait()  # type: ignore[union-attr]  # started for every batch
         incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
+        # every work matrix this rank owns in the batch, mapped in one batched call per kind
+        works = {i: members[i].layout.to_work_list(full) for i, full in arrived.items()}
+        jobs = [(members[i].key, members[i].group["eta"], w) for i, ws in works.items() for w in ws]
+        mapped = iter(map_whole(jobs))
         updates = {}
-        for i, full in arrived.items():
-            t = members[i]
-            works = t.layout.to_work_list(full)
-            mapped = map_whole([(t.key, t.group["eta"], w) for w in works])
+        for i, ws in works.items():
+            t, done = members[i], [next(mapped) for _ in ws]
             if t.second is not None:  # NorMuon: the bare polar factor (its factor is in coef)
-                updates[i] = t.layout.from_work(mapped)
+                updates[i] = t.layout.from_work(done)
             else:
-                updates[i] = t.layout.from_work(
-                    [u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(mapped, works)]
-                )
+                updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(done, ws)])
         if returning is not None:
             receive(*returning)
         returning = (
@@ -431,12 +432,14 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
             shared[t] = got
     start = 0
     keyed = [(key, item) for key, items in buckets for item in items]
+    triples = []
     for (key, item), count in zip(keyed, counts):
         f = maps.Factored(torch.stack(shared[start : start + count]).view(item.work.shape))
         start += count
         if key.rule == "normuon":  # every replica runs the row stage on the same polar factor
             f = _normuon_stage(item, f, key.eps)
-        add(item.view, f, item.coef)
+        triples.append((item.view, f, item.coef))
+    add(triples)
 
 
 def _run_rows(key: MapKey, items: list[WorkItem], add: Add, overlap: bool) -> Pending:
@@ -452,5 +455,5 @@ def _run_rows(key: MapKey, items: list[WorkItem], add: Add, overlap: bool) -> Pe
         m = item.work.shape[-2]
         a, b = row_range(m, n, me)
         f = factored_map(key, item.group["eta"], item.work.narrow(-2, a, b - a), ShardSum(pg, m))
-        add(item.view.narrow(-2, a, b - a), f, item.coef)
+        add([(item.view.narrow(-2, a, b - a), f, item.coef)])
     return start_row_share([item.view for item in items], pg, async_op=overlap)

@@ -24,7 +24,7 @@ from .. import maps
 from ..distributed.placements import Sharding, describe_sharding, is_dtensor, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
-from .apply import GRAD_LIMIT, adamw_, add_factored_, decay_, finite_flags, momentum_, sanitize
+from .apply import GRAD_LIMIT, adamw_, add_factored_, add_updates_, decays_, finite_flags, momenta_, sanitize
 from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
@@ -108,6 +108,11 @@ _UNOFFERED_FLAGS = {
 def _default_names(where: str, count: int) -> list[str]:
     """The names of a param group's parameters when it gives none: their places."""
     return [f"{where}.params[{j}]" for j in range(count)]
+
+
+def _times(step: torch.Tensor, factor: float) -> torch.Tensor:
+    """A step size ``-lr * ok`` times a shape factor (no operator when the factor is 1)."""
+    return step if factor == 1.0 else step * factor
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -495,14 +500,27 @@ class EquivariantOptimizer(Optimizer):
         one in the property tests). Reading it reads the device counter back."""
         return int(self._update_skips.detach().cpu()) if self._update_skips is not None else 0
 
-    def _add(self, view: torch.Tensor, update: maps.Factored, coef: torch.Tensor) -> None:
-        """Add a work matrix's update to its weights (guarded, :func:`~.apply.add_factored_`) and count it."""
-        self._count(add_factored_(view, update, coef))
-
-    def _count(self, ok: torch.Tensor) -> None:
-        """Add a work matrix's update flag (from :func:`~.apply.add_factored_`) to the counter."""
-        skips = self._skip_counter()
-        skips.add_(ok.logical_not().to(skips.device, torch.float32))
+    def _add(self, triples: list[tuple[torch.Tensor, maps.Factored, torch.Tensor]]) -> None:
+        """Add work matrices' updates to their weights (guarded) and count the refused ones:
+        ``(view, update, coef)`` triples. Whole updates of the views' dtype go in together
+        (:func:`~.apply.add_updates_`), factored ones one by one (:func:`~.apply.add_factored_`)."""
+        flags = []
+        whole: dict[tuple, list] = defaultdict(list)
+        for view, f, coef in triples:
+            if f.row is None and f.left is None and f.right is None and f.shift is None and f.low is None:
+                if view.dtype == f.x.dtype:
+                    whole[(view.device, view.dtype, coef.dtype)].append((view, f.x, coef))
+                    continue
+            flags.append(add_factored_(view, f, coef).reshape(1))
+        for same in whole.values():
+            if len(same) == 1:
+                flags.append(add_factored_(same[0][0], maps.Factored(same[0][1]), same[0][2]).reshape(1))
+            else:
+                flags.append(add_updates_(*(list(t) for t in zip(*same))))
+        if flags:
+            skips = self._skip_counter()
+            ok = flags[0] if len(flags) == 1 else torch.cat([f.to(skips.device) for f in flags])
+            skips.add_(ok.logical_not().sum().to(skips.device, torch.float32))
 
     @property
     def last_nonfinite(self) -> list[str]:
@@ -877,8 +895,7 @@ class EquivariantOptimizer(Optimizer):
             if group["rule"] == "adamw":
                 self._adamw(group, lr, params, states, okfs[0])
                 continue
-            for k, (j, p, st) in enumerate(zip(live, params, states)):
-                self._matrix_step(group, lr, j, p, st, okfs[0][k], buckets, whole)
+            self._matrix_steps(group, lr, live, params, states, okfs[0], buckets, whole)
         distribute.run(
             buckets, whole, self._add, replicas=self._replicas, overlap=self.overlap, cost_model=self.cost_model
         )
@@ -899,9 +916,11 @@ class EquivariantOptimizer(Optimizer):
         sizes) and in float32 (for the counters)."""
         ok32 = flags.to(torch.float32)
         wide = [self._state_dtype(p) in (torch.float64, torch.complex128) for p in params]
-        ok64 = flags.to(torch.float64) if any(wide) else None
-        per_param = [ok64[k] if w and ok64 is not None else ok32[k] for k, w in enumerate(wide)]
-        return per_param, list(ok32.unbind(0))
+        narrow = list(ok32.unbind(0))
+        if not any(wide):
+            return narrow, narrow
+        ok64 = flags.to(torch.float64).unbind(0)
+        return [ok64[k] if w else narrow[k] for k, w in enumerate(wide)], narrow
 
     def _sharding(self, p: torch.Tensor) -> Sharding:
         found = self._shardings.get(id(p))
@@ -936,35 +955,54 @@ class EquivariantOptimizer(Optimizer):
             if axes:
                 mesh_group(sharding.mesh, axes)
 
-    def _matrix_step(self, group, lr, j, p, state, okf, buckets, whole) -> None:
-        """Momentum, decay and the map of one parameter; on a DTensor, of this rank's block
-        (``p``, its gradient and state are DTensors; their local tensors are stepped).
+    def _matrix_steps(self, group, lr, live, params, states, okfs, buckets, whole) -> None:
+        """Momentum and decay of the parameters of ``group`` that no bucket holds (each
+        stage one foreach operator over all of them; on a DTensor, of this rank's block:
+        ``p``, its gradient and state are DTensors, their local tensors are stepped), then
+        each one's map queued (:meth:`_queue_map`)."""
+        bufs = [_real(local(st["momentum_buffer"])) for st in states]
+        grads = [sanitize(_real(local(p.grad)), b.dtype) for p, b in zip(params, bufs)]
+        directions = momenta_(bufs, grads, okfs, group["beta"], group["nesterov"])
+        weights = [_real(local(p)) for p in params]
+        decays_(weights, lr, group["weight_decay"], okfs)
+        steps = torch._foreach_mul(okfs, -lr)  # -lr, or 0 where skipped
+        if group["rule"] == "sgd":
+            if group["lazy"]:
+                directions = [
+                    self._lazy_rows(
+                        d,
+                        g,
+                        group["layouts"][j],
+                        self.plan_of(group, group["layouts"][j], self._sharding(p)),
+                        group["names"][j],
+                    )
+                    for j, p, d, g in zip(live, params, directions, grads)
+                ]
+            for w, d, c in zip(weights, directions, steps):
+                w.add_((d * c).to(w.dtype))
+            return
+        key = map_key(group)
+        for j, p, st, okf, step, d, g, w in zip(live, params, states, okfs, steps, directions, grads, weights):
+            self._queue_map(group, key, step, j, p, st, okf, d, g, w, buckets, whole)
 
-        The map is queued for :func:`.distribute.run`: in ``buckets`` (batched by settings,
+    def _queue_map(self, group, key, step, j, p, state, okf, direction, grad, w, buckets, whole) -> None:
+        """Queue the map of one parameter's momentum ``direction`` (``w``: this rank's block
+        of its weights) for :func:`.distribute.run`: in ``buckets`` (batched by settings,
         shape and mode; under ``divide_work`` the matrix-product maps of plain parameters are
-        divided among the replicas) or in ``whole`` (split work that needs whole matrices).
-        """
-        buf = _real(local(state["momentum_buffer"]))
-        grad = sanitize(_real(local(p.grad)), buf.dtype)
-        direction = momentum_(buf, grad, okf, group["beta"], group["nesterov"])
+        divided among the replicas) or in ``whole`` (split work that needs whole matrices)."""
         sharding = self._sharding(p)
         layout = group["layouts"][j]
-        key = map_key(group)
         how = self.plan_of(group, layout, sharding, key)
         if group["lazy"]:
             direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
-        p = _real(local(p))
-        decay_(p, lr, group["weight_decay"], okf)
-        if group["rule"] == "sgd":
-            p.add_((direction * (-lr * okf)).to(p.dtype))
-            return
+        p = w
         if how.how == "owner":
             if key.rule == "normuon":  # the owner maps the polar factor, each rank its rows' stage
                 factor = shape_factor(group, *layout.work_shapes(sharding.shape)[0][-2:])
                 second = (local(state[ROW_MOMENT]), okf * (1.0 - group["beta2"]), sharding.block)
-                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr * factor), second))
+                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, _times(step, factor), second))
             else:
-                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, okf * (-lr)))
+                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, step))
             return
         if how.how == "local" and group["center"] and key.rule not in POLAR_RULES:
             key = self._centre_in_place(direction, layout, okf, key)
@@ -989,7 +1027,7 @@ class EquivariantOptimizer(Optimizer):
                     WorkItem(
                         layout.to_work_list(direction)[0],
                         self._work_views(p, layout)[0],
-                        okf * (-lr * shape_factor(group, *global_shapes[0][-2:])),
+                        _times(step, shape_factor(group, *global_shapes[0][-2:])),
                         group,
                         sums,
                     )
@@ -1004,7 +1042,7 @@ class EquivariantOptimizer(Optimizer):
         ):
             if sums is None and w.numel() == 0:
                 continue  # an empty block of a stack of experts: nothing to map, nothing sent
-            coef = okf * (-lr * shape_factor(group, *gshape[-2:]))
+            coef = _times(step, shape_factor(group, *gshape[-2:]))
             if sums is not None:
                 # one bucket per (global shape, process groups): every rank forms the same buckets
                 groups = tuple(id(r.group) if r is not None else None for r in sums)
