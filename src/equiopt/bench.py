@@ -341,13 +341,17 @@ def graphed_vs_eager(model, params, grads, recipe, steps: int = 6) -> float:
 def ops(recipes) -> None:
     """(f) ATen operators per step of each recipe and of torch's optimizers on the Qwen3-0.6B
     structure (:mod:`equiopt.opcount`), at 28 and 56 layers, with each one's five commonest."""
-    from .opcount import ops_table
+    from .opcount import fsdp2_ops_table, ops_table
 
     print("(f) ATen operators per step, Qwen3-0.6B structure (transformers Qwen3ForCausalLM, tiny widths), CPU")
     print(f"{'optimizer':34s} {'28 layers':>10s} {'56 layers':>10s}  commonest (28 layers)")
     for label, counts in ops_table(recipes):
         common = ", ".join(f"{k} {v}" for k, v in counts[28].counts.most_common(5))
         print(f"{label:34s} {counts[28].total:10d} {counts[56].total:10d}  {common}")
+    print("\n(f) the same sharded by FSDP2 over 2 gloo processes (every parameter a DTensor), rank 0")
+    print(f"{'optimizer':34s} {'28 layers':>10s} {'56 layers':>10s}")
+    for label, found in fsdp2_ops_table(recipes).items():
+        print(f"{label:34s} {found[28]:10d} {found[56]:10d}")
 
 
 def _slowest(seconds: float, device: torch.device) -> float:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "count_ops", "qwen3_structure", "ops_table"]
+__all__ = ["OpCounter", "count_ops", "qwen3_structure", "ops_table", "fsdp2_step_ops", "fsdp2_ops_table"]
 
 
 class OpCounter(TorchDispatchMode):
@@ -108,3 +108,68 @@ def ops_table(recipes: list[str], layers: tuple[int, ...] = (28, 56)) -> list[tu
     for name in recipes:
         rows.append((name, lambda m, name=name: build_optimizer(m, name, compile=False)[0]))
     return [(label, {n: ops_per_step(make, n) for n in layers}) for label, make in rows]
+
+
+def fsdp2_step_ops(recipe: str, layers: int = 28) -> OpCounter:
+    """Operators of one step of ``recipe`` on this rank, with :func:`qwen3_structure` sharded by
+    FSDP2 over the default process group (every parameter a DTensor: the sharded path)."""
+    import torch.distributed as dist
+
+    from .roles import build_optimizer
+    from .train.parallel import apply_fsdp2
+
+    model = apply_fsdp2(qwen3_structure(layers), torch.device("cpu"), dist.get_world_size())
+    gen = torch.Generator().manual_seed(0)
+    grads = {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+
+    def step():
+        from torch.distributed.tensor import distribute_tensor
+
+        for name, p in model.named_parameters():
+            p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements)  # type: ignore[attr-defined]
+        opt.step()
+
+    opt = build_optimizer(model, recipe, compile=False)[0]
+    step()
+    step()
+    for name, p in model.named_parameters():
+        from torch.distributed.tensor import distribute_tensor
+
+        p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    with OpCounter() as counter:
+        opt.step()
+    return counter
+
+
+def _fsdp2_rank(rank: int, world: int, directory: str, recipes: list[str], layers: tuple[int, ...]) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world)
+    try:
+        found = {f"{r}@{n}": fsdp2_step_ops(r, n).total for r in recipes for n in layers}
+        if rank == 0:
+            with open(f"{directory}/ops.json", "w") as f:
+                json.dump(found, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_ops_table(
+    recipes: list[str], layers: tuple[int, ...] = (28, 56), world: int = 2
+) -> dict[str, dict[int, int]]:
+    """``{recipe: {layers: operators}}`` of one step on rank 0 of ``world`` gloo processes
+    (spawned here, a file rendezvous), the Qwen3-0.6B structure sharded by FSDP2."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        torch.multiprocessing.spawn(_fsdp2_rank, args=(world, directory, recipes, layers), nprocs=world, join=True)
+        with open(f"{directory}/ops.json") as f:
+            found = json.load(f)
+    return {r: {n: found[f"{r}@{n}"] for n in layers} for r in recipes}

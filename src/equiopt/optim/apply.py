@@ -61,6 +61,27 @@ def sanitize(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def sanitize_all(grads: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """:func:`sanitize` of every ``(grad, dtype)``: gradients of one shape, dtype and device
+    are stacked (the copy :func:`sanitize` makes anyway) and cleaned in one pass, so the
+    operators grow with the number of shapes, not of gradients. Returns views of the stacks."""
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    same: dict[tuple, list[int]] = {}
+    for k, (g, dtype) in enumerate(zip(grads, dtypes)):
+        same.setdefault((tuple(g.shape), g.dtype, g.device, dtype), []).append(k)
+    for (_, _, _, dtype), members in same.items():
+        if len(members) == 1:
+            out[members[0]] = sanitize(grads[members[0]], dtype)
+            continue
+        stack = torch.stack([grads[k] for k in members])
+        if stack.dtype != dtype:
+            stack = stack.to(dtype)
+        torch.nan_to_num_(stack, nan=0.0, posinf=0.0, neginf=0.0)
+        for k, t in zip(members, stack.unbind(0)):
+            out[k] = t
+    return out  # type: ignore[return-value]
+
+
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, okf: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:
     """EMA momentum ``M <- beta M + (1 - beta) G`` in place (a no-op where ``okf`` is 0);
     returns the direction ``D``: ``M``, or ``beta M + (1 - beta) G`` with Nesterov."""

@@ -24,7 +24,16 @@ from .. import maps
 from ..distributed.placements import Sharding, describe_sharding, is_dtensor, mesh_group
 from ..layouts import Layout, parse_layout
 from . import distribute
-from .apply import GRAD_LIMIT, adamw_, add_factored_, add_updates_, decays_, finite_flags, momenta_, sanitize
+from .apply import (
+    GRAD_LIMIT,
+    adamw_,
+    add_factored_,
+    add_updates_,
+    decays_,
+    finite_flags,
+    momenta_,
+    sanitize_all,
+)
 from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, replica_division, resolve_cost_model
 from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
@@ -961,7 +970,7 @@ class EquivariantOptimizer(Optimizer):
         ``p``, its gradient and state are DTensors, their local tensors are stepped), then
         each one's map queued (:meth:`_queue_map`)."""
         bufs = [_real(local(st["momentum_buffer"])) for st in states]
-        grads = [sanitize(_real(local(p.grad)), b.dtype) for p, b in zip(params, bufs)]
+        grads = sanitize_all([_real(local(p.grad)) for p in params], [b.dtype for b in bufs])
         directions = momenta_(bufs, grads, okfs, group["beta"], group["nesterov"])
         weights = [_real(local(p)) for p in params]
         decays_(weights, lr, group["weight_decay"], okfs)
@@ -1107,7 +1116,7 @@ class EquivariantOptimizer(Optimizer):
         for (_, _, s_dtype), items in buckets.items():
             adamw_(
                 [w for w, _, _, _ in items],
-                [sanitize(g, s_dtype) for _, _, _, g in items],
+                sanitize_all([g for _, _, _, g in items], [s_dtype] * len(items)),
                 [m for _, (m, _, _), _, _ in items],
                 [v for _, (_, v, _), _, _ in items],
                 [step for _, (_, _, step), _, _ in items],
