@@ -38,13 +38,18 @@ STUDIES = {
     "gpt_oss": ("gpt_oss", ["iv", "i", "ii", "iii"]),
     "peers": ("qwen3", ["muon=a-iii@muon", "peer-muon=a-iii@peer:muon"]),
     "normuon": ("qwen3", ["muon=a-iii@muon", "normuon=a-iii@normuon", "peer-muon=a-iii@peer:muon"]),
+    # normuon with only the hidden matrices' optimizer differing (the default recipe elsewhere in every arm)
+    "normuon_hidden": (
+        "qwen3",
+        ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
+    ),
     "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
     # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories)
     "gemma3_b_wide": ("gemma3", ["b-iii", "b-i", "b-ii"]),
     "gpt_oss_wide": ("gpt_oss", ["iv", "i", "ii", "iii"]),
 }
 # study -> the study whose run directories it shares (its finished runs are reused, not rerun)
-LOGS_OF = {"gemma3_b_wide": "gemma3_b", "gpt_oss_wide": "gpt_oss"}
+LOGS_OF = {"gemma3_b_wide": "gemma3_b", "gpt_oss_wide": "gpt_oss", "normuon_hidden": "normuon"}
 # study -> {config name: entries added to its [optim] overrides}: the normuon and muon_iteration
 # studies pin the precision of equiopt's polar iterations to float32 (unset, it would follow the
 # machine's processor); the wider grids pin bfloat16, the precision of the runs they reuse (made
@@ -53,8 +58,11 @@ LOGS_OF = {"gemma3_b_wide": "gemma3_b", "gpt_oss_wide": "gpt_oss"}
 # (results/study/muon_iteration/update_rms.json: 0.917 attention, 0.928 mlp_in, 0.945 mlp_out of 0.02).
 _FLOAT32_POLAR = '"*" = { polar_dtype = "float32" }'
 _BFLOAT16_POLAR = '"*" = { polar_dtype = "bfloat16" }'
+# torch.optim.Muon on the hidden matrices (its own bfloat16 quintic), the default recipe elsewhere
+_TORCH_MUON = ", ".join(f'{role} = {{ rule = "torch_muon" }}' for role in ("attention", "mlp_in", "mlp_out", "matrix"))
 OVERRIDES = {
     "normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR},
+    "normuon_hidden": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
     "muon_iteration": {
         "pe": _FLOAT32_POLAR,
         "quintic": '"*" = { polar_dtype = "float32", method = "newton_schulz_torch" }',
@@ -141,6 +149,7 @@ METRICS = {
     "qwen3_a_heldout": ["val/loss", "ood/loss"],
     "peers": ["val/loss", "ood/loss"],
     "normuon": ["val/loss", "ood/loss"],
+    "normuon_hidden": ["val/loss", "ood/loss"],
     "muon_iteration": ["val/loss", "ood/loss"],
     "gemma3_b": ["val/loss", *_LOGITS, "ood/loss"],
     "gpt_oss": ["val/loss", *_ROUTER, "ood/loss"],
@@ -170,6 +179,7 @@ CURVES = {
     "qwen3_a_heldout": ["val/loss", "weight_rms/embedding", "weight_rms/lm_head"],
     "peers": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
     "normuon": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
+    "normuon_hidden": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
     "muon_iteration": ["val/loss", "weight_rms/attention", "weight_rms/mlp_in"],
     "gemma3_b": ["val/loss", *_LOGITS],
     "gpt_oss": ["val/loss", "router/lb", "router/z", "router/dead", "router/max_load", "weight_rms/router"],
