@@ -262,6 +262,33 @@ def test_fsdp2_step_equals_one_process_and_sends_what_is_planned(world, gloo):
         print("bytes per step:", totals)
 
 
+def _count_ops(rank, world):
+    from equiopt.opcount import fsdp2_step_ops
+
+    counts = {}
+    for recipe in SHARDED_OPS:
+        for layers in (4, 8):
+            found = fsdp2_step_ops(recipe, layers)
+            counts[(recipe, layers)] = (found.total, found.launches)
+    return counts
+
+
+SHARDED_OPS = ("paper:qwen3:a-i", "normuon")
+
+
+@pytest.mark.slow
+def test_a_sharded_step_dispatches_a_few_operators_per_parameter(gloo):
+    """The Qwen3-0.6B structure (11 parameters a layer) under FSDP2 on 2 ranks: each stage of
+    the sharded parameters' step is one foreach operator or one batched call per group or
+    shape, so four more layers (44 parameters) add at most 12 operators a parameter, at most
+    5 of which run a kernel (the rest make views). One by one the stages cost about 45, 25
+    of them kernels: flags, sanitising, momentum, decay, guard and add per parameter."""
+    counts = gloo(_count_ops, 2)[0]
+    for recipe in SHARDED_OPS:
+        grown = [b - a for a, b in zip(counts[(recipe, 4)], counts[(recipe, 8)])]
+        assert grown[0] <= 12 * 44 and grown[1] <= 5 * 44, (recipe, counts)
+
+
 def test_unsupported_placements_fail_at_construction(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial

@@ -17,7 +17,37 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "count_ops", "qwen3_structure", "ops_table", "fsdp2_step_ops", "fsdp2_ops_table"]
+__all__ = ["VIEW_OPS", "OpCounter", "count_ops", "qwen3_structure", "ops_table", "fsdp2_step_ops", "fsdp2_ops_table"]
+
+
+#: ATen operators that return a view of their input (no kernel runs).
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "slice",
+        "select",
+        "narrow",
+        "expand",
+        "detach",
+        "alias",
+        "as_strided",
+        "unbind",
+        "split",
+        "split_with_sizes",
+        "transpose",
+        "t",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "diagonal",
+        "unflatten",
+        "movedim",
+        "view_as_real",
+        "lift_fresh",
+    }
+)
 
 
 class OpCounter(TorchDispatchMode):
@@ -34,6 +64,12 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def launches(self) -> int:
+        """The operators that run a kernel: all but those that only make a view of their
+        input's memory (:data:`VIEW_OPS`, free on an accelerator but for the dispatch)."""
+        return self.total - sum(self.counts[name] for name in VIEW_OPS)
 
 
 def count_ops(step: Callable[[], object], warmup: int = 2) -> OpCounter:

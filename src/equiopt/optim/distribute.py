@@ -21,6 +21,7 @@ matrix shapes run as one batched call.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from ..distributed.placements import Sharding, mesh_group, row_range
 from ..layouts import Layout
 from .costs import mesh_cost_model
 from .owners import Pending, assign, map_cost, start_from_owners, start_row_share, start_share, start_to_owners
-from .row_moments import block_row_stage
+from .row_moments import block_row_stages
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
 
@@ -181,12 +182,38 @@ def run(
 
 
 def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
-    """Map one bucket here (its sums, if split, waited for) and add its updates (NorMuon's
-    row stage applied to each item's polar factor on its own state)."""
-    mapped = map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums)
+    """Map one bucket here (its sums, if split, waited for) and add its updates."""
     if key.map.rule == "normuon":
-        mapped = [_normuon_stage(item, f, key.map.eps) for item, f in zip(items, mapped)]
+        _run_normuon(key.map, items, add)
+        return
+    mapped = map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums)
     _add_mapped(items, mapped, add)
+
+
+def _run_normuon(key: MapKey, items: list[WorkItem], add: Add) -> None:
+    """A NorMuon bucket of whole work matrices: the polar factors of all of them in one
+    batched call, the row stage (:func:`~equiopt.maps.normuon_rows`) on all of them at once
+    (their row moments gathered and written back: one operator each way), and the updates
+    added as whole updates."""
+    shape = tuple(items[0].work.shape[-2:])
+    counts = [math.prod(i.work.shape[:-2]) for i in items]
+    works = [i.work.reshape(-1, *shape) for i in items]
+    f = _map(key, items[0].group["eta"], works[0] if len(works) == 1 else torch.cat(works), None)
+    if any(i.second is None for i in items):
+        raise ValueError("a normuon work matrix needs its row second moments (WorkItem.second)")
+    seconds = [i.second[0].reshape(-1, shape[0], 1) for i in items]  # type: ignore[index]
+    second = seconds[0] if len(seconds) == 1 else torch.cat(seconds)
+    weight = torch.cat([i.second[1].reshape(1).expand(c) for i, c in zip(items, counts)])  # type: ignore[index]
+    scales = maps.normuon_rows(f.x, second, weight.view(-1, 1, 1), key.eps).row
+    if len(seconds) > 1:
+        torch._foreach_copy_(seconds, list(torch.split(second, counts)))
+    update = f.x * scales
+    add(
+        [
+            (i.view, maps.Factored(u.view(i.work.shape)), i.coef)
+            for i, u in zip(items, torch.split(update, counts) if len(items) > 1 else [update])
+        ]
+    )
 
 
 def _normuon_stage(item: WorkItem, f: maps.Factored, eps: float) -> maps.Factored:
@@ -343,12 +370,26 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
         )
 
     def receive(members, pending):
-        triples = []
+        triples, stages = [], defaultdict(list)
         for t, u in zip(members, pending.wait()):
             if t.second is not None:  # NorMuon: the polar factor's row stage on this rank's block
-                second, weight, block = t.second
-                u = block_row_stage(u, second, weight, t.key.eps, t.layout, t.sharding, block)
-            triples.append((t.param, maps.Factored(u), t.coef))
+                sharding, block = t.sharding, t.second[2]
+                alike = (t.layout, sharding.shape, block, id(sharding.mesh), sharding.dims, t.key.eps, u.dtype)
+                stages[alike].append((t, u))
+            else:
+                triples.append((t.param, maps.Factored(u), t.coef))
+        for (layout, _, block, _, _, eps, _), tasks in stages.items():  # alike blocks stacked, in one go
+            t0 = tasks[0][0]
+            done = block_row_stages(
+                [u for _, u in tasks],
+                [t.second[0] for t, _ in tasks],
+                [t.second[1] for t, _ in tasks],
+                eps,
+                layout,
+                t0.sharding,
+                block,
+            )
+            triples.extend((t.param, maps.Factored(u), t.coef) for (t, _), u in zip(tasks, done))
         add(triples)
 
     # A window of two batches: the next batch's blocks travel to their owners while

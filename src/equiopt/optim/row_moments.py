@@ -35,6 +35,7 @@ __all__ = [
     "row_moment_placements",
     "stage_axes",
     "block_row_stage",
+    "block_row_stages",
     "stage_bytes",
 ]
 
@@ -163,24 +164,46 @@ def block_row_stage(
     axes that cut the columns. Each work matrix's rescaling (its Frobenius norm kept) needs
     all its rows: the two totals per work matrix are all-reduced over the axes that cut the
     rows. The result equals the row stage of the whole matrix on one rank."""
-    axes = row_axes(layout, sharding.shape)
-    if axes.row is None:
+    if row_axes(layout, sharding.shape).row is None:
         return _fused_row_stage(o, second, weight, eps, layout, sharding, block)
+    return _row_stage(o, second, weight, eps, layout, sharding, block, 0)
+
+
+def block_row_stages(
+    os: list[torch.Tensor], seconds: list[torch.Tensor], weights: list, eps: float, layout: Layout, sharding, block
+) -> list[torch.Tensor]:
+    """:func:`block_row_stage` of several parameters whose blocks, layouts and placements are
+    alike (a model's layers), stacked: one set of operators and one all-reduce of each kind
+    for all of them (the same bytes as one each); their row moments are written back."""
+    if len(os) == 1 or row_axes(layout, sharding.shape).row is None:
+        return [block_row_stage(*a, eps, layout, sharding, block) for a in zip(os, seconds, weights)]
+    second = torch.stack(seconds)
+    weight = torch.stack([w if torch.is_tensor(w) else torch.tensor(w) for w in weights])
+    out = _row_stage(torch.stack(os), second, weight.view(-1, *[1] * seconds[0].ndim), eps, layout, sharding, block, 1)
+    torch._foreach_copy_(seconds, list(second.unbind(0)))
+    return list(out.unbind(0))
+
+
+def _row_stage(o, second, weight, eps: float, layout: Layout, sharding, block, extra: int) -> torch.Tensor:
+    """:func:`block_row_stage` on ``o`` with ``extra`` leading dimensions of stacked blocks."""
+    axes = row_axes(layout, sharding.shape)
+    assert axes.row is not None
+    batch, row, cols = axes.batch + extra, axes.row + extra, tuple(c + extra for c in axes.cols)
     row_cut, col_cut = stage_axes(layout, sharding)
-    o_sq = o.square().sum(dim=axes.cols)  # (*batch, rows of the block)
+    o_sq = o.square().sum(dim=cols)  # (*stack, *batch, rows of the block)
     o_sq = _sum(o_sq, sharding, col_cut)
     count = math.prod(sharding.shape[d] for d in axes.cols)
     mean_sq = torch.nan_to_num(o_sq / count, nan=0.0, posinf=0.0, neginf=0.0)
     second.lerp_(mean_sq.to(second.dtype), weight.to(second.dtype) if torch.is_tensor(weight) else weight)
     d = 1.0 / (second.to(o.dtype).sqrt() + eps)
-    start, rows = block[axes.row][0], o.shape[axes.row]
+    start, rows = block[axes.row][0], o.shape[row]
     segments = torch.arange(start, start + rows, device=o.device) // axes.segment
     totals = o_sq.new_zeros(*o_sq.shape[:-1], sharding.shape[axes.row] // axes.segment, 2)
     totals.index_add_(-2, segments, torch.stack([o_sq, d.square() * o_sq], dim=-1))
     totals = _sum(totals, sharding, row_cut)
     ratio = (totals[..., 0] / totals[..., 1].clamp_min(torch.finfo(totals.dtype).tiny)).sqrt()
     scale = d * ratio.index_select(-1, segments)
-    return o * scale.reshape([o.shape[k] if k < axes.batch or k == axes.row else 1 for k in range(o.ndim)])
+    return o * scale.reshape([o.shape[k] if k < batch or k == row else 1 for k in range(o.ndim)])
 
 
 def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block) -> torch.Tensor:
