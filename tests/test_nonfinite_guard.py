@@ -136,3 +136,71 @@ def test_with_bfloat16_grams_the_low_precision_copy_is_what_the_guard_cleans():
     ok = add_factored_(w, f, torch.tensor(-0.01))
     assert not ok and torch.equal(w, w0)
     assert torch.isfinite(f.low).all()
+
+
+def test_finite_flags_of_many_tensors_match_a_float64_check():
+    """One foreach infinity norm decides every tensor's flag: NaN, +-Inf and entries past the
+    limit fail, the limit itself and large finite float16 entries pass, empty tensors pass,
+    whatever the mix of dtypes; the infinity-norm guard (limit Inf) fails only non-finite."""
+    from equiopt.optim.apply import INF_NORM, finite_flags
+
+    gen = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    for trial in range(40):
+        grads = []
+        for k in range(6):
+            dtype = dtypes[int(torch.randint(len(dtypes), (1,), generator=gen))]
+            g = torch.randn(int(torch.randint(0, 30, (1,), generator=gen)), generator=gen).to(dtype)
+            if g.numel():
+                at = int(torch.randint(g.numel(), (1,), generator=gen))
+                bad = [float("nan"), float("inf"), -float("inf"), 2.0**51, GRAD_LIMIT, 6e4, 1.0][(trial + k) % 7]
+                if dtype == torch.float16 and abs(bad) > 6e4:
+                    bad = float("inf")  # beyond float16's range a value is Inf
+                g[at] = bad
+            grads.append(g)
+        wide = [g.double() for g in grads]
+        want = [bool(torch.isfinite(w).all() and (w.abs() <= GRAD_LIMIT).all()) for w in wide]
+        assert finite_flags(grads).tolist() == want, trial
+        assert finite_flags(grads, INF_NORM).tolist() == [bool(torch.isfinite(w).all()) for w in wide], trial
+
+
+def test_whole_updates_added_together_match_one_by_one():
+    """add_updates_ (the batched guard and add) against add_factored_ per update: the same
+    weights within rounding, a non-finite update not added, its flag False; a skipped
+    update (coef 0) reported finite even when it is not."""
+    from equiopt.optim.apply import add_updates_
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(4, 3), (5, 2), (4, 3), (1, 7)]
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    updates = [torch.randn(s, generator=gen) for s in shapes]
+    updates[1][2, 1] = float("nan")
+    updates[3][0, 0] = float("inf")
+    coefs = [torch.tensor(-0.1, dtype=torch.float64), torch.tensor(-0.2, dtype=torch.float64)] * 2
+    coefs[3] = torch.tensor(0.0, dtype=torch.float64)
+    mine = [w.clone() for w in weights]
+    flags = add_updates_(mine, [u.clone() for u in updates], coefs)
+    theirs = [w.clone() for w in weights]
+    one_by_one = [bool(add_factored_(w, maps.Factored(u.clone()), c)) for w, u, c in zip(theirs, updates, coefs)]
+    assert flags.tolist() == one_by_one == [True, False, True, True]
+    for a, b, w in zip(mine, theirs, weights):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert torch.isfinite(a).all()
+    assert torch.equal(mine[1], weights[1]) and torch.equal(mine[3], weights[3])
+
+
+def test_gradients_sanitised_as_stacks_equal_one_by_one():
+    """sanitize_all stacks gradients of one shape and dtype: bit for bit sanitize of each,
+    in the state dtype asked for, the gradients themselves untouched."""
+    from equiopt.optim.apply import sanitize, sanitize_all
+
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(s, generator=gen) for s in [(3, 4), (3, 4), (2, 5), (3, 4)]]
+    grads.append(torch.randn(3, 4, generator=gen).to(torch.bfloat16))
+    grads[1][0, 0], grads[3][2, 3] = float("nan"), -float("inf")
+    before = [g.clone() for g in grads]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32]
+    out = sanitize_all(grads, dtypes)
+    for g, b, o, dtype in zip(grads, before, out, dtypes):
+        assert o.dtype == dtype and torch.equal(o, sanitize(b, dtype))
+        assert torch.equal(g.nan_to_num(0.0), b.nan_to_num(0.0)) and torch.isnan(g).sum() == torch.isnan(b).sum()

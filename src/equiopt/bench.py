@@ -348,10 +348,12 @@ def ops(recipes) -> None:
     for label, counts in ops_table(recipes):
         common = ", ".join(f"{k} {v}" for k, v in counts[28].counts.most_common(5))
         print(f"{label:34s} {counts[28].total:10d} {counts[56].total:10d}  {common}")
-    print("\n(f) the same sharded by FSDP2 over 2 gloo processes (every parameter a DTensor), rank 0")
-    print(f"{'optimizer':34s} {'28 layers':>10s} {'56 layers':>10s}")
+    print("\n(f) the same sharded by FSDP2 over 2 gloo processes (every parameter a DTensor), rank 0;")
+    print("    operators (of which kernels: all but views)")
+    print(f"{'optimizer':34s} {'28 layers':>16s} {'56 layers':>16s}")
     for label, found in fsdp2_ops_table(recipes).items():
-        print(f"{label:34s} {found[28]:10d} {found[56]:10d}")
+        cells = [f"{found[n][0]:,} ({found[n][1]:,})" for n in (28, 56)]
+        print(f"{label:34s} {cells[0]:>16s} {cells[1]:>16s}")
 
 
 def _slowest(seconds: float, device: torch.device) -> float:

@@ -187,7 +187,11 @@ def _fsdp2_rank(rank: int, world: int, directory: str, recipes: list[str], layer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world)
     try:
-        found = {f"{r}@{n}": fsdp2_step_ops(r, n).total for r in recipes for n in layers}
+        found = {}
+        for r in recipes:
+            for n in layers:
+                counter = fsdp2_step_ops(r, n)
+                found[f"{r}@{n}"] = (counter.total, counter.launches)
         if rank == 0:
             with open(f"{directory}/ops.json", "w") as f:
                 json.dump(found, f)
@@ -208,4 +212,4 @@ def fsdp2_ops_table(
         torch.multiprocessing.spawn(_fsdp2_rank, args=(world, directory, recipes, layers), nprocs=world, join=True)
         with open(f"{directory}/ops.json") as f:
             found = json.load(f)
-    return {r: {n: found[f"{r}@{n}"] for n in layers} for r in recipes}
+    return {r: {n: tuple(found[f"{r}@{n}"]) for n in layers} for r in recipes}  # type: ignore[misc]
