@@ -183,7 +183,7 @@ def test_whole_updates_added_together_match_one_by_one():
     theirs = [w.clone() for w in weights]
     one_by_one = [bool(add_factored_(w, maps.Factored(u.clone()), c)) for w, u, c in zip(theirs, updates, coefs)]
     assert flags.tolist() == one_by_one == [True, False, True, True]
-    for a, b, w in zip(mine, theirs, weights):
+    for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert torch.isfinite(a).all()
     assert torch.equal(mine[1], weights[1]) and torch.equal(mine[3], weights[3])

@@ -37,10 +37,10 @@ def finite_flags(grads: Sequence[torch.Tensor], limit: float = GRAD_LIMIT) -> to
     present = [k for k, g in enumerate(grads) if g.numel()]
     if not present:
         return torch.ones(len(grads), dtype=torch.bool, device=grads[0].device if grads else None)
-    norms = torch._foreach_norm([grads[k] for k in present], INF_NORM)
+    norms: Sequence[torch.Tensor] = torch._foreach_norm([grads[k] for k in present], INF_NORM)
     if len({n.dtype for n in norms}) > 1:
         norms = [n.float() for n in norms]
-    largest = torch.stack(norms)
+    largest = torch.stack(list(norms))
     flags = largest < limit if limit == INF_NORM else largest <= limit
     if len(present) == len(grads):
         return flags
@@ -97,14 +97,14 @@ def decay_(p: torch.Tensor, lr, weight_decay: float, okf: torch.Tensor) -> None:
         p.mul_(1.0 - (lr * weight_decay) * okf)
 
 
-def _lerps_(starts: list[torch.Tensor], ends: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+def _lerps_(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
     """``starts[k].lerp_(ends[k], weights[k])`` for every ``k``: one foreach operator (one per
     tensor when traced by Dynamo, which cannot trace a list of weights; one graph anyway)."""
     if torch.compiler.is_compiling():
         for a, b, w in zip(starts, ends, weights):
             a.lerp_(b, w)
     else:
-        torch._foreach_lerp_(starts, ends, weights)
+        torch._foreach_lerp_(list(starts), list(ends), list(weights))
 
 
 def momenta_(

@@ -205,6 +205,7 @@ def _run_normuon(key: MapKey, items: list[WorkItem], add: Add) -> None:
     second = seconds[0] if len(seconds) == 1 else torch.cat(seconds)
     weight = torch.cat([i.second[1].reshape(1).expand(c) for i, c in zip(items, counts)])  # type: ignore[index]
     scales = maps.normuon_rows(f.x, second, weight.view(-1, 1, 1), key.eps).row
+    assert scales is not None
     if len(seconds) > 1:
         torch._foreach_copy_(seconds, list(torch.split(second, counts)))
     update = f.x * scales
