@@ -192,41 +192,31 @@ def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
 
 def _run_normuon(key: MapKey, items: list[WorkItem], add: Add) -> None:
     """A NorMuon bucket of whole work matrices: the polar factors of all of them in one
-    batched call, the row stage (:func:`~equiopt.maps.normuon_rows`) on all of them at once
-    (their row moments gathered and written back: one operator each way), and the updates
-    added as whole updates."""
+    batched call, then their row stages at once (:func:`_normuon_rows`)."""
     shape = tuple(items[0].work.shape[-2:])
-    counts = [math.prod(i.work.shape[:-2]) for i in items]
     works = [i.work.reshape(-1, *shape) for i in items]
     f = _map(key, items[0].group["eta"], works[0] if len(works) == 1 else torch.cat(works), None)
+    add(_normuon_rows(key, items, f.x))
+
+
+def _normuon_rows(key: MapKey, items: list[WorkItem], x: torch.Tensor) -> list[tuple]:
+    """NorMuon's row stage (:func:`~equiopt.maps.normuon_rows`) on the polar factors ``x`` of
+    ``items``' work matrices (end to end, ``(N, m, n)``), all at once: their row moments
+    gathered and written back (one operator each way). Returns the ``(view, update, coef)``
+    of each item, its update whole."""
     if any(i.second is None for i in items):
         raise ValueError("a normuon work matrix needs its row second moments (WorkItem.second)")
-    seconds = [i.second[0].reshape(-1, shape[0], 1) for i in items]  # type: ignore[index]
+    counts = [math.prod(i.work.shape[:-2]) for i in items]
+    seconds = [i.second[0].reshape(-1, x.shape[-2], 1) for i in items]  # type: ignore[index]
     second = seconds[0] if len(seconds) == 1 else torch.cat(seconds)
     weight = torch.cat([i.second[1].reshape(1).expand(c) for i, c in zip(items, counts)])  # type: ignore[index]
-    scales = maps.normuon_rows(f.x, second, weight.view(-1, 1, 1), key.eps).row
+    scales = maps.normuon_rows(x, second, weight.view(-1, 1, 1), key.eps).row
     assert scales is not None
     if len(seconds) > 1:
         torch._foreach_copy_(seconds, list(torch.split(second, counts)))
-    update = f.x * scales
-    add(
-        [
-            (i.view, maps.Factored(u.view(i.work.shape)), i.coef)
-            for i, u in zip(items, torch.split(update, counts) if len(items) > 1 else [update])
-        ]
-    )
-
-
-def _normuon_stage(item: WorkItem, f: maps.Factored, eps: float) -> maps.Factored:
-    """NorMuon's row stage (:func:`~equiopt.maps.normuon_rows`) of one item's polar factors."""
-    if item.second is None:
-        raise ValueError("a normuon work matrix needs its row second moments (WorkItem.second)")
-    second, weight = item.second
-    shape = f.x.shape
-    o = f.x.reshape(-1, *shape[-2:])
-    scales = maps.normuon_rows(o, second.view(-1, shape[-2], 1), weight, eps).row
-    assert scales is not None
-    return f._replace(row=scales.view(*shape[:-1], 1))
+    update = x * scales
+    parts = torch.split(update, counts) if len(items) > 1 else [update]
+    return [(i.view, maps.Factored(u.view(i.work.shape)), i.coef) for i, u in zip(items, parts)]
 
 
 def _add_mapped(items: list[WorkItem], mapped, add: Add) -> None:
@@ -473,14 +463,19 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
         for t, got in zip(ts, wave_shared.wait()):
             shared[t] = got
     start = 0
-    keyed = [(key, item) for key, items in buckets for item in items]
     triples = []
-    for (key, item), count in zip(keyed, counts):
-        f = maps.Factored(torch.stack(shared[start : start + count]).view(item.work.shape))
-        start += count
-        if key.rule == "normuon":  # every replica runs the row stage on the same polar factor
-            f = _normuon_stage(item, f, key.eps)
-        triples.append((item.view, f, item.coef))
+    for key, items in buckets:
+        polar = []
+        for item, count in zip(items, counts):
+            u = torch.stack(shared[start : start + count]).view(item.work.shape)
+            start += count
+            polar.append(u)
+            if key.rule != "normuon":
+                triples.append((item.view, maps.Factored(u), item.coef))
+        if key.rule == "normuon":  # every replica runs the row stages on the same polar factors
+            x = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in polar])
+            triples.extend(_normuon_rows(key, items, x))
+        counts = counts[len(items) :]
     add(triples)
 
 
