@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU-scale study (results/study/qwen3_gpu/protocol.toml), one chunk of at most 7 minutes.
+#
+# Each chunk runs `equiopt compare` on the protocol under a time limit: finished runs are
+# skipped, a run the limit interrupts starts again in the next chunk (the configs keep no
+# checkpoints). After the chunk the finished runs' directories (config and log) are packed into
+# $OUT/gpu-study-logs.tgz, with the report once every run is done; unpack it in the repository
+# root on the CPU machine and commit, so the next chunk skips them:
+#   tar xzf gpu-study-logs.tgz && git add results/study/qwen3_gpu && git commit
+#
+# Data (gitignored; made on the CPU machine, about 47 MB in all, carried to the device):
+#   equiopt data train-bpe --corpus poetry --vocab-size 4096 --out data/bpe4096.json
+#   equiopt data prepare --corpus poetry --tokenizer bpe:data/bpe4096.json --out data/poetry-bpe4096-gpu --max-documents 6000
+#   equiopt data prepare --corpus sotu --tokenizer bpe:data/bpe4096.json --out data/sotu-bpe4096 --val-fraction 1
+# and, with the device tool, carry = ["data/poetry-bpe4096-gpu", "data/sotu-bpe4096"].
+#
+# Usage: bash scripts/gpu_study.sh [seconds]   (default 420; GPU_STUDY_PROTOCOL picks another protocol)
+set -u
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-results/gpu/raw}
+PROTOCOL=${GPU_STUDY_PROTOCOL:-results/study/qwen3_gpu/protocol.toml}
+STUDY=$(dirname "$PROTOCOL")
+mkdir -p "$OUT"
+{
+  echo "commit ${EQUIOPT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  python -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
+  date -u
+} > "$OUT/gpu-study.txt" 2>&1
+timeout --signal=TERM --kill-after=20 "${1:-420}" \
+  python -m equiopt compare --protocol "$PROTOCOL" --report "$STUDY/protocol-report.md" >> "$OUT/gpu-study.txt" 2>&1
+echo "compare exit $? (124 when the time limit ended the chunk)" >> "$OUT/gpu-study.txt"
+python - "$STUDY" "$OUT/gpu-study-logs.tgz" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
+import json, sys, tarfile
+from pathlib import Path
+
+study, target = Path(sys.argv[1]), sys.argv[2]
+
+
+def finished(log: Path) -> bool:
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    if not lines:
+        return False
+    last = json.loads(lines[-1])
+    return last.get("kind") == "end" and last.get("status") == "done"
+
+
+runs = sorted(d for d in (study / "logs").glob("*/*") if d.is_dir() and finished(d / "log.jsonl"))
+with tarfile.open(target, "w:gz") as tar:
+    for d in runs:
+        tar.add(d)
+    report = study / "protocol-report.md"
+    if report.exists():
+        tar.add(report)
+print(f"packed {len(runs)} finished runs" + (" and the report" if report.exists() else ""))
+PY
