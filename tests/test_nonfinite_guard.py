@@ -204,3 +204,30 @@ def test_gradients_sanitised_as_stacks_equal_one_by_one():
     for g, b, o, dtype in zip(grads, before, out, dtypes):
         assert o.dtype == dtype and torch.equal(o, sanitize(b, dtype))
         assert torch.equal(g.nan_to_num(0.0), b.nan_to_num(0.0)) and torch.isnan(g).sum() == torch.isnan(b).sum()
+
+
+def test_updates_that_tile_one_buffer_are_cleaned_through_it():
+    """Updates that are views filling one buffer (a batched map's output, an owner exchange's
+    receive buffer) are guarded as the same updates given apart: a non-finite one adds
+    nothing, the others add in full; views that do not tile their buffer are cleaned one by one
+    and leave the rest of it as it was."""
+    from equiopt.optim.apply import add_updates_
+
+    gen = torch.Generator().manual_seed(11)
+    flat = torch.randn(4 * 3 + 2 * 5, generator=gen)
+    flat[13] = float("nan")  # in the second update
+    apart = [t.clone() for t in torch.split(flat, [12, 10])]
+    parts = [t.view(s) for t, s in zip(torch.split(flat, [12, 10]), [(4, 3), (2, 5)])]
+    weights = [torch.randn(4, 3, generator=gen), torch.randn(2, 5, generator=gen)]
+    coefs = [torch.tensor(-0.5)] * 2
+    mine = [w.clone() for w in weights]
+    flags = add_updates_(mine, parts, coefs)
+    theirs = [w.clone() for w in weights]
+    add_updates_(theirs, [a.view(w.shape) for a, w in zip(apart, weights)], coefs)
+    assert flags.tolist() == [True, False]
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], weights[1]) and torch.equal(theirs[1], weights[1])
+    # a view of part of a buffer: the buffer's other entries keep their NaN
+    buffer = torch.full((3, 4), float("nan"))
+    buffer[0] = 1.0
+    add_updates_([torch.zeros(4), torch.zeros(4)], [buffer[0], buffer[1]], coefs)
+    assert torch.isnan(buffer[2]).all() and (buffer[1] == 0).all()

@@ -165,11 +165,37 @@ def add_updates_(views: list[torch.Tensor], updates: list[torch.Tensor], coefs: 
     their count (one ``nan_to_num`` each aside): ``views[k] += coefs[k] * updates[k]``,
     a non-finite update adding nothing; returns the ``(N,)`` flags as :func:`add_factored_`."""
     ok = finite_flags(updates, INF_NORM)
-    for u in updates:
-        torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
+    for t in _cleaned(updates):
+        torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
     coef = torch.stack(coefs)
     torch._foreach_add_(views, torch._foreach_mul(updates, list((coef * ok).unbind(0))))
     return ok | (coef == 0)
+
+
+def _cleaned(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors to clean of NaN and Inf so that every update is clean: a buffer that the
+    updates are views of and that they fill completely (a batched map's output, an owner
+    exchange's receive buffer) once, any other update on its own."""
+    by_base: dict[int, list[torch.Tensor]] = {}
+    for u in updates:
+        by_base.setdefault(id(u._base) if u._base is not None else id(u), []).append(u)
+    out: list[torch.Tensor] = []
+    for same in by_base.values():
+        base = same[0]._base
+        out.extend([base] if base is not None and _tiles(base, same) else same)
+    return out
+
+
+def _tiles(base: torch.Tensor, views: list[torch.Tensor]) -> bool:
+    """Whether contiguous ``views`` of the contiguous ``base`` cover it exactly, end to end."""
+    if not base.is_contiguous() or not all(v.is_contiguous() for v in views):
+        return False
+    at = base.storage_offset()
+    for v in sorted(views, key=lambda v: v.storage_offset()):
+        if v.storage_offset() != at:
+            return False
+        at += v.numel()
+    return at == base.storage_offset() + base.numel()
 
 
 def _scaled(t: torch.Tensor | None, coef: torch.Tensor) -> torch.Tensor | None:
