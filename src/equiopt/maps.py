@@ -914,10 +914,19 @@ def normuon_rows(o: torch.Tensor, second: torch.Tensor, weight: torch.Tensor, ep
         The update as a :class:`Factored` (``x = o``, ``row`` the row factors).
     """
     o_sq = o.square().sum(dim=-1, keepdim=True)
-    mean_sq = torch.nan_to_num(o_sq / o.shape[-1], nan=0.0, posinf=0.0, neginf=0.0)
-    second.lerp_(mean_sq.to(second.dtype), weight.to(second.dtype) if torch.is_tensor(weight) else weight)
-    d = 1.0 / (second.to(o.dtype).sqrt() + eps)
+    d = normuon_moments_(o_sq / o.shape[-1], second, weight, eps, o.dtype)
     return Factored(o, row=_frobenius_rescale(o_sq, d, None))
+
+
+def normuon_moments_(
+    mean_sq: torch.Tensor, second: torch.Tensor, weight, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """NorMuon's moment update ``v <- v + w (mean_sq - v)`` in place (a non-finite mean
+    square counts as 0) and the row scales ``1 / (sqrt(v) + eps)`` in ``dtype``; the part
+    of :func:`normuon_rows` that a row stage on sharded blocks shares."""
+    mean_sq = torch.nan_to_num(mean_sq, nan=0.0, posinf=0.0, neginf=0.0)
+    second.lerp_(mean_sq.to(second.dtype), weight.to(second.dtype) if torch.is_tensor(weight) else weight)
+    return 1.0 / (second.to(dtype).sqrt() + eps)
 
 
 def hybrid(
@@ -1197,6 +1206,7 @@ __all__ = [
     "spectral_row",
     "spectral_row_factored",
     "normuon_rows",
+    "normuon_moments_",
     "eta_scale",
     "ETA_RULES",
     "HYBRID_ORDERS",

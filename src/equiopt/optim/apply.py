@@ -82,21 +82,6 @@ def sanitize_all(grads: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -
     return out  # type: ignore[return-value]
 
 
-def momentum_(buf: torch.Tensor, grad: torch.Tensor, okf: torch.Tensor, beta: float, nesterov: bool) -> torch.Tensor:
-    """EMA momentum ``M <- beta M + (1 - beta) G`` in place (a no-op where ``okf`` is 0);
-    returns the direction ``D``: ``M``, or ``beta M + (1 - beta) G`` with Nesterov."""
-    buf.lerp_(grad, okf * (1.0 - beta))
-    if nesterov:
-        return grad.lerp(buf, beta)
-    return buf
-
-
-def decay_(p: torch.Tensor, lr, weight_decay: float, okf: torch.Tensor) -> None:
-    """Decoupled weight decay ``W <- (1 - lr wd) W`` (multiplies by exactly 1 where skipped)."""
-    if weight_decay:
-        p.mul_(1.0 - (lr * weight_decay) * okf)
-
-
 def _lerps_(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
     """``starts[k].lerp_(ends[k], weights[k])`` for every ``k``: one foreach operator (one per
     tensor when traced by Dynamo, which cannot trace a list of weights; one graph anyway)."""
@@ -110,8 +95,9 @@ def _lerps_(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight
 def momenta_(
     bufs: list[torch.Tensor], grads: list[torch.Tensor], okfs: list[torch.Tensor], beta: float, nesterov: bool
 ) -> list[torch.Tensor]:
-    """:func:`momentum_` of every ``(buf, grad, okf)`` in two or three foreach operators;
-    returns the directions (new tensors with Nesterov, else the buffers)."""
+    """EMA momentum ``M <- beta M + (1 - beta) G`` in place for every ``(buf, grad, okf)``
+    (a no-op where ``okf`` is 0), in two or three foreach operators; returns the directions
+    ``D``: the buffers, or with Nesterov new tensors ``beta M + (1 - beta) G``."""
     if not bufs:
         return []
     _lerps_(bufs, grads, torch._foreach_mul(okfs, 1.0 - beta))
@@ -121,7 +107,8 @@ def momenta_(
 
 
 def decays_(params: list[torch.Tensor], lr, weight_decay: float, okfs: list[torch.Tensor]) -> None:
-    """:func:`decay_` of every ``(p, okf)`` in three foreach operators."""
+    """Decoupled weight decay ``W <- (1 - lr wd) W`` of every ``(p, okf)`` (multiplies by
+    exactly 1 where skipped), in three foreach operators."""
     if weight_decay and params:
         torch._foreach_mul_(params, torch._foreach_add(torch._foreach_mul(okfs, -(lr * weight_decay)), 1.0))
 
@@ -162,7 +149,7 @@ def add_factored_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> torch.Te
 def add_updates_(views: list[torch.Tensor], updates: list[torch.Tensor], coefs: list[torch.Tensor]) -> torch.Tensor:
     """:func:`add_factored_` of many whole updates (fresh tensors of their views' dtype; the
     ``coefs`` 0-d tensors of one dtype) in a number of operators that does not grow with
-    their count (one ``nan_to_num`` each aside): ``views[k] += coefs[k] * updates[k]``,
+    their count where they tile a few buffers (:func:`_cleaned`): ``views[k] += coefs[k] * updates[k]``,
     a non-finite update adding nothing; returns the ``(N,)`` flags as :func:`add_factored_`."""
     ok = finite_flags(updates, INF_NORM)
     for t in _cleaned(updates):

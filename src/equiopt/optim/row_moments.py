@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..layouts import Layout
+from ..maps import normuon_moments_
 from .sharded import _dim_roles
 
 __all__ = [
@@ -192,10 +193,7 @@ def _row_stage(o, second, weight, eps: float, layout: Layout, sharding, block, e
     row_cut, col_cut = stage_axes(layout, sharding)
     o_sq = o.square().sum(dim=cols)  # (*stack, *batch, rows of the block)
     o_sq = _sum(o_sq, sharding, col_cut)
-    count = math.prod(sharding.shape[d] for d in axes.cols)
-    mean_sq = torch.nan_to_num(o_sq / count, nan=0.0, posinf=0.0, neginf=0.0)
-    second.lerp_(mean_sq.to(second.dtype), weight.to(second.dtype) if torch.is_tensor(weight) else weight)
-    d = 1.0 / (second.to(o.dtype).sqrt() + eps)
+    d = normuon_moments_(o_sq / math.prod(sharding.shape[c] for c in axes.cols), second, weight, eps, o.dtype)
     start, rows = block[axes.row][0], o.shape[row]
     segments = torch.arange(start, start + rows, device=o.device) // axes.segment
     totals = o_sq.new_zeros(*o_sq.shape[:-1], sharding.shape[axes.row] // axes.segment, 2)
@@ -220,9 +218,7 @@ def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block) ->
     flat = [w.sum(dim=-1).reshape(*o.shape[:lead], -1) for w in works]
     o_sq = _sum(torch.cat(flat, dim=-1), sharding, stage_axes(layout, sharding)[1])
     counts = torch.cat([o_sq.new_full((f.shape[-1],), float(w.shape[-1])) for f, w in zip(flat, works)])
-    mean_sq = torch.nan_to_num(o_sq / counts, nan=0.0, posinf=0.0, neginf=0.0)
-    second.lerp_(mean_sq.to(second.dtype), weight.to(second.dtype) if torch.is_tensor(weight) else weight)
-    d = 1.0 / (second.to(o.dtype).sqrt() + eps)
+    d = normuon_moments_(o_sq / counts, second, weight, eps, o.dtype)
     scales, at = [], 0
     for w in works:  # each work matrix's rescaling from its rows' totals
         rows = w.shape[:-1]
