@@ -154,6 +154,88 @@ def test_polar_default_precision_follows_the_device(monkeypatch):
         assert torch.equal(linalg.polar(X), linalg.polar(X, dtype=chosen))
 
 
+def _bfloat16_transcribed(X, method, steps):
+    """The iteration in float64 with every product rounded to bfloat16, as bfloat16
+    hardware (exact products, wide sums, one rounding) computes it."""
+    from equiopt.linalg.coefficients import MUON_NS_COEFFICIENTS, schedule
+    from equiopt.linalg.polar import NORM_FLOOR, NORM_MARGIN, POLAR_LOWER, POLAR_SAFETY, TORCH_NORM_EPS
+
+    def r(t):
+        return t.to(torch.bfloat16).double()
+
+    x = X.double()
+    if method == "newton_schulz_torch":
+        x = r(x)
+        x = r(x / r(torch.linalg.matrix_norm(x, keepdim=True)).clamp_min(TORCH_NORM_EPS))
+        coeffs = (MUON_NS_COEFFICIENTS,) * steps
+    else:
+        x = r(x / (NORM_MARGIN * torch.linalg.matrix_norm(x, keepdim=True) + NORM_FLOOR))
+        coeffs = schedule(POLAR_LOWER, steps, 1.0, POLAR_SAFETY)
+    for a, b, c in coeffs:
+        g = r(x @ x.mT)
+        h = r(b * g + c * (g @ g))
+        x = r(a * x + h @ x)
+    return x
+
+
+@pytest.mark.parametrize("method", ["polar_express", "newton_schulz_torch"])
+def test_bfloat16_iteration_without_bfloat16_hardware_is_bfloat16_arithmetic(monkeypatch, method):
+    """On a CPU without bfloat16 hardware the products run in float32 and are rounded to
+    bfloat16. One step equals the float64 transcription with every product rounded to
+    bfloat16 (to a rare tie broken the other way by the order of the sums), which the
+    unrounded float32 step does not; five steps stay within bfloat16's rounding noise of
+    the transcription and of torch's own bfloat16 kernels."""
+    polar_module = sys.modules["equiopt.linalg.polar"]
+    cpu = torch.device("cpu")
+    X = torch.randn(6, 24, 64, generator=torch.Generator().manual_seed(0))
+
+    def run(steps, dtype=torch.bfloat16):
+        return linalg.polar(X, method, steps=steps, dtype=dtype).double()
+
+    one, five = _bfloat16_transcribed(X, method, 1), _bfloat16_transcribed(X, method, 5)
+    monkeypatch.setattr(polar_module, "CPU_BFLOAT16", False)
+    assert linalg.emulates_bfloat16(torch.bfloat16, cpu) and not linalg.emulates_bfloat16(torch.float32, cpu)
+    emulated_one, emulated = run(1), run(5)
+    monkeypatch.setattr(polar_module, "CPU_BFLOAT16", True)
+    assert not linalg.emulates_bfloat16(torch.bfloat16, cpu)
+    native = run(5)
+    assert torch.equal(emulated, emulated.bfloat16().double())
+    assert (emulated_one == one).double().mean() > 0.99
+    assert (run(1, torch.float32) == one).double().mean() < 0.01
+    for got, want in ((emulated, five), (native, five), (emulated, native)):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_bfloat16_products_in_float32_round_once_and_leave_the_rest_alone():
+    from equiopt.linalg.products import Bfloat16ProductsInFloat32
+
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(2, 24, 24, generator=gen).bfloat16() for _ in range(3))
+    small = torch.randint(-4, 5, (24, 24), generator=gen).bfloat16()  # every sum exact in bfloat16
+    a32 = torch.randn(24, 24, generator=gen)
+    with Bfloat16ProductsInFloat32():
+        got = {
+            "mm": a[0] @ b[0],
+            "bmm": torch.bmm(a, b),
+            "addmm": torch.addmm(c[0], a[0], b[0], beta=-0.5, alpha=2.0),
+            "baddbmm": torch.baddbmm(c, a, b, beta=-0.5, alpha=2.0),
+            "exact": small @ small,
+            "float32": a32 @ a32,
+            "add": a + b,
+        }
+    want = {
+        "mm": (a[0].float() @ b[0].float()).bfloat16(),
+        "bmm": torch.bmm(a.float(), b.float()).bfloat16(),
+        "addmm": torch.addmm(c[0].float(), a[0].float(), b[0].float(), beta=-0.5, alpha=2.0).bfloat16(),
+        "baddbmm": torch.baddbmm(c.float(), a.float(), b.float(), beta=-0.5, alpha=2.0).bfloat16(),
+        "exact": small @ small,
+        "float32": a32 @ a32,
+        "add": a + b,
+    }
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
 @pytest.mark.parametrize("bad", ["svd", "newton"])
 def test_unknown_methods(bad):
     with pytest.raises(ValueError, match="valid"):

@@ -1,11 +1,13 @@
 """torch's own optimizers as rules (peer arms): bitwise torch, state and resumption, clear refusals."""
 
 import copy
+import sys
 
 import pytest
 import torch
 
 from equiopt import build_optimizer, models
+from equiopt.linalg import bfloat16_products
 from equiopt.optim import EquivariantOptimizer
 from equiopt.recipes import get_recipe
 
@@ -85,9 +87,45 @@ def test_torch_muon_rule_is_torchs_muon_bit_for_bit(lr_scale, torch_fn):
         ref, lr=0.02, momentum=0.9, nesterov=True, ns_steps=4, weight_decay=0.01, adjust_lr_fn=torch_fn
     )
     _run(opt, ours, 4)
-    _run(torch_opt, ref, 4)
+    with bfloat16_products(torch.device("cpu")):  # torch's products as the rule runs them on this CPU
+        _run(torch_opt, ref, 4)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
     assert torch.equal(opt.state[ours[0]]["momentum_buffer"], torch_opt.state[ref[0]]["momentum_buffer"])
+
+
+@needs_muon
+def test_torch_muon_rule_multiplies_as_the_cpu_does(monkeypatch):
+    """With bfloat16 hardware the rule is torch.optim.Muon as torch runs it, bit for bit; without
+    it, its products are float32 products rounded to bfloat16, within bfloat16's rounding noise
+    of torch's own kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ProductDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    polar_module = sys.modules["equiopt.linalg.polar"]
+    shapes = [(48, 24), (24, 64)]
+    for native in (True, False):
+        monkeypatch.setattr(polar_module, "CPU_BFLOAT16", native)
+        ours, ref, start = _params(shapes), _params(shapes), _params(shapes)
+        group = {"params": ours, "rule": "torch_muon", "lr": 0.02, "beta": 0.95, "steps": 5, "weight_decay": 0.1}
+        with ProductDtypes() as products:  # what reaches torch's kernels
+            _run(EquivariantOptimizer([group]), ours, 4)
+        assert products.seen == {torch.bfloat16 if native else torch.float32}
+        # torch's own kernels
+        _run(torch.optim.Muon(ref, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.1), ref, 4)
+        for a, b, w0 in zip(ours, ref, start):
+            if native:
+                assert torch.equal(a, b)
+            else:
+                assert (a - b).norm() < 1e-2 * (b - w0).norm()
 
 
 @needs_muon
@@ -117,7 +155,8 @@ def test_peer_muon_recipe_steps_a_model_like_torch_and_mixes_with_own_rules():
     for m in (model, twin):
         m(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    torch_muon.step()
+    with bfloat16_products(torch.device("cpu")):
+        torch_muon.step()
     for n, p in own.items():
         if id(p) in hidden:
             assert torch.equal(p, named[n]), n

@@ -87,6 +87,7 @@ def test_a_run_records_its_torch_and_the_polar_precision_its_device_took(data_di
         assert (
             meta["polar_dtype_default"] == name == str(linalg.default_dtype("polar_express", torch.device("cpu")))[6:]
         )
+        assert meta["bfloat16_products"] == ("native" if native else "float32, rounded")
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):

@@ -2,12 +2,14 @@
 
 from .coefficients import greedy_schedule, minimax_quintic
 from .inv_sqrt import INV_SQRT_METHODS, inv_sqrt
-from .polar import POLAR_METHODS, default_dtype, polar
+from .polar import POLAR_METHODS, bfloat16_products, default_dtype, emulates_bfloat16, polar
 
 __all__ = [
     "inv_sqrt",
     "polar",
     "default_dtype",
+    "emulates_bfloat16",
+    "bfloat16_products",
     "greedy_schedule",
     "minimax_quintic",
     "INV_SQRT_METHODS",

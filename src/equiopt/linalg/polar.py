@@ -34,13 +34,20 @@ bounds the spectral norm, with a 1 % margin except in ``"newton_schulz_torch"``)
 
 Wide or tall inputs are handled on the side with the smaller Gram matrix (a tall ``X``
 is transposed, iterated, and transposed back), as Muon implementations do.
+
+A bfloat16 iteration on a CPU without bfloat16 hardware (:func:`emulates_bfloat16`) holds
+its bfloat16 values in float32 and rounds each product back to bfloat16: the arithmetic
+of bfloat16 hardware (exact products, float32 sums, one rounding) at float32's speed.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .coefficients import MUON_NS_COEFFICIENTS, schedule
+from .products import Bfloat16ProductsInFloat32
 
 POLAR_METHODS = ("polar_express", "newton_schulz", "newton_schulz_torch", "gram_newton_schulz", "exact")
 
@@ -70,6 +77,34 @@ def _cpu_multiplies_bfloat16() -> bool:
 
 #: Read once (a constant inside compiled code).
 CPU_BFLOAT16 = _cpu_multiplies_bfloat16()
+
+
+def emulates_bfloat16(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a bfloat16 iteration on ``device`` runs its products as float32 products of
+    the bfloat16 operands, each rounded to bfloat16: on CPUs without bfloat16 hardware
+    (:data:`CPU_BFLOAT16` False), where torch's bfloat16 kernels are 7-10x slower than its
+    float32 ones. The arithmetic is bfloat16 hardware's: a product of two bfloat16 values is
+    exact in float32, the sums accumulate in float32 and the result is rounded once; only
+    the order of the sums may differ, as between any two BLAS libraries."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and not CPU_BFLOAT16
+
+
+def bfloat16_products(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context in which code that is not equiopt's (``torch.optim.Muon``) multiplies
+    bfloat16 matrices on ``device`` as equiopt's own iterations do: float32 products
+    rounded to bfloat16 where :func:`emulates_bfloat16`
+    (:class:`~equiopt.linalg.products.Bfloat16ProductsInFloat32`), torch's kernels else."""
+    if emulates_bfloat16(torch.bfloat16, device):
+        return Bfloat16ProductsInFloat32()
+    return contextlib.nullcontext()
+
+
+def _to_bfloat16_values(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def default_dtype(method: str, device: torch.device) -> torch.dtype:
@@ -172,15 +207,19 @@ def polar(
         # product, with no pass over ``x`` to scale it. In bfloat16 the diagonal sum would be
         # rounded before it multiplies ``x``, so ``a x`` stays a term of its own there.
         fold = torch.finfo(dtype).bits >= 32
+        emulated = emulates_bfloat16(dtype, x.device)
+        if emulated:  # bfloat16 values held in float32, each product rounded back to bfloat16
+            x = x.float()
+        rounded = _to_bfloat16_values if emulated else _unchanged
         for a, b, c in coeffs:
             # x <- a x + (b G + c G^2) x with G = x x^T, as two fused multiply-adds
-            g = torch.bmm(x, x.mT)
-            h = torch.baddbmm(g, g, g, beta=b, alpha=c)
+            g = rounded(torch.bmm(x, x.mT))
+            h = rounded(torch.baddbmm(g, g, g, beta=b, alpha=c))
             if fold:
                 h.diagonal(dim1=-2, dim2=-1).add_(a)
                 x = torch.bmm(h, x)
             else:
-                x = torch.baddbmm(x, h, x, beta=a)
+                x = rounded(torch.baddbmm(x, h, x, beta=a))
         x = x.reshape(*lead, *x.shape[-2:])
     return (x.mT if tall else x).to(out_dtype)
 

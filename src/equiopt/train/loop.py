@@ -218,7 +218,7 @@ class Trainer:
             total_steps=cfg.train.steps,
         )
         if restored is None:
-            from ..linalg import default_dtype
+            from ..linalg import default_dtype, emulates_bfloat16
             from ..models import count_parameters
 
             self.log.log(
@@ -230,6 +230,8 @@ class Trainer:
                 torch=torch.__version__,
                 # what Muon-like rules iterate in where a recipe leaves polar_dtype unset
                 polar_dtype_default=str(default_dtype("polar_express", self.device)).replace("torch.", ""),
+                # bfloat16 products as float32 products rounded to bfloat16 (no bfloat16 hardware)
+                bfloat16_products="float32, rounded" if emulates_bfloat16(torch.bfloat16, self.device) else "native",
                 recipe=str(cfg.optim.recipe),
                 world_size=self.dist.world_size,
                 strategy=self.strategy,
