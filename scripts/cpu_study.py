@@ -43,13 +43,23 @@ STUDIES = {
         "qwen3",
         ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
     ),
+    # normuon_hidden on grids without edges (its default arm chose x0.5, the lower edge)
+    "normuon_hidden_wide": (
+        "qwen3",
+        ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
+    ),
     "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
     # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories)
     "gemma3_b_wide": ("gemma3", ["b-iii", "b-i", "b-ii"]),
     "gpt_oss_wide": ("gpt_oss", ["iv", "i", "ii", "iii"]),
 }
 # study -> the study whose run directories it shares (its finished runs are reused, not rerun)
-LOGS_OF = {"gemma3_b_wide": "gemma3_b", "gpt_oss_wide": "gpt_oss", "normuon_hidden": "normuon"}
+LOGS_OF = {
+    "gemma3_b_wide": "gemma3_b",
+    "gpt_oss_wide": "gpt_oss",
+    "normuon_hidden": "normuon",
+    "normuon_hidden_wide": "normuon",
+}
 # study -> {config name: entries added to its [optim] overrides}: the normuon and muon_iteration
 # studies pin the precision of equiopt's polar iterations to float32 (unset, it would follow the
 # machine's processor); the wider grids pin bfloat16, the precision of the runs they reuse (made
@@ -63,6 +73,7 @@ _TORCH_MUON = ", ".join(f'{role} = {{ rule = "torch_muon" }}' for role in ("atte
 OVERRIDES = {
     "normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR},
     "normuon_hidden": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
+    "normuon_hidden_wide": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
     "muon_iteration": {
         "pe": _FLOAT32_POLAR,
         "quintic": '"*" = { polar_dtype = "float32", method = "newton_schulz_torch" }',
