@@ -8,8 +8,9 @@
     (CPU: vocabulary 32768, hidden 256, 4 layers, untied, 20 M parameters; CUDA: the
     paper's Qwen3-0.6B), as a ratio to torch's AdamW over all parameters, as a fraction
     of one forward+backward pass (B x T tokens; bf16 autocast on CUDA), and its optimizer
-    state and (CUDA) peak extra memory; ``--gram-dtype float32,bfloat16`` times recipes
-    with Gram maps once per ``gram_dtype``.
+    state and (CUDA) peak extra memory, and the time its step spends in matrix products
+    (profiled; the floor that only fewer FLOPs or a faster processor lowers);
+    ``--gram-dtype float32,bfloat16`` times recipes with Gram maps once per ``gram_dtype``.
 (d) ``--divided``: per-rank step time of each recipe's whole stack on the ``--stack``
     model under DDP-style replication, 1 process against 2 (``--worlds``) with the matrix
     maps divided among the ranks (``divide_work``) and, for reference, undivided; one
@@ -124,6 +125,27 @@ def _time_steps(opt, params, grads, device, repeats: int) -> float:
     for p, g in zip(params, grads):
         p.grad = g
     return _median_time(opt.step, repeats, device)
+
+
+_PRODUCT_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def _product_ms(opt, device: torch.device, steps: int = 3) -> float:
+    """Milliseconds a step spends in matrix products (``mm``, ``bmm``, ``addmm``,
+    ``baddbmm``; their own time, CPU or device), over ``steps`` profiled steps: the part of
+    a step that only fewer FLOPs or a faster processor can shorten."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    opt.step()
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            opt.step()
+        _sync(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    total_us = sum(getattr(e, attr) for e in prof.key_averages() if e.key in _PRODUCT_OPS)
+    return total_us / 1e3 / steps
 
 
 def _shrunk(shape, shrink: int):
@@ -281,7 +303,10 @@ def stack(
         f"torch {torch.__version__}; forward+backward B={batch} T={seq}{' (bf16 autocast)' if device.type == 'cuda' else ''}: {1e3 * fb:.1f} ms; "
         f"AdamW ({'fused' if fused else 'foreach'}): {1e3 * base:.2f} ms ({base / fb:.3f} of fwd+bwd), state {base_state:.0f} MiB"
     )
-    print(f"{'recipe':32s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}")
+    print(
+        f"{'recipe':32s} {'ms':>9s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'state MiB':>10s} {'peak extra MiB':>15s}"
+        f" {'products ms':>12s} {'products/AdamW':>15s}"
+    )
     out: dict = {"fwd_bwd_ms": 1e3 * fb, "adamw_ms": 1e3 * base, "adamw_state_mib": base_state, "rows": []}
     for label, recipe in (v for name in recipes for v in _gram_variants(name, gram_dtypes)):
         opt, _ = build_optimizer(model, recipe, eager_state=True)
@@ -295,8 +320,18 @@ def stack(
         t = _time_steps(opt, params, grads, device, repeats)
         if device.type == "cuda":
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-        print(f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}")
-        row = {"recipe": label, "ms": 1e3 * t, "state_mib": _state_mib(opt), "peak_extra_mib": peak}
+        products = _product_ms(opt, device)
+        print(
+            f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}"
+            f" {products:12.2f} {products / (1e3 * base):15.2f}"
+        )
+        row = {
+            "recipe": label,
+            "ms": 1e3 * t,
+            "state_mib": _state_mib(opt),
+            "peak_extra_mib": peak,
+            "product_ms": products,
+        }
         out["rows"].append(row)
         del opt
         if graphed:
