@@ -206,6 +206,21 @@ def test_bfloat16_iteration_without_bfloat16_hardware_is_bfloat16_arithmetic(mon
         assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
+def test_bfloat16_iteration_without_bfloat16_hardware_compiles_to_the_same_values(monkeypatch):
+    """Inductor drops a float32 -> bfloat16 -> float32 round trip inside a fused kernel; the
+    compiled iteration rounds on the bits instead and equals the eager one bit for bit."""
+    monkeypatch.setattr(sys.modules["equiopt.linalg.polar"], "CPU_BFLOAT16", False)
+    X = torch.randn(3, 8, 24, generator=torch.Generator().manual_seed(1))
+
+    def run(x):
+        return linalg.polar(x, "newton_schulz_torch", steps=2), linalg.polar(x, steps=2, dtype=torch.bfloat16)
+
+    torch._dynamo.reset()
+    for eager, compiled in zip(run(X), torch.compile(run, fullgraph=True)(X)):
+        assert torch.equal(eager, compiled)
+        assert torch.equal(compiled, compiled.bfloat16().float())
+
+
 def test_bfloat16_products_in_float32_round_once_and_leave_the_rest_alone():
     from equiopt.linalg.products import Bfloat16ProductsInFloat32
 

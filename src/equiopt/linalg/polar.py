@@ -100,6 +100,12 @@ def bfloat16_products(device: torch.device) -> contextlib.AbstractContextManager
 
 
 def _to_bfloat16_values(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to the nearest bfloat16 (ties to even), in float32. Compiled, as
+    integer operations on the bits (torch's own rounding formula), since Inductor drops a
+    float32 -> bfloat16 -> float32 round trip inside a fused kernel; the inputs are finite."""
+    if torch.compiler.is_compiling():
+        bits = x.view(torch.int32)
+        return ((bits + ((bits >> 16) & 1) + 0x7FFF) & -65536).view(torch.float32)
     return x.bfloat16().float()
 
 
@@ -188,13 +194,17 @@ def polar(
         return _split_gram_iterate(X.mT, _coefficients("polar_express", steps), restart_every, dtype, reducer)
     tall = X.shape[-2] > X.shape[-1]
     x = X.mT if tall else X
+    # bfloat16 values held in float32, each result rounded to bfloat16 as a bfloat16 kernel would
+    emulated = method != "gram_newton_schulz" and emulates_bfloat16(dtype, X.device)
+    rounded = _to_bfloat16_values if emulated else _unchanged
     if method == "newton_schulz_torch":
-        x = x.to(dtype)
-        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min(TORCH_NORM_EPS)
+        x = rounded(x.float()) if emulated else x.to(dtype)
+        x = rounded(x / rounded(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp_min(TORCH_NORM_EPS))
     else:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
         norm = torch.linalg.matrix_norm(wide, keepdim=True)
-        x = (wide / (NORM_MARGIN * norm + NORM_FLOOR)).to(dtype)
+        x = wide / (NORM_MARGIN * norm + NORM_FLOOR)
+        x = rounded(x.float()) if emulated else x.to(dtype)
     coeffs = _coefficients(
         "newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps
     )
@@ -207,10 +217,6 @@ def polar(
         # product, with no pass over ``x`` to scale it. In bfloat16 the diagonal sum would be
         # rounded before it multiplies ``x``, so ``a x`` stays a term of its own there.
         fold = torch.finfo(dtype).bits >= 32
-        emulated = emulates_bfloat16(dtype, x.device)
-        if emulated:  # bfloat16 values held in float32, each product rounded back to bfloat16
-            x = x.float()
-        rounded = _to_bfloat16_values if emulated else _unchanged
         for a, b, c in coeffs:
             # x <- a x + (b G + c G^2) x with G = x x^T, as two fused multiply-adds
             g = rounded(torch.bmm(x, x.mT))
