@@ -264,5 +264,6 @@ def _gram_iterate(x0: torch.Tensor, coeffs, restart_every: int, gram=_local_gram
             g = gram(x0)
         h = a * eye + b * g + c * (g @ g)
         q = h if q is None else h @ q
-        g = h @ (g @ h)
+        if k + 1 < len(coeffs):  # the last step's Gram is never read
+            g = h @ (g @ h)
     return x0 if q is None else q @ x0
