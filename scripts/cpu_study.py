@@ -48,6 +48,11 @@ STUDIES = {
         "qwen3",
         ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
     ),
+    # and again: the default arm chose x0.25, the lower edge of normuon_hidden_wide's grid
+    "normuon_hidden_wider": (
+        "qwen3",
+        ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
+    ),
     "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
     # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories)
     "gemma3_b_wide": ("gemma3", ["b-iii", "b-i", "b-ii"]),
@@ -59,6 +64,7 @@ LOGS_OF = {
     "gpt_oss_wide": "gpt_oss",
     "normuon_hidden": "normuon",
     "normuon_hidden_wide": "normuon",
+    "normuon_hidden_wider": "normuon",
 }
 # study -> {config name: entries added to its [optim] overrides}: the normuon and muon_iteration
 # studies pin the precision of equiopt's polar iterations to float32 (unset, it would follow the
@@ -74,6 +80,7 @@ OVERRIDES = {
     "normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR},
     "normuon_hidden": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
     "normuon_hidden_wide": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
+    "normuon_hidden_wider": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
     "muon_iteration": {
         "pe": _FLOAT32_POLAR,
         "quintic": '"*" = { polar_dtype = "float32", method = "newton_schulz_torch" }',
