@@ -82,7 +82,7 @@ CPU_BFLOAT16 = _cpu_multiplies_bfloat16()
 def emulates_bfloat16(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a bfloat16 iteration on ``device`` runs its products as float32 products of
     the bfloat16 operands, each rounded to bfloat16: on CPUs without bfloat16 hardware
-    (:data:`CPU_BFLOAT16` False), where torch's bfloat16 kernels are 7-10x slower than its
+    (:data:`CPU_BFLOAT16` False), where torch's bfloat16 kernels are up to 24x slower than its
     float32 ones. The arithmetic is bfloat16 hardware's: a product of two bfloat16 values is
     exact in float32, the sums accumulate in float32 and the result is rounded once; only
     the order of the sums may differ, as between any two BLAS libraries."""
