@@ -24,6 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "study"
 
+# normuon with only the hidden matrices' optimizer differing (the default recipe elsewhere in every
+# arm); _wide: on grids without edges (its default arm chose x0.5, the lower edge); _wider: again (x0.25)
+_NORMUON_HIDDEN = ("normuon_hidden", "normuon_hidden_wide", "normuon_hidden_wider")
 # study -> (family, [config names]); the first config is the baseline. A name "NAME=SOURCE@RECIPE"
 # is the shipped config SOURCE with its recipe replaced by RECIPE.
 STUDIES = {
@@ -38,20 +41,9 @@ STUDIES = {
     "gpt_oss": ("gpt_oss", ["iv", "i", "ii", "iii"]),
     "peers": ("qwen3", ["muon=a-iii@muon", "peer-muon=a-iii@peer:muon"]),
     "normuon": ("qwen3", ["muon=a-iii@muon", "normuon=a-iii@normuon", "peer-muon=a-iii@peer:muon"]),
-    # normuon with only the hidden matrices' optimizer differing (the default recipe elsewhere in every arm)
-    "normuon_hidden": (
-        "qwen3",
-        ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
-    ),
-    # normuon_hidden on grids without edges (its default arm chose x0.5, the lower edge)
-    "normuon_hidden_wide": (
-        "qwen3",
-        ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
-    ),
-    # and again: the default arm chose x0.25, the lower edge of normuon_hidden_wide's grid
-    "normuon_hidden_wider": (
-        "qwen3",
-        ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"],
+    **dict.fromkeys(
+        _NORMUON_HIDDEN,
+        ("qwen3", ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"]),
     ),
     "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
     # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories)
@@ -62,9 +54,7 @@ STUDIES = {
 LOGS_OF = {
     "gemma3_b_wide": "gemma3_b",
     "gpt_oss_wide": "gpt_oss",
-    "normuon_hidden": "normuon",
-    "normuon_hidden_wide": "normuon",
-    "normuon_hidden_wider": "normuon",
+    **dict.fromkeys(_NORMUON_HIDDEN, "normuon"),
 }
 # study -> {config name: entries added to its [optim] overrides}: the normuon and muon_iteration
 # studies pin the precision of equiopt's polar iterations to float32 (unset, it would follow the
@@ -78,9 +68,10 @@ _BFLOAT16_POLAR = '"*" = { polar_dtype = "bfloat16" }'
 _TORCH_MUON = ", ".join(f'{role} = {{ rule = "torch_muon" }}' for role in ("attention", "mlp_in", "mlp_out", "matrix"))
 OVERRIDES = {
     "normuon": {"muon": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR},
-    "normuon_hidden": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
-    "normuon_hidden_wide": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
-    "normuon_hidden_wider": {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
+    **dict.fromkeys(
+        _NORMUON_HIDDEN,
+        {"default": _FLOAT32_POLAR, "normuon": _FLOAT32_POLAR, "torch-muon": _TORCH_MUON},
+    ),
     "muon_iteration": {
         "pe": _FLOAT32_POLAR,
         "quintic": '"*" = { polar_dtype = "float32", method = "newton_schulz_torch" }',
