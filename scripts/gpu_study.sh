@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU-scale study (results/study/qwen3_gpu/protocol.toml), one chunk of at most 7 minutes.
+# The GPU-scale study (results/study/qwen3_gpu/protocol-wide.toml, which took over from
+# protocol.toml when AdamW's tuning chose its grid's top edge), one chunk of at most 7 minutes.
 #
 # Each chunk runs `equiopt compare` on the protocol under a time limit: finished runs are
 # skipped, a run the limit interrupts starts again in the next chunk (the configs keep no
 # checkpoints). After the chunk the finished runs' directories (config and log) are packed into
-# $OUT/gpu-study-logs.tgz, with the report once every run is done; unpack it in the repository
-# root on the CPU machine and commit, so the next chunk skips them:
+# $OUT/gpu-study-logs.tgz, with the report (the protocol's path, -report.md for .toml) once every
+# run is done; unpack it in the repository root on the CPU machine and commit, so the next chunk
+# skips them:
 #   tar xzf gpu-study-logs.tgz && git add results/study/qwen3_gpu && git commit
 #
 # Data (gitignored; made on the CPU machine, about 47 MB in all, carried to the device):
@@ -18,8 +20,9 @@
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-results/gpu/raw}
-PROTOCOL=${GPU_STUDY_PROTOCOL:-results/study/qwen3_gpu/protocol.toml}
+PROTOCOL=${GPU_STUDY_PROTOCOL:-results/study/qwen3_gpu/protocol-wide.toml}
 STUDY=$(dirname "$PROTOCOL")
+REPORT=${PROTOCOL%.toml}-report.md
 mkdir -p "$OUT"
 {
   echo "commit ${EQUIOPT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -27,13 +30,13 @@ mkdir -p "$OUT"
   date -u
 } > "$OUT/gpu-study.txt" 2>&1
 timeout --signal=TERM --kill-after=20 "${1:-420}" \
-  python -m equiopt compare --protocol "$PROTOCOL" --report "$STUDY/protocol-report.md" >> "$OUT/gpu-study.txt" 2>&1
+  python -m equiopt compare --protocol "$PROTOCOL" --report "$REPORT" >> "$OUT/gpu-study.txt" 2>&1
 echo "compare exit $? (124 when the time limit ended the chunk)" >> "$OUT/gpu-study.txt"
-python - "$STUDY" "$OUT/gpu-study-logs.tgz" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
+python - "$STUDY" "$OUT/gpu-study-logs.tgz" "$REPORT" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
 import json, sys, tarfile
 from pathlib import Path
 
-study, target = Path(sys.argv[1]), sys.argv[2]
+study, target, report = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 
 
 def finished(log: Path) -> bool:
@@ -48,7 +51,6 @@ runs = sorted(d for d in (study / "logs").glob("*/*") if d.is_dir() and finished
 with tarfile.open(target, "w:gz") as tar:
     for d in runs:
         tar.add(d)
-    report = study / "protocol-report.md"
     if report.exists():
         tar.add(report)
 print(f"packed {len(runs)} finished runs" + (" and the report" if report.exists() else ""))
