@@ -62,6 +62,59 @@ def test_buckets_step_as_the_per_parameter_path(settings, shapes):
             torch.testing.assert_close(opt.state[a][key], value, rtol=2e-5, atol=1e-6, msg=key)
 
 
+# one bucket of several parts: stored as is, transposed (col) and split in heads, all with
+# work matrices of 24 x 8, in three groups of equal map settings
+PARTS = [("row", [(24, 8), (24, 8)]), ("col", [(8, 24)] * 3), ("heads:24", [(48, 8)])]
+PART_RULES = [
+    {"rule": "spectral"},
+    {"rule": "spectral", "nesterov": False, "weight_decay": 0.1},
+    {"rule": "row", "center": True},
+    {"rule": "hybrid", "order": "row_then_right"},
+    {"rule": "normuon"},
+]
+
+
+def _run_parts(settings, nonfinite, steps=3, copies=1):
+    groups = [
+        {"params": _params(shapes * copies, seed=k), "layout": layout, **settings, "nonfinite": nonfinite}
+        for k, (layout, shapes) in enumerate(PARTS)
+    ]
+    opt = EquivariantOptimizer(groups, lr=0.02, beta=0.9, method="exact")
+    params = [p for g in groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("settings", PART_RULES, ids=[str(s) for s in PART_RULES])
+def test_a_bucket_of_several_parts_steps_as_the_per_parameter_path(settings):
+    bucketed, opt = _run_parts(settings, "skip")
+    assert [len(b.parts) for b in opt._buckets.matrix] == [3]
+    single, _ = _run_parts(settings, "raise")
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("settings", PART_RULES[:2], ids=["nesterov", "ema"])
+def test_a_step_holds_no_more_than_its_map_does(settings):
+    """The map's input (the parts' work matrices side by side) and each part's update are
+    written over the bucket's spent gradients: the step's peak is the map's own."""
+    from equiopt.optim.rules import factored_map
+    from equiopt.peakmem import peak_extra_bytes
+
+    params, opt = _run_parts(settings, "skip", steps=1, copies=64)  # large enough to see
+    (bucket,) = opt._buckets.matrix
+    size = 4 * sum(p.numel() for p in params)
+    x = torch.randn(size // 4 // (24 * 8), 24, 8)
+    alone = peak_extra_bytes(lambda: factored_map(bucket.key, bucket.eta, x))
+    step = peak_extra_bytes(opt.step)
+    assert alone > size  # the map forms new matrices of the bucket's size
+    assert step <= alone + size // 8, (step / size, alone / size)
+
+
 @pytest.mark.parametrize(
     "settings,shapes",
     CASES[:1] + CASES[3:4] + CASES[10:11] + CASES[12:13],

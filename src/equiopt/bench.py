@@ -8,7 +8,9 @@
     (CPU: vocabulary 32768, hidden 256, 4 layers, untied, 20 M parameters; CUDA: the
     paper's Qwen3-0.6B), as a ratio to torch's AdamW over all parameters, as a fraction
     of one forward+backward pass (B x T tokens; bf16 autocast on CUDA), and its optimizer
-    state and (CUDA) peak extra memory, and the time its step spends in matrix products
+    state and the peak memory one step holds beyond it (:mod:`equiopt.peakmem`; the
+    allocator's statistics on CUDA, the profiler's allocation events on the CPU), and the
+    time its step spends in matrix products
     (profiled; the floor that only fewer FLOPs or a faster processor lowers);
     ``--gram-dtype float32,bfloat16`` times recipes with Gram maps once per ``gram_dtype``.
 (d) ``--divided``: per-rank step time of each recipe's whole stack on the ``--stack``
@@ -42,6 +44,7 @@ from . import maps
 from .linalg import inv_sqrt
 from .linalg.coefficients import greedy_schedule
 from .optim import EquivariantOptimizer
+from .peakmem import peak_extra_bytes
 
 RULES = [
     ("row", {"rule": "row"}),
@@ -312,14 +315,8 @@ def stack(
         opt, _ = build_optimizer(model, recipe, eager_state=True)
         if compile_step is not None:
             opt.compile = compile_step
-        peak = float("nan")
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
         t = _time_steps(opt, params, grads, device, repeats)
-        if device.type == "cuda":
-            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        peak = peak_extra_bytes(opt.step, device) / 2**20
         products = _product_ms(opt, device)
         print(
             f"{label:32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f} {_state_mib(opt):10.0f} {peak:15.0f}"

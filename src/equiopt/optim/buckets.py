@@ -18,10 +18,12 @@ parameters they hold (``docs/step.md`` has the counts). It runs in three stages:
   ``compile=`` compiles once per kind of bucket: the finite flags (a minimum and a maximum
   per member), the skip counters, sanitising (one ``nan_to_num``), the momentum (one
   ``lerp_``; Nesterov one more), the centring of quotient maps, the map on every work
-  matrix of the bucket at once, the guard of each matrix's update (its small factors
-  checked and cleaned), and each part's update materialised once with the learning rate,
-  the shape factor and the skip flags folded in (a part of one parameter adds its
-  factored update straight into the weights' work views: no full-size update formed);
+  matrix of the bucket at once (its input written over the bucket's spent gradients), the
+  guard of each matrix's update (its small factors checked and cleaned), and each part's
+  update materialised once, into that buffer too, with the learning rate, the shape factor
+  and the skip flags folded in (a part of one parameter adds its factored update straight
+  into the weights' work views: no full-size update formed); the map's own working set is
+  then all that a step allocates;
 - out, eager (:meth:`Part.finish`): the decay (one foreach multiply) and the update (one
   foreach add) of the members.
 
@@ -106,6 +108,7 @@ class Part:
         self.adamw = group["rule"] == "adamw"
         work = layout.work_shapes(self.shape)[0] if not self.adamw else (1, *self.shape)
         self.work_shape = tuple(work)  # one member's work tensor
+        self.work_is_view = self.adamw or _work_is_view(layout, self.shape)
         self.per_member = 1
         for size in self.work_shape[:-2]:
             self.per_member *= size
@@ -138,6 +141,7 @@ class Part:
         self._masks: dict[tuple[bool, ...], torch.Tensor] = {}
         self.scratch: torch.Tensor | None = None  # the gradients in, see :class:`Buckets`
         self._scratch_members: list[torch.Tensor] = []
+        self._update_members: list[torch.Tensor] = []  # a matrix rule's update, in the scratch
 
     @property
     def spec(self) -> Spec:
@@ -172,6 +176,7 @@ class Part:
                 betas=(float(g["betas"][0]), float(g["betas"][1])),
                 adam_eps=float(g["adam_eps"]),
                 beta2=float(g.get("beta2") or 0.0),
+                work_is_view=self.work_is_view,
             )
         return self._spec
 
@@ -186,9 +191,13 @@ class Part:
         return out
 
     def use_scratch(self, flat: torch.Tensor) -> None:
-        """Take the gradients in through ``flat`` (a slice of the buckets' shared buffer)."""
+        """Take the gradients in through ``flat`` (a slice of the buckets' shared buffer); a
+        matrix rule's update comes back there too (:func:`bucket_core`), in work layout."""
         self.scratch = flat if self.flat else flat.view(len(self.params), *self.shape)
         self._scratch_members = self.members_of(self.scratch)
+        if not self.adamw:
+            work = flat.view(len(self.params), *self.work_shape)
+            self._update_members = self.members_of(self.layout.stacked_from_work([work]))
 
     def _stack(
         self, state: dict, key: str, dtype: torch.dtype, scalar: bool = False, entry: tuple[int, ...] | None = None
@@ -281,6 +290,8 @@ class Part:
             torch._foreach_addcdiv_(self.params, self.views["exp_avg"], self._scratch_members)
         elif update is not None:
             torch._foreach_add_(self.params, self.members_of(update))
+        else:  # the core left the update in the scratch
+            torch._foreach_add_(self.params, self._update_members)
 
     def stacked(self) -> torch.Tensor:
         """The buffer the gradients come in through (made with the buckets)."""
@@ -314,6 +325,18 @@ class Spec(NamedTuple):
     betas: tuple[float, float]
     adam_eps: float
     beta2: float = 0.0  # NorMuon's row second-moment EMA
+    work_is_view: bool = True  # a stack's work tensor is the stack itself, reshaped (no transpose)
+
+
+def _work_is_view(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether a contiguous stack's work tensor is the stack itself reshaped: the same memory
+    in the same order (a layout that splits heads along rows), not a transposed view."""
+    stack = torch.empty((2, *shape), device="meta")
+    works = layout.stacked_to_work(stack)
+    if len(works) != 1:
+        return False
+    work = works[0]
+    return work.is_contiguous() and work.storage_offset() == 0 and (work is stack or work._base is stack)
 
 
 def _lead(spec: Spec, t: torch.Tensor, ndim: int, sizes: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,6 +400,7 @@ class Bucket:
         self.key = key
         self.parts = parts
         self.eta = parts[0].group["eta"]
+        self.scratch: torch.Tensor | None = None  # its parts' scratches end to end (:class:`Buckets`)
 
 
 class Buckets:
@@ -403,6 +427,10 @@ class Buckets:
             for part in parts:
                 part.use_scratch(flat.narrow(0, at, part.numel))
                 at += part.numel
+        for b in matrix:
+            b.scratch = self.scratch[(b.parts[0].device, b.parts[0].state_dtype)].narrow(
+                0, 0, sum(part.numel for part in b.parts)
+            )
 
     @property
     def parts(self) -> list[Part]:
@@ -473,6 +501,21 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     return f, ok
 
 
+def _side_by_side(
+    region: torch.Tensor, specs: tuple[Spec, ...], works: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The parts' work matrices side by side in ``region`` (each over its own part's spent
+    gradients), and each part's place there: ``torch.cat(works)`` without a new tensor."""
+    x = region.view(-1, *works[0].shape[-2:])
+    placed, at = [], 0
+    for spec, w in zip(specs, works):
+        placed.append(x.narrow(0, at, w.shape[0]))
+        if not (spec.nesterov and spec.work_is_view):  # else the direction is there already
+            placed[-1].copy_(w)
+        at += w.shape[0]
+    return x, placed
+
+
 def bucket_core(
     key: MapKey,
     eta: Any,
@@ -487,6 +530,7 @@ def bucket_core(
     skips: torch.Tensor,
     map_fn: Callable[..., maps.Factored],
     seconds: list[torch.Tensor] | None = None,
+    region: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
@@ -496,9 +540,15 @@ def bucket_core(
     guard of each matrix's update (refusals counted in ``skips``), and each part's update with
     its learning rate, shape factor and skip flags folded in.
 
-    Returns, per part: the update as a ``(B, *shape)`` stack to add (None for a single-member
-    part, whose decay and update the core applied to ``weights[i]`` in place), the skip
-    flags in the learning rates' dtype, and the flags the step reports."""
+    ``region``: the bucket's gradient buffer, its parts' ``scratches`` end to end. Once a
+    part's momentum has taken its gradients, the map's input (the parts' work matrices side
+    by side) is written there, and after the map each part's update: a step allocates no
+    copy of the bucket besides the map's own.
+
+    Returns, per part: the update as a ``(B, *shape)`` stack to add, or None where it is
+    in the part's scratch (its :meth:`Part.finish` adds it from there) or, for a
+    single-member part, the core applied its decay and update to ``weights[i]`` in place;
+    the skip flags in the learning rates' dtype, and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
     for i, spec in enumerate(specs):
         grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
@@ -510,9 +560,14 @@ def bucket_core(
         if weight is not None and spec.weight_decay:
             weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
         buf = momenta[i]
-        # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction over G
+        # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
+        # over G (in a fresh tensor where the work is a transpose, copied into the region below)
         buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
-        direction = grads.lerp_(buf, spec.beta) if spec.nesterov else buf
+        if spec.nesterov:
+            together = region is not None and len(specs) > 1 and not spec.work_is_view
+            direction = torch.lerp(grads, buf, spec.beta) if together else grads.lerp_(buf, spec.beta)
+        else:
+            direction = buf
         work = spec.layout.stacked_to_work(direction)[0]  # type: ignore[union-attr]
         if key.center == PRECENTRED:
             # D <- Pi D in place (see the engine's _centre_in_place); a skipped member stays
@@ -523,7 +578,13 @@ def bucket_core(
         if seconds is not None:
             w2 = okf * (1.0 - spec.beta2)
             weights2.append((w2.repeat_interleave(spec.per_member) if spec.per_member > 1 else w2).view(-1, 1, 1))
-    x = works[0] if len(works) == 1 else torch.cat(works)
+    del direction, work  # (the loop's last: a transposed Nesterov direction is freed once placed)
+    if len(works) == 1:
+        x = works[0]
+    elif region is None:
+        x = torch.cat(works)
+    else:
+        x, works = _side_by_side(region, specs, works)
     f = map_fn(key, eta, x)
     if seconds is not None:
         # NorMuon's row stage, part by part on its own state (views of the stacks)
@@ -543,8 +604,11 @@ def bucket_core(
     coef = coef * ok
     updates: list[torch.Tensor | None] = []
     at = 0
-    for spec, w, weight in zip(specs, works, weights):
+    start = 0  # the part's place in the region
+    for spec, w, weight, scratch in zip(specs, works, weights, scratches):
         n = w.shape[0]
+        here = start
+        start += scratch.numel()
         piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
         c = coef.narrow(0, at, n).to(f.x.dtype).view(-1, 1, 1)
         at += n
@@ -557,6 +621,19 @@ def bucket_core(
                 _pieces(piece, lambda t: t.view(*lead, *t.shape[-2:])),
                 c.view(*lead, 1, 1) if lead else c.view(()),
             )
+            updates.append(None)
+            continue
+        if region is not None and region.dtype == spec.dtype:
+            # into the part's scratch, whose gradients and map input are spent (every piece of
+            # ``f`` read here is this part's own: the parts before it wrote only their places)
+            out = region.narrow(0, here, scratch.numel()).view(w.shape)
+            if piece.row is None and piece.left is None and piece.right is None and piece.shift is None:
+                if torch.compiler.is_compiling():  # (functionalised ``out=`` wants matching strides)
+                    out.copy_(piece.x * c)
+                else:
+                    torch.mul(piece.x, c, out=out)
+            else:
+                out.copy_(maps.materialize(_scaled(piece, c)))
             updates.append(None)
             continue
         u = maps.materialize(_scaled(piece, c))
@@ -685,6 +762,7 @@ def run_bucket(
         skips,
         map_fn,
         [part.stacks[ROW_MOMENT] for part in bucket.parts] if bucket.key.rule == "normuon" else None,
+        bucket.scratch,
     )
     for part, update, okl, flag, lr in zip(bucket.parts, updates, okls, reported, part_lrs):
         flags.append((part.names, flag))
