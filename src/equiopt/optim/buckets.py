@@ -142,6 +142,7 @@ class Part:
         self.scratch: torch.Tensor | None = None  # the gradients in, see :class:`Buckets`
         self._scratch_members: list[torch.Tensor] = []
         self._update_members: list[torch.Tensor] = []  # a matrix rule's update, in the scratch
+        self.place: torch.Tensor  # a matrix rule's work matrices in the buffer (:meth:`use_scratch`)
 
     @property
     def spec(self) -> Spec:
@@ -197,6 +198,7 @@ class Part:
         self._scratch_members = self.members_of(self.scratch)
         if not self.adamw:
             work = flat.view(len(self.params), *self.work_shape)
+            self.place = flat.view(-1, *self.work_shape[-2:])  # its work matrices, in the bucket's map input
             self._update_members = self.members_of(self.layout.stacked_from_work([work]))
 
     def _stack(
@@ -400,7 +402,7 @@ class Bucket:
         self.key = key
         self.parts = parts
         self.eta = parts[0].group["eta"]
-        self.scratch: torch.Tensor | None = None  # its parts' scratches end to end (:class:`Buckets`)
+        self.scratch: torch.Tensor | None = None  # its parts' places end to end (:class:`Buckets`)
 
 
 class Buckets:
@@ -428,9 +430,8 @@ class Buckets:
                 part.use_scratch(flat.narrow(0, at, part.numel))
                 at += part.numel
         for b in matrix:
-            b.scratch = self.scratch[(b.parts[0].device, b.parts[0].state_dtype)].narrow(
-                0, 0, sum(part.numel for part in b.parts)
-            )
+            flat = self.scratch[(b.parts[0].device, b.parts[0].state_dtype)]
+            b.scratch = flat.narrow(0, 0, sum(part.numel for part in b.parts)).view(-1, *b.parts[0].work_shape[-2:])
 
     @property
     def parts(self) -> list[Part]:
@@ -501,19 +502,12 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     return f, ok
 
 
-def _side_by_side(
-    region: torch.Tensor, specs: tuple[Spec, ...], works: list[torch.Tensor]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The parts' work matrices side by side in ``region`` (each over its own part's spent
-    gradients), and each part's place there: ``torch.cat(works)`` without a new tensor."""
-    x = region.view(-1, *works[0].shape[-2:])
-    placed, at = [], 0
-    for spec, w in zip(specs, works):
-        placed.append(x.narrow(0, at, w.shape[0]))
+def _side_by_side(places: list[torch.Tensor], specs: tuple[Spec, ...], works: list[torch.Tensor]) -> None:
+    """``torch.cat(works)`` without a new tensor: each part's work matrices into its place in
+    the bucket's buffer (over its own spent gradients)."""
+    for place, spec, w in zip(places, specs, works):
         if not (spec.nesterov and spec.work_is_view):  # else the direction is there already
-            placed[-1].copy_(w)
-        at += w.shape[0]
-    return x, placed
+            place.copy_(w)
 
 
 def bucket_core(
@@ -531,6 +525,7 @@ def bucket_core(
     map_fn: Callable[..., maps.Factored],
     seconds: list[torch.Tensor] | None = None,
     region: torch.Tensor | None = None,
+    places: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
@@ -540,10 +535,10 @@ def bucket_core(
     guard of each matrix's update (refusals counted in ``skips``), and each part's update with
     its learning rate, shape factor and skip flags folded in.
 
-    ``region``: the bucket's gradient buffer, its parts' ``scratches`` end to end. Once a
-    part's momentum has taken its gradients, the map's input (the parts' work matrices side
-    by side) is written there, and after the map each part's update: a step allocates no
-    copy of the bucket besides the map's own.
+    ``region``: the bucket's gradient buffer as work matrices, ``places`` each part's
+    (its ``scratches`` entry) in it. Once a part's momentum has taken its gradients, the
+    map's input (the parts' work matrices side by side) is written there, and after the
+    map each part's update: a step allocates no copy of the bucket besides the map's own.
 
     Returns, per part: the update as a ``(B, *shape)`` stack to add, or None where it is
     in the part's scratch (its :meth:`Part.finish` adds it from there) or, for a
@@ -584,7 +579,9 @@ def bucket_core(
     elif region is None:
         x = torch.cat(works)
     else:
-        x, works = _side_by_side(region, specs, works)
+        assert places is not None
+        _side_by_side(places, specs, works)
+        x, works = region, places
     f = map_fn(key, eta, x)
     if seconds is not None:
         # NorMuon's row stage, part by part on its own state (views of the stacks)
@@ -604,11 +601,8 @@ def bucket_core(
     coef = coef * ok
     updates: list[torch.Tensor | None] = []
     at = 0
-    start = 0  # the part's place in the region
-    for spec, w, weight, scratch in zip(specs, works, weights, scratches):
+    for i, (spec, w, weight) in enumerate(zip(specs, works, weights)):
         n = w.shape[0]
-        here = start
-        start += scratch.numel()
         piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
         c = coef.narrow(0, at, n).to(f.x.dtype).view(-1, 1, 1)
         at += n
@@ -623,10 +617,10 @@ def bucket_core(
             )
             updates.append(None)
             continue
-        if region is not None and region.dtype == spec.dtype:
-            # into the part's scratch, whose gradients and map input are spent (every piece of
+        if places is not None and places[i].dtype == spec.dtype:
+            # into the part's place, whose gradients and map input are spent (every piece of
             # ``f`` read here is this part's own: the parts before it wrote only their places)
-            out = region.narrow(0, here, scratch.numel()).view(w.shape)
+            out = places[i]
             if piece.row is None and piece.left is None and piece.right is None and piece.shift is None:
                 if torch.compiler.is_compiling():  # (functionalised ``out=`` wants matching strides)
                     out.copy_(piece.x * c)
@@ -763,6 +757,7 @@ def run_bucket(
         map_fn,
         [part.stacks[ROW_MOMENT] for part in bucket.parts] if bucket.key.rule == "normuon" else None,
         bucket.scratch,
+        [part.place for part in bucket.parts],
     )
     for part, update, okl, flag, lr in zip(bucket.parts, updates, okls, reported, part_lrs):
         flags.append((part.names, flag))
