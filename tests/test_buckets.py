@@ -63,8 +63,10 @@ def test_buckets_step_as_the_per_parameter_path(settings, shapes):
 
 
 # one bucket of several parts: stored as is, transposed (col) and split in heads, all with
-# work matrices of 24 x 8, in three groups of equal map settings
+# work matrices of 24 x 8, in three groups of equal map settings; and a fourth whose stored
+# layout is no view of its work (interleaved gate and up columns)
 PARTS = [("row", [(24, 8), (24, 8)]), ("col", [(8, 24)] * 3), ("heads:24", [(48, 8)])]
+INTERLEAVED = ("gate_up:interleave:cols", [(8, 48), (8, 48)])
 PART_RULES = [
     {"rule": "spectral"},
     {"rule": "spectral", "nesterov": False, "weight_decay": 0.1},
@@ -74,10 +76,10 @@ PART_RULES = [
 ]
 
 
-def _run_parts(settings, nonfinite, steps=3, copies=1):
+def _run_parts(settings, nonfinite, steps=3, copies=1, parts=PARTS):
     groups = [
         {"params": _params(shapes * copies, seed=k), "layout": layout, **settings, "nonfinite": nonfinite}
-        for k, (layout, shapes) in enumerate(PARTS)
+        for k, (layout, shapes) in enumerate(parts)
     ]
     opt = EquivariantOptimizer(groups, lr=0.02, beta=0.9, method="exact")
     params = [p for g in groups for p in g["params"]]
@@ -91,9 +93,10 @@ def _run_parts(settings, nonfinite, steps=3, copies=1):
 
 @pytest.mark.parametrize("settings", PART_RULES, ids=[str(s) for s in PART_RULES])
 def test_a_bucket_of_several_parts_steps_as_the_per_parameter_path(settings):
-    bucketed, opt = _run_parts(settings, "skip")
-    assert [len(b.parts) for b in opt._buckets.matrix] == [3]
-    single, _ = _run_parts(settings, "raise")
+    parts = [*PARTS, INTERLEAVED]
+    bucketed, opt = _run_parts(settings, "skip", parts=parts)
+    assert [len(b.parts) for b in opt._buckets.matrix] == [4]
+    single, _ = _run_parts(settings, "raise", parts=parts)
     for a, b in zip(bucketed, single):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 

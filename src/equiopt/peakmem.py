@@ -4,8 +4,10 @@ On CUDA this is the caching allocator's own statistic (``torch.cuda.max_memory_a
 Elsewhere (the CPU) torch keeps no such statistic, but its profiler records every
 allocation and free with its size (``profile_memory=True``): the running sum of those
 events, in order, peaks where the call held the most. Tensors that existed before the call
-count as zero. Freeing one of them does not lower the sum (the profiler never saw its size),
-where on CUDA it does, so the CPU figure is an upper bound of CUDA's for the same call.
+count as zero. Freeing one of them lowers the sum where the profiler knows the block's size
+and leaves it where it does not (a block allocated while no profiler recorded memory), so
+the CPU figure is at least CUDA's for the same call and at most the peak of its own
+allocations.
 
 ``python -m equiopt.bench --stack`` reports it as "peak extra MiB" of an optimizer step.
 """

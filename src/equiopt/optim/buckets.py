@@ -143,6 +143,7 @@ class Part:
         self._scratch_members: list[torch.Tensor] = []
         self._update_members: list[torch.Tensor] = []  # a matrix rule's update, in the scratch
         self.place: torch.Tensor  # a matrix rule's work matrices in the buffer (:meth:`use_scratch`)
+        self.update_in_place = False
 
     @property
     def spec(self) -> Spec:
@@ -178,6 +179,7 @@ class Part:
                 adam_eps=float(g["adam_eps"]),
                 beta2=float(g.get("beta2") or 0.0),
                 work_is_view=self.work_is_view,
+                update_in_place=self.update_in_place,
             )
         return self._spec
 
@@ -199,7 +201,12 @@ class Part:
         if not self.adamw:
             work = flat.view(len(self.params), *self.work_shape)
             self.place = flat.view(-1, *self.work_shape[-2:])  # its work matrices, in the bucket's map input
-            self._update_members = self.members_of(self.layout.stacked_from_work([work]))
+            stored = self.layout.stacked_from_work([work])
+            # the update is added from the place where the stored layout is a view of it (an
+            # interleaved gate/up layout, say, builds a new tensor instead)
+            self.update_in_place = stored.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            self._update_members = self.members_of(stored) if self.update_in_place else []
+            self._spec = None
 
     def _stack(
         self, state: dict, key: str, dtype: torch.dtype, scalar: bool = False, entry: tuple[int, ...] | None = None
@@ -328,6 +335,7 @@ class Spec(NamedTuple):
     adam_eps: float
     beta2: float = 0.0  # NorMuon's row second-moment EMA
     work_is_view: bool = True  # a stack's work tensor is the stack itself, reshaped (no transpose)
+    update_in_place: bool = False  # the update is added from the part's place in the buffer
 
 
 def _work_is_view(layout: Layout, shape: tuple[int, ...]) -> bool:
@@ -617,7 +625,7 @@ def bucket_core(
             )
             updates.append(None)
             continue
-        if places is not None and places[i].dtype == spec.dtype:
+        if places is not None and spec.update_in_place and places[i].dtype == spec.dtype:
             # into the part's place, whose gradients and map input are spent (every piece of
             # ``f`` read here is this part's own: the parts before it wrote only their places)
             out = places[i]
