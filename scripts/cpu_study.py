@@ -46,13 +46,16 @@ STUDIES = {
         ("qwen3", ["default=a-iii@equiopt:default", "normuon=a-iii@normuon", "torch-muon=a-iii@equiopt:default"]),
     ),
     "muon_iteration": ("qwen3", ["pe=a-iii@muon", "quintic=a-iii@muon", "pe-scaled=a-iii@muon"]),
-    # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories)
+    # wider grids over the runs of gemma3_b and gpt_oss (reused: same settings, same run directories);
+    # gemma3_b_wider: again, for AdamW (its x4, gemma3_b_wide's top edge)
     "gemma3_b_wide": ("gemma3", ["b-iii", "b-i", "b-ii"]),
+    "gemma3_b_wider": ("gemma3", ["b-iii", "b-i", "b-ii"]),
     "gpt_oss_wide": ("gpt_oss", ["iv", "i", "ii", "iii"]),
 }
 # study -> the study whose run directories it shares (its finished runs are reused, not rerun)
 LOGS_OF = {
     "gemma3_b_wide": "gemma3_b",
+    "gemma3_b_wider": "gemma3_b",
     "gpt_oss_wide": "gpt_oss",
     **dict.fromkeys(_NORMUON_HIDDEN, "normuon"),
 }
@@ -79,6 +82,7 @@ OVERRIDES = {
         + ", attention = { lr = 0.01834 }, mlp_in = { lr = 0.01856 }, mlp_out = { lr = 0.0189 }",
     },
     "gemma3_b_wide": dict.fromkeys(STUDIES["gemma3_b_wide"][1], _BFLOAT16_POLAR),
+    "gemma3_b_wider": dict.fromkeys(STUDIES["gemma3_b_wider"][1], _BFLOAT16_POLAR),
     "gpt_oss_wide": dict.fromkeys(STUDIES["gpt_oss_wide"][1], _BFLOAT16_POLAR),
 }
 
