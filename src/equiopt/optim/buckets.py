@@ -202,9 +202,12 @@ class Part:
             work = flat.view(len(self.params), *self.work_shape)
             self.place = flat.view(-1, *self.work_shape[-2:])  # its work matrices, in the bucket's map input
             stored = self.layout.stacked_from_work([work])
-            # the update is added from the place where the stored layout is a view of it (an
-            # interleaved gate/up layout, say, builds a new tensor instead)
-            self.update_in_place = stored.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            # the update is added from the place where the parameters have the buffer's dtype and
+            # the stored layout is a view of it (an interleaved gate/up layout, say, builds a new
+            # tensor instead)
+            self.update_in_place = (
+                self.dtype == flat.dtype and stored.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            )
             self._update_members = self.members_of(stored) if self.update_in_place else []
             self._spec = None
 
@@ -625,7 +628,7 @@ def bucket_core(
             )
             updates.append(None)
             continue
-        if places is not None and spec.update_in_place and places[i].dtype == spec.dtype:
+        if places is not None and spec.update_in_place:
             # into the part's place, whose gradients and map input are spent (every piece of
             # ``f`` read here is this part's own: the parts before it wrote only their places)
             out = places[i]
