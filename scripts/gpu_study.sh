@@ -16,6 +16,10 @@
 #   equiopt data prepare --corpus sotu --tokenizer bpe:data/bpe4096.json --out data/sotu-bpe4096 --val-fraction 1
 # and, with the device tool, carry = ["data/poetry-bpe4096-gpu", "data/sotu-bpe4096"].
 #
+# The runs train GPU_STUDY_JOBS at a time (default 6), each in its own process (`equiopt compare
+# --jobs`): one 42 M-parameter run leaves an H100 mostly idle, waiting on its Python process, so
+# runs side by side finish several times sooner, each training exactly as it would alone.
+#
 # Usage: bash scripts/gpu_study.sh [seconds]   (default 420; GPU_STUDY_PROTOCOL picks another protocol)
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,7 +34,7 @@ mkdir -p "$OUT"
   date -u
 } > "$OUT/gpu-study.txt" 2>&1
 timeout --signal=TERM --kill-after=20 "${1:-420}" \
-  python -m equiopt compare --protocol "$PROTOCOL" --report "$REPORT" >> "$OUT/gpu-study.txt" 2>&1
+  python -m equiopt compare --protocol "$PROTOCOL" --report "$REPORT" --jobs "${GPU_STUDY_JOBS:-6}" >> "$OUT/gpu-study.txt" 2>&1
 echo "compare exit $? (124 when the time limit ended the chunk)" >> "$OUT/gpu-study.txt"
 python - "$STUDY" "$OUT/gpu-study-logs.tgz" "$REPORT" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
 import json, sys, tarfile

@@ -197,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep-roles", default=None, metavar="ROLE,...", help="roles whose lr the sweep multiplies (default: all)"
     )
     cmp.add_argument("--report", default=None, metavar="PATH.md", help="write a markdown report (and figures) here")
+    cmp.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="with a sweep: train N runs at once, each in its own process (fills a GPU that one small model "
+        "leaves idle; the runs and the report are the same as with 1, the default)",
+    )
     sub.add_parser(
         "plot", help="draw the paper's figures from run directories: equiopt plot RUN... [--out DIR]", add_help=False
     )
@@ -357,6 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def _seed_list(text: str) -> list[int]:
     """``N`` (seeds 0..N-1) or ``S1,S2,...``."""
     try:
@@ -429,6 +447,7 @@ def _compare(args, argv) -> int:
                 tune_seeds=tune,
                 metric=args.metric,
                 allow_overlap=args.allow_seed_overlap,
+                jobs=args.jobs,
             )
             baseline = _baseline_label(args.baseline, args.configs, arms)
             print(sweep_report(arms, baseline, args.metric, out=args.report, command=command, protocol=protocol))
@@ -437,6 +456,10 @@ def _compare(args, argv) -> int:
         if args.report:
             print(f"report: {args.report}")
         return 0
+    if args.jobs > 1:
+        raise SystemExit(
+            "equiopt compare --jobs: runs side by side are for learning-rate sweeps (--sweep-lr or a protocol with a grid)"
+        )
     overlap = sorted(set(protocol.tune_seeds) & set(args.seeds)) if protocol is not None else []
     return _compare_fixed(args, sets, command, protocol, overlap)
 

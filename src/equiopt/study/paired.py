@@ -344,6 +344,8 @@ def sweep(
     tune_seeds: int | Sequence[int] | None = None,
     metric: str = "val/loss",
     allow_overlap: bool = False,
+    jobs: int = 1,
+    trainer: str | None = None,
 ) -> list[SweepArm]:
     """Train every config at every lr multiplier and tuning seed, then at its chosen
     multiplier on every evaluation seed (resumable, see the module docstring).
@@ -357,11 +359,16 @@ def sweep(
     overlapping seeds are refused unless ``allow_overlap``); the multiplier with the best
     mean ``metric`` over the tuning seeds is then run on every evaluation seed. With ``progress`` each
     run shows its own progress and a :class:`RunProgress` reports the runs done and the time left.
+
+    ``jobs`` runs train at once (:class:`~equiopt.study.runpool.RunPool`): with 1, one after
+    another in this process through ``train_fn``; with more, each in a process of its own through
+    ``trainer`` (``"module:function"``, default :func:`equiopt.train.loop.train`), and an arm's
+    evaluation runs start as soon as its own tuning runs are done. Either way every run trains as
+    it would alone, so the runs, the choices and the report are the same.
     """
     from ..train.config import load_config
-    from ..train.loop import NonFiniteLossError, train
+    from .runpool import DEFAULT_TRAINER, RunPool
 
-    train_fn = train_fn or train
     tuning, seeds, overlap = seed_split(seeds, tune_seeds, allow_overlap)
     grids = {str(c): list(multipliers[str(c)] if isinstance(multipliers, Mapping) else multipliers) for c in configs}
     if isinstance(multipliers, Mapping):
@@ -369,48 +376,72 @@ def sweep(
         if stray:
             raise ValueError(f"grids given for configs not compared: {', '.join(stray)}")
     total = sum(len(g) * len(tuning) + len(seeds) - len(overlap) for g in grids.values())
+    pool = RunPool(jobs, train_fn=train_fn, trainer=trainer or DEFAULT_TRAINER, progress=progress)
     runs = RunProgress(total, enabled=progress)
-    arms = []
+    arms, bases = [], []
     for path in configs:
         base_cfg = load_config(path, sets or {})
         base = _base_lrs(base_cfg, roles)
-        arm = SweepArm(base_cfg.run.name, str(path), base, tune_seeds=list(tuning), eval_seeds=list(seeds))
+        arms.append(SweepArm(base_cfg.run.name, str(path), base, tune_seeds=list(tuning), eval_seeds=list(seeds)))
+        bases.append(base_cfg)
+    waiting = {i: 0 for i in range(len(arms))}  # tuning runs not yet finished, per arm
 
-        def run(mult: float, seed: int) -> None:
-            overrides = json.loads(json.dumps(base_cfg.optim.overrides or {}))
-            for role, lr in base.items():
-                overrides.setdefault(role, {})["lr"] = lr * mult
-            tag = f"{mult_tag(mult)}-s{seed}"
-            run_sets = dict(sets or {})
-            run_sets.update(
-                {
-                    "run.seed": seed,
-                    "run.name": f"{base_cfg.run.name}-{tag}",
-                    "run.out_dir": str(base_cfg.out_path / tag),
-                    "optim.overrides": overrides,
-                }
-            )
-            cfg = load_config(path, run_sets)
-            reused = not force and _done(cfg.out_path)
-            if not reused:
-                try:
-                    train_fn(cfg, progress=progress)
-                except NonFiniteLossError:
-                    pass
-            elif progress:
-                print(f"{cfg.out_path}: already done, skipped")
-            runs.done(cfg.run.name, reused)
-            arm.runs.setdefault(mult, {})[seed] = str(cfg.out_path)
+    def run(i: int, mult: float, seed: int, phase: int) -> None:
+        """Record the run of arm ``i`` at ``mult`` and ``seed``; queue it unless it is done already."""
+        arm, base_cfg = arms[i], bases[i]
+        overrides = json.loads(json.dumps(base_cfg.optim.overrides or {}))
+        for role, lr in arm.base_lrs.items():
+            overrides.setdefault(role, {})["lr"] = lr * mult
+        tag = f"{mult_tag(mult)}-s{seed}"
+        run_sets = dict(sets or {})
+        run_sets.update(
+            {
+                "run.seed": seed,
+                "run.name": f"{base_cfg.run.name}-{tag}",
+                "run.out_dir": str(base_cfg.out_path / tag),
+                "optim.overrides": overrides,
+            }
+        )
+        out = base_cfg.out_path / tag
+        arm.runs.setdefault(mult, {})[seed] = str(out)
+        if not force and _done(out):
+            if progress:
+                print(f"{out}: already done, skipped")
+            runs.done(run_sets["run.name"], reused=True)
+            return
+        if phase == 0:
+            waiting[i] += 1
+        pool.submit((i, phase, run_sets["run.name"]), arm.config, run_sets, priority=(i, phase))
 
-        for mult in grids[str(path)]:
-            for seed in tuning:
-                run(mult, seed)
-        best, _ = _best(arm, metric)
+    def evaluate(i: int) -> None:
+        """Queue arm ``i``'s evaluation runs at its chosen multiplier (its tuning runs are all done)."""
+        best, _ = _best(arms[i], metric)
         for seed in seeds:
-            if seed not in arm.runs[best]:
-                run(best, seed)
-        arms.append(arm)
+            if seed not in arms[i].runs[best]:
+                run(i, best, seed, phase=1)
+
+    with pool:
+        for i, arm in enumerate(arms):
+            for mult in grids[arm.config]:
+                for seed in tuning:
+                    run(i, mult, seed, phase=0)
+            if not waiting[i]:
+                evaluate(i)
+            if jobs == 1:  # one at a time: an arm's evaluation runs come before the next arm's tuning
+                _drain(pool, runs, waiting, evaluate)
+        _drain(pool, runs, waiting, evaluate)
     return arms
+
+
+def _drain(pool, runs: RunProgress, waiting: dict[int, int], evaluate) -> None:
+    """Wait for the pool's runs, queueing each arm's evaluation runs once its last tuning run ends."""
+    while len(pool):
+        for i, phase, name in pool.wait():
+            runs.done(name)
+            if phase == 0:
+                waiting[i] -= 1
+                if not waiting[i]:
+                    evaluate(i)
 
 
 def _final(path: str, metric: str) -> float:
