@@ -237,6 +237,10 @@ def test_run_progress_counts_runs_and_estimates_from_trained_runs_only(monkeypat
         "[5/5 runs] done: e (60 s)",
     ]
     assert out.getvalue().splitlines() == lines
+    # runs side by side: the line shows the run's own time, the estimate the time between runs done
+    side = RunProgress(4, stream=io.StringIO(), clock=lambda: now[0])
+    now[0] += 20
+    assert side.done("f", seconds=240) == "[1/4 runs] done: f (4 min); ~60 s left"
     # nothing trained yet: no estimate
     assert RunProgress(2, stream=io.StringIO()).done("x", reused=True) == "[1/2 runs] reused: x (already finished)"
     # only the main process reports

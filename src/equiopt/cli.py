@@ -394,6 +394,7 @@ def _seed_list(text: str) -> list[int]:
 def _compare(args, argv) -> int:
     """``equiopt compare``: train (or reuse) the runs, print the table, paired differences and figures."""
     from .study.paired import sweep, sweep_report
+    from .study.runpool import RunFailed
 
     sets = _parse_sets(args.set)
     command = "equiopt " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -451,8 +452,11 @@ def _compare(args, argv) -> int:
             )
             baseline = _baseline_label(args.baseline, args.configs, arms)
             print(sweep_report(arms, baseline, args.metric, out=args.report, command=command, protocol=protocol))
-        except ValueError as err:
+        except (ValueError, RunFailed) as err:
             raise SystemExit(f"equiopt compare: {err}") from None
+        except KeyboardInterrupt:
+            print("equiopt compare: interrupted; finished runs are kept and skipped by the next call", file=sys.stderr)
+            return 130
         if args.report:
             print(f"report: {args.report}")
         return 0

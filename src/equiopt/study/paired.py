@@ -220,14 +220,16 @@ class RunProgress:
         """Seconds left: the mean time of the runs trained so far times the runs not yet done."""
         return statistics.fmean(self.times) * (self.total - self.count) if self.times else None
 
-    def done(self, name: str, reused: bool = False) -> str:
-        """Count one run as done; report and return its line."""
+    def done(self, name: str, reused: bool = False, seconds: float | None = None) -> str:
+        """Count one run as done; report and return its line. ``seconds`` is the run's own time when
+        runs overlap (the line shows it; the estimate still scales the time between runs done)."""
         now = self.clock()
         self.count += 1
         if not reused:
             self.times.append(now - self.mark)
         self.mark = now
-        what = f"reused: {name} (already finished)" if reused else f"done: {name} ({_duration(self.times[-1])})"
+        took = _duration(self.times[-1] if seconds is None else seconds) if not reused else ""
+        what = f"reused: {name} (already finished)" if reused else f"done: {name} ({took})"
         left = self.left()
         tail = "" if left is None or self.count >= self.total else f"; ~{_duration(left)} left"
         line = f"[{self.count}/{self.total} runs] {what}{tail}"
@@ -436,8 +438,9 @@ def sweep(
 def _drain(pool, runs: RunProgress, waiting: dict[int, int], evaluate) -> None:
     """Wait for the pool's runs, queueing each arm's evaluation runs once its last tuning run ends."""
     while len(pool):
-        for i, phase, name in pool.wait():
-            runs.done(name)
+        for key in pool.wait():
+            i, phase, name = key
+            runs.done(name, seconds=pool.seconds.get(key))
             if phase == 0:
                 waiting[i] -= 1
                 if not waiting[i]:

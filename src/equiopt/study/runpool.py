@@ -107,6 +107,8 @@ class RunPool:
         self._queue: list[tuple[Any, int, Hashable, str, dict]] = []
         self._order = itertools.count()
         self._running: dict[subprocess.Popen, tuple[Hashable, str, Any]] = {}
+        self._started: dict[subprocess.Popen, float] = {}
+        self.seconds: dict[Hashable, float] = {}  # each finished run's own wall time
 
     def __len__(self) -> int:
         """Runs waiting or running."""
@@ -126,7 +128,9 @@ class RunPool:
             return []
         if self.jobs == 1:
             _, _, key, config, sets = heapq.heappop(self._queue)
+            start = time.perf_counter()
             _train_one(config, sets, self.train_fn, self.progress)
+            self.seconds[key] = time.perf_counter() - start
             return [key]
         while self._queue and len(self._running) < self.jobs:
             self._start(*heapq.heappop(self._queue)[2:])
@@ -145,6 +149,7 @@ class RunPool:
                 self.close()
                 raise RunFailed(f"run {name} exited with code {proc.returncode}; the end of its output:\n{tail}")
             output.close()
+            self.seconds[key] = time.perf_counter() - self._started.pop(proc)
             keys.append(key)
         return keys
 
@@ -159,6 +164,7 @@ class RunPool:
             env=self.env,
         )
         self._running[proc] = (key, sets.get("run.name", config), output)
+        self._started[proc] = time.perf_counter()
 
     def close(self) -> None:
         """End the runs still going (they restart from scratch when queued again) and drop the queue."""
@@ -174,6 +180,7 @@ class RunPool:
                 proc.wait()
             output.close()
         self._running.clear()
+        self._started.clear()
 
     def __enter__(self) -> RunPool:
         if self.jobs > 1 and _main_thread():
