@@ -354,6 +354,11 @@ def _verdict_colour(verdict: str) -> str:
     return "tab:gray"
 
 
+# studies drawn at a glance from a report of another name than protocol-report.json; the GPU-scale
+# study's configs and runs come from scripts/gpu_study.sh, not from this script
+GLANCE_REPORTS = {"qwen3_gpu": "protocol-wider-report.json"}
+
+
 def _glance(study: str) -> Path | None:
     """``docs/img/study-<study>.png``, a protocol study at a glance from its report and logs:
     the validation loss of each arm at its chosen multiplier on the evaluation seeds (mean,
@@ -362,7 +367,7 @@ def _glance(study: str) -> Path | None:
     finished protocol report."""
     from equiopt.study.plots import _mpl, read_run
 
-    report = OUT / study / "protocol-report.json"
+    report = OUT / study / GLANCE_REPORTS.get(study, "protocol-report.json")
     if not report.exists():
         return None
     data = json.loads(report.read_text())
@@ -490,7 +495,7 @@ def from_logs_report() -> None:
         lines += [f"![curves]({fig.name})", ""]
         (OUT / study / "tables.md").write_text("\n".join(lines))
         print(OUT / study / "tables.md")
-    for study in STUDIES:  # a study that reuses another's runs has its own protocol report
+    for study in [*STUDIES, *GLANCE_REPORTS]:  # a study that reuses another's runs has its own protocol report
         glance = _glance(study)
         if glance is not None:
             print(glance)
