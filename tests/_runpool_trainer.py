@@ -18,12 +18,13 @@ def _log(cfg, val: float, status: str = "done") -> None:
 
 
 def quadratic(cfg, progress=False):
-    """val/loss = 5 + log2(lr / 0.01)^2 / 10 + seed / 1000; records when it ran in ``<out>/when.json``."""
+    """val/loss = 5 + log2(lr / 0.01)^2 / 10 + seed / 1000; records when it ran, its process and its GPUs in ``<out>/when.json``."""
     start = time.time()
     time.sleep(float(os.environ.get("RUNPOOL_TEST_SLEEP", "0")))
     lr = cfg.optim.overrides["attention"]["lr"]
     _log(cfg, 5.0 + math.log2(lr / 0.01) ** 2 / 10 + cfg.run.seed / 1000)
-    (cfg.out_path / "when.json").write_text(json.dumps([start, time.time(), os.getpid()]))
+    when = [start, time.time(), os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES")]
+    (cfg.out_path / "when.json").write_text(json.dumps(when))
 
 
 def broken(cfg, progress=False):

@@ -38,7 +38,7 @@ def trainer_env(monkeypatch):
 
 
 def _when(path) -> tuple[float, float, int]:
-    return tuple(json.loads((Path(path) / "when.json").read_text()))
+    return tuple(json.loads((Path(path) / "when.json").read_text())[:3])
 
 
 def test_runs_side_by_side_give_the_runs_and_choices_of_one_at_a_time(tmp_path, trainer_env, monkeypatch):
@@ -65,7 +65,8 @@ def test_runs_side_by_side_give_the_runs_and_choices_of_one_at_a_time(tmp_path, 
                 mine = json.loads(Path(path, "log.jsonl").read_text().splitlines()[0])
                 theirs = json.loads(Path(arm_one.runs[mult][seed], "log.jsonl").read_text().splitlines()[0])
                 assert mine == theirs
-    spans = [_when(p) for arm in two for seeds in arm.runs.values() for p in seeds.values()]
+    paths = [p for arm in two for seeds in arm.runs.values() for p in seeds.values()]
+    spans = [_when(p) for p in paths]
     assert len({pid for *_, pid in spans}) == len(spans)  # each run in a process of its own
     assert os.getpid() not in {pid for *_, pid in spans}
     events = sorted([(s, 1) for s, _, _ in spans] + [(e, -1) for _, e, _ in spans])
@@ -126,3 +127,35 @@ def test_bad_settings_are_refused_by_name(tmp_path):
     assert done.returncode != 0 and "--jobs: runs side by side are for learning-rate sweeps" in done.stderr
     done = subprocess.run([*cmd[:-1], "0"], capture_output=True, text=True)
     assert done.returncode != 0 and "expected a positive integer, got '0'" in done.stderr
+
+
+def test_runs_are_spread_over_the_gpus_each_seeing_one(tmp_path, trainer_env):
+    (config, _) = _configs(tmp_path)
+    with RunPool(2, trainer="_runpool_trainer:quadratic", devices=["3", "5"]) as pool:
+        for k in range(4):
+            sets = {
+                "run.name": f"a-{k}",
+                "run.out_dir": str(tmp_path / str(k)),
+                "optim.overrides": {"attention": {"lr": 0.01}},
+            }
+            pool.submit(k, config, sets)
+        while len(pool):
+            pool.wait()
+    runs = [json.loads((tmp_path / str(k) / "when.json").read_text()) for k in range(4)]
+    assert sorted(r[3] for r in runs) == ["3", "3", "5", "5"]
+    for a in runs:  # runs that overlapped in time saw different GPUs
+        for b in runs:
+            if a is not b and a[0] < b[1] and b[0] < a[1]:
+                assert a[3] != b[3]
+
+
+def test_the_gpus_a_pool_spreads_over(monkeypatch):
+    from equiopt.study.runpool import _visible_gpus
+
+    assert _visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 7"}) == ["2", "7"]
+    assert _visible_gpus({"CUDA_VISIBLE_DEVICES": "4"}) is None and _visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert RunPool(2).devices == ["0", "1"] and RunPool(1).devices == []
+    assert RunPool(2, devices=None).devices == []
+    with pytest.raises(ValueError, match="devices must be 'auto', None or a list of GPU ids"):
+        RunPool(2, devices="cuda")

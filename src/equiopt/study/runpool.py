@@ -13,7 +13,8 @@ highest-priority waiting run whenever a slot is free:
 - ``jobs > 1``: each run in a process of its own, ``python -m equiopt.study.runpool``, which imports
   the trainer named by ``trainer`` (``"module:function"``). The run's output is kept in a temporary
   file and shown only when the run fails; a failure stops the pool, ends the runs still going, and
-  raises :class:`RunFailed` naming the run with the end of its output.
+  raises :class:`RunFailed` naming the run with the end of its output. On a machine with several
+  GPUs the runs are spread over them, each run seeing one (``devices``).
 
 :meth:`RunPool.wait` returns the keys of the runs that finished since the last call, so a caller can
 queue runs that depend on them (a sweep queues an arm's evaluation runs once its tuning runs are
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,10 @@ class RunPool:
             side never do: their bars would interleave).
         env: extra environment variables for the runs' processes. Unless given here or already
             set, ``OMP_NUM_THREADS`` is the machine's cores divided among the jobs.
+        devices: with ``jobs > 1``, the GPUs the runs are spread over: each run sees one of them
+            (``CUDA_VISIBLE_DEVICES``), the one with the fewest runs of the pool on it. ``"auto"``:
+            the GPUs this process sees, when it sees two or more (one GPU, or none: every run sees
+            what this process sees).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class RunPool:
         trainer: str = DEFAULT_TRAINER,
         progress: bool = True,
         env: dict[str, str] | None = None,
+        devices: Sequence[str] | str | None = "auto",
     ):
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
             raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
@@ -104,6 +110,12 @@ class RunPool:
         if "OMP_NUM_THREADS" not in self.env and jobs > 1:
             self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
         self.env.update(env or {})
+        if devices == "auto":
+            devices = _visible_gpus(self.env) if jobs > 1 else None
+        elif isinstance(devices, str):
+            raise ValueError(f"devices must be 'auto', None or a list of GPU ids, got {devices!r}")
+        self.devices = [str(d) for d in devices] if devices else []
+        self._device_of: dict[subprocess.Popen, str] = {}
         self._queue: list[tuple[Any, int, Hashable, str, dict]] = []
         self._order = itertools.count()
         self._running: dict[subprocess.Popen, tuple[Hashable, str, Any]] = {}
@@ -150,19 +162,27 @@ class RunPool:
                 raise RunFailed(f"run {name} exited with code {proc.returncode}; the end of its output:\n{tail}")
             output.close()
             self.seconds[key] = time.perf_counter() - self._started.pop(proc)
+            self._device_of.pop(proc, None)
             keys.append(key)
         return keys
 
     def _start(self, key: Hashable, config: str, sets: dict) -> None:
         output = tempfile.TemporaryFile()
         job = json.dumps({"config": config, "sets": sets, "trainer": self.trainer})
+        env, device = self.env, None
+        if self.devices:
+            busy = list(self._device_of.values())
+            device = min(self.devices, key=busy.count)
+            env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
         proc = subprocess.Popen(
             [sys.executable, "-m", "equiopt.study.runpool", job],
             stdout=output,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env,
+            env=env,
         )
+        if device is not None:
+            self._device_of[proc] = device
         self._running[proc] = (key, sets.get("run.name", config), output)
         self._started[proc] = time.perf_counter()
 
@@ -181,6 +201,7 @@ class RunPool:
             output.close()
         self._running.clear()
         self._started.clear()
+        self._device_of.clear()
 
     def __enter__(self) -> RunPool:
         if self.jobs > 1 and _main_thread():
@@ -197,6 +218,18 @@ class RunPool:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
                 del self._previous
+
+
+def _visible_gpus(env: dict[str, str]) -> list[str] | None:
+    """The GPUs a process started with ``env`` sees, when there are two or more."""
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [d.strip() for d in listed.split(",") if d.strip()]
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    return ids if len(ids) > 1 else None
 
 
 def _main_thread() -> bool:
