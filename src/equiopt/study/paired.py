@@ -225,11 +225,12 @@ class RunProgress:
         runs overlap (the line shows it; the estimate still scales the time between runs done)."""
         now = self.clock()
         self.count += 1
-        if not reused:
+        if reused:
+            what = f"reused: {name} (already finished)"
+        else:
             self.times.append(now - self.mark)
+            what = f"done: {name} ({_duration(self.times[-1] if seconds is None else seconds)})"
         self.mark = now
-        took = _duration(self.times[-1] if seconds is None else seconds) if not reused else ""
-        what = f"reused: {name} (already finished)" if reused else f"done: {name} ({took})"
         left = self.left()
         tail = "" if left is None or self.count >= self.total else f"; ~{_duration(left)} left"
         line = f"[{self.count}/{self.total} runs] {what}{tail}"

@@ -47,10 +47,16 @@ class RunFailed(RuntimeError):
     """A run of a :class:`RunPool` ended with an error (its name and the end of its output)."""
 
 
-def _import(trainer: str) -> Callable[..., Any]:
-    module, sep, name = trainer.partition(":")
+def _split_trainer(trainer: str) -> tuple[str, str]:
+    """``"module:function"`` as its two parts, or a ValueError naming ``trainer``."""
+    module, sep, name = trainer.partition(":") if isinstance(trainer, str) else ("", "", "")
     if not sep or not module or not name:
         raise ValueError(f"trainer must be 'module:function', got {trainer!r}")
+    return module, name
+
+
+def _import(trainer: str) -> Callable[..., Any]:
+    module, name = _split_trainer(trainer)
     return getattr(importlib.import_module(module), name)
 
 
@@ -102,9 +108,7 @@ class RunPool:
                 "process imports (trainer='module:function')"
             )
         if jobs > 1:
-            _, sep, _ = trainer.partition(":")
-            if not sep:
-                raise ValueError(f"trainer must be 'module:function', got {trainer!r}")
+            _split_trainer(trainer)
         self.jobs, self.train_fn, self.trainer, self.progress = jobs, train_fn, trainer, progress
         self.env = dict(os.environ)
         if "OMP_NUM_THREADS" not in self.env and jobs > 1:
