@@ -357,7 +357,7 @@ def _verdict_colour(verdict: str) -> str:
 # studies drawn at a glance from a report of another name than protocol-report.json (a protocol
 # that took over from another in the same folder); the GPU-scale study's configs and runs come
 # from scripts/gpu_study.sh, not from this script
-GLANCE_REPORTS = {"qwen3_gpu": "protocol-wider-report.json", "gemma3_b_wider": "protocol-wide-report.json"}
+GLANCE_REPORTS = {"qwen3_gpu": "protocol-wider-report.json", "gemma3_b_wider": "protocol-widest-report.json"}
 
 
 def _glance(study: str) -> Path | None:
