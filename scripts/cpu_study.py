@@ -355,9 +355,14 @@ def _verdict_colour(verdict: str) -> str:
 
 
 # studies drawn at a glance from a report of another name than protocol-report.json (a protocol
-# that took over from another in the same folder); the GPU-scale study's configs and runs come
+# that took over from another in the same folder), or from a folder without configs of its own (a
+# protocol over another study's configs and runs); the GPU-scale study's configs and runs come
 # from scripts/gpu_study.sh, not from this script
-GLANCE_REPORTS = {"qwen3_gpu": "protocol-wider-report.json", "gemma3_b_wider": "protocol-widest-report.json"}
+GLANCE_REPORTS = {
+    "qwen3_gpu": "protocol-wider-report.json",
+    "gemma3_b_wider": "protocol-widest-report.json",
+    "gpt_oss_wider": "protocol-report.json",
+}
 
 
 def _glance(study: str) -> Path | None:
