@@ -1,5 +1,6 @@
 """Runs side by side (RunPool, ``equiopt compare --jobs``): the same runs and choices as one at a
-time, at most ``jobs`` at once, evaluation only after the arm's tuning, clear failures."""
+time, at most ``jobs`` at once, evaluation only after the arm's tuning and behind every arm's tuning,
+clear failures."""
 
 import json
 import os
@@ -79,6 +80,9 @@ def test_runs_side_by_side_give_the_runs_and_choices_of_one_at_a_time(tmp_path, 
         best = next(m for m, s in arm.runs.items() if 10 in s)
         tuned = max(_when(arm.runs[m][0])[1] for m in MULTS)
         assert _when(arm.runs[best][10])[0] >= tuned
+    tuning = [_when(arm.runs[m][0]) for arm in two for m in MULTS]
+    evaluation = [_when(arm.runs[m][10]) for arm in two for m in MULTS if 10 in arm.runs[m]]
+    assert max(s for s, *_ in tuning) <= min(s for s, *_ in evaluation)  # every arm's tuning goes first
 
 
 def test_a_failed_run_stops_the_pool_and_names_itself(tmp_path, trainer_env):

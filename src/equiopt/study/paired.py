@@ -365,8 +365,10 @@ def sweep(
 
     ``jobs`` runs train at once (:class:`~equiopt.study.runpool.RunPool`): with 1, one after
     another in this process through ``train_fn``; with more, each in a process of its own through
-    ``trainer`` (``"module:function"``, default :func:`equiopt.train.loop.train`), and an arm's
-    evaluation runs start as soon as its own tuning runs are done. Either way every run trains as
+    ``trainer`` (``"module:function"``, default :func:`equiopt.train.loop.train`); an arm's
+    evaluation runs are queued once its own tuning runs are done, behind every tuning run still
+    waiting, so an arm chosen at an edge of its grid shows before any evaluation run is spent on
+    it. Either way every run trains as
     it would alone, so the runs, the choices and the report are the same.
     """
     from ..train.config import load_config
@@ -414,7 +416,7 @@ def sweep(
             return
         if phase == 0:
             waiting[i] += 1
-        pool.submit((i, phase, run_sets["run.name"]), arm.config, run_sets, priority=(i, phase))
+        pool.submit((i, phase, run_sets["run.name"]), arm.config, run_sets, priority=(phase, i))
 
     def evaluate(i: int) -> None:
         """Queue arm ``i``'s evaluation runs at its chosen multiplier (its tuning runs are all done)."""
