@@ -204,14 +204,16 @@ CURVES = {
 def _run_dirs(study: str) -> list[Path]:
     """The study's finished runs; for a learning-rate sweep only each arm's chosen multiplier
     (and for a protocol's sweep only its evaluation seeds)."""
-    logs = OUT / study / "logs"
+    logs = OUT / _source(study) / "logs"
     sweep = OUT / study / "sweep.json"
-    protocol = OUT / study / "protocol-report.json"
+    protocol = OUT / study / GLANCE_REPORTS.get(study, "protocol-report.json")
+    if study in TAKEN_OVER and not protocol.exists():
+        return []  # its runs are the other study's until its own report chose among them
     if protocol.exists():
         from equiopt.study.paired import mult_tag
 
         report = json.loads(protocol.read_text())
-        family, names = STUDIES[study]
+        family, names = STUDIES[_source(study)]
         dirs = []
         for entry in names:
             name = entry.partition("=")[0]
@@ -250,9 +252,9 @@ def _tables(study: str, dirs: list[Path]) -> list[str]:
     from equiopt.study.compare_table import compare_rows
 
     lines = []
-    for metric in METRICS[study]:
+    for metric in METRICS[_source(study)]:
         lines += _section(study, f"`{metric}` at the last validation", compare_rows(dirs, metric=metric), metric)
-    for metric in RUN_MEAN.get(study, []):
+    for metric in RUN_MEAN.get(_source(study), []):
         rows = [_over_run(r, metric) for r in compare_rows(dirs, metric=metric)]
         lines += _section(study, f"`{metric}`, mean over each run's validations (steps 50, 100, 150)", rows, metric)
     return lines
@@ -263,18 +265,28 @@ def _section(study: str, title: str, rows, metric: str) -> list[str]:
     the study that was run."""
     from equiopt.study.paired import paired_rows, paired_table
 
-    family, names = STUDIES[study]
+    family, names = STUDIES[_source(study)]
     lines = [f"### {title}", "", "| arm | seeds | mean ± std | per seed |", "|---|---|---|---|"]
     for r in rows:
         per = ", ".join(f"{sd}: {_fmt(v)}" for sd, v in zip(r.seeds, r.values))
         lines.append(f"| {r.label} | {len(r.values)} | {_fmt(r.mean)} ± {_fmt(r.std)} | {per} |")
     lines.append("")
     labels = {r.label for r in rows}
-    for arm, base in PAIRS.get(study) or [(None, f"{family}-{names[0].partition('=')[0]}")]:
-        if not any(base in label for label in labels) or (arm is not None and arm not in labels):
+    for arm, base in PAIRS.get(_source(study)) or [(None, f"{family}-{names[0].partition('=')[0]}")]:
+        base = _label_of(base, labels)
+        if base is None or (arm is not None and arm not in labels):
             continue  # an arm of the study that was not run
         lines += [paired_table([p for p in paired_rows(rows, base, metric) if arm is None or p.label == arm]), ""]
     return lines
+
+
+def _label_of(name: str, labels: set[str]) -> str | None:
+    """The label of arm ``name``'s runs among ``labels``: the name itself, or the name with a
+    sweep's ``-lrx<m>`` tag (``qwen3-pe-lrx1``, not ``qwen3-pe-scaled-lrx1``); None if not run."""
+    if name in labels:
+        return name
+    found = [label for label in labels if re.fullmatch(re.escape(name) + r"-lrx[0-9.e+-]+", label)]
+    return found[0] if len(found) == 1 else None
 
 
 def _over_run(row, metric: str):
@@ -312,7 +324,7 @@ def _curves(study: str, dirs: list[Path]) -> Path:
     from equiopt.study.plots import _mpl, read_run
 
     Figure = _mpl()[0]
-    keys = CURVES[study]
+    keys = CURVES[_source(study)]
     runs = [read_run(d) for d in dirs]
     by_arm: dict[str, list] = {}
     for run in runs:
@@ -363,6 +375,14 @@ GLANCE_REPORTS = {
     "gemma3_b_wider": "protocol-widest-report.json",
     "gpt_oss_wider": "protocol-report.json",
 }
+# protocols that took over a study's configs and runs on a wider grid: a tables.md and curves.png of
+# their own, from their report's choices, with the metrics and arms of the study whose runs they reuse
+TAKEN_OVER = {"gemma3_b_wider": "gemma3_b", "gpt_oss_wider": "gpt_oss"}
+
+
+def _source(study: str) -> str:
+    """The study whose arms, metrics and run directories ``study`` uses (itself, or the one it took over)."""
+    return TAKEN_OVER.get(study, study)
 
 
 def _glance(study: str) -> Path | None:
@@ -480,8 +500,8 @@ def from_logs_report() -> None:
             family, names = STUDIES[study]
             sweep_report(_sweep_arms(study), f"{family}-{names[0]}", out=OUT / study / "sweep.md", command=command)
             print(OUT / study / "sweep.md")
-    for study in STUDIES:
-        logs = OUT / study / "logs"
+    for study in dict.fromkeys([*STUDIES, *TAKEN_OVER]):
+        logs = OUT / _source(study) / "logs"
         if not logs.exists():
             continue
         dirs = _run_dirs(study)
@@ -501,7 +521,8 @@ def from_logs_report() -> None:
         lines += [f"![curves]({fig.name})", ""]
         (OUT / study / "tables.md").write_text("\n".join(lines))
         print(OUT / study / "tables.md")
-    for study in [*STUDIES, *GLANCE_REPORTS]:  # a study that reuses another's runs has its own protocol report
+    # a study that reuses another's runs has its own protocol report
+    for study in dict.fromkeys([*STUDIES, *GLANCE_REPORTS]):
         glance = _glance(study)
         if glance is not None:
             print(glance)

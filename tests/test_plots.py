@@ -398,3 +398,45 @@ def test_study_glance_draws_arms_and_claims_from_the_report_and_logs(tmp_path, m
     assert cpu_study._verdict_colour(verdict((-0.001, 0.001), "not_higher", 0.01)) == "tab:green"
     assert cpu_study._verdict_colour(verdict((0.02, 0.03), "not_higher", 0.01)) == "tab:red"
     assert cpu_study._verdict_colour(verdict((-0.02, 0.03), "not_higher", 0.01)) == "tab:gray"
+
+
+def test_study_tables_of_a_wider_grid_read_its_own_report_over_the_runs_it_took_over(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    cpu_study = _cpu_study(monkeypatch, tmp_path)
+    for name, value in {
+        "STUDIES": {"toy": ("toy", ["pe", "pe-scaled"])},
+        "TAKEN_OVER": {"toy_wider": "toy"},
+        "GLANCE_REPORTS": {"toy_wider": "protocol-wider-report.json"},
+        "METRICS": {"toy": ["val/loss"]},
+        "RUN_MEAN": {},
+        "PAIRS": {},
+        "CURVES": {"toy": ["val/loss"]},
+        "SWEEPS": {},
+    }.items():
+        monkeypatch.setattr(cpu_study, name, value)
+    logs = tmp_path / "results" / "study" / "toy" / "logs"
+    vals = {("pe", 1): 5.0, ("pe", 2): 4.0, ("pe-scaled", 1): 4.5}
+    for (arm, mult), v in vals.items():
+        for seed in (10, 11):
+            losses = [v + 1.0, v + seed / 1000] if arm == "pe" else [v + 1.0, v + 0.003 * (seed - 9)]
+            lr = 0.01 * mult * (1.3 if arm == "pe-scaled" else 1.0)  # a configuration per arm and lr
+            make_run(logs, f"{arm}/lrx{mult}-s{seed}", name=f"toy-{arm}-lrx{mult}-s{seed}", seed=seed,
+                     val_losses=losses, lr=lr)  # fmt: skip
+    # without its own report, the wider grid has no runs of its own yet
+    assert cpu_study._run_dirs("toy_wider") == []
+    report = {"chosen": {"toy-pe": 2.0, "toy-pe-scaled": 1.0}, "evaluation_seeds": [10, 11]}
+    (tmp_path / "results" / "study" / "toy_wider").mkdir(parents=True)
+    (tmp_path / "results" / "study" / "toy_wider" / "protocol-wider-report.json").write_text(json.dumps(report))
+    dirs = cpu_study._run_dirs("toy_wider")
+    assert [d.relative_to(logs).as_posix() for d in dirs] == [
+        "pe/lrx2-s10", "pe/lrx2-s11", "pe-scaled/lrx1-s10", "pe-scaled/lrx1-s11",
+    ]  # fmt: skip
+    text = "\n".join(cpu_study._tables("toy_wider", dirs))
+    # the baseline is toy-pe at its chosen lr, not toy-pe-scaled, whose name begins the same way
+    assert "vs toy-pe-lrx2 " in text
+    assert "| toy-pe-scaled-lrx1 | 2 | +0.4940 |" in text  # ((4.503 - 4.010) + (4.506 - 4.011)) / 2
+    # a study's baseline among the labels: exact, or with a sweep's lr tag; never a longer name
+    labels = {"toy-pe-lrx1", "toy-pe-scaled-lrx1"}
+    assert cpu_study._label_of("toy-pe", labels) == "toy-pe-lrx1"
+    assert cpu_study._label_of("toy-pe-scaled-lrx1", labels) == "toy-pe-scaled-lrx1"
+    assert cpu_study._label_of("toy-quintic", labels) is None
