@@ -367,14 +367,9 @@ def _verdict_colour(verdict: str) -> str:
 
 
 # studies drawn at a glance from a report of another name than protocol-report.json (a protocol
-# that took over from another in the same folder), or from a folder without configs of its own (a
-# protocol over another study's configs and runs); the GPU-scale study's configs and runs come
+# that took over from another in the same folder); the GPU-scale study's configs and runs come
 # from scripts/gpu_study.sh, not from this script
-GLANCE_REPORTS = {
-    "qwen3_gpu": "protocol-wider-report.json",
-    "gemma3_b_wider": "protocol-widest-report.json",
-    "gpt_oss_wider": "protocol-report.json",
-}
+GLANCE_REPORTS = {"qwen3_gpu": "protocol-wider-report.json", "gemma3_b_wider": "protocol-widest-report.json"}
 # protocols that took over a study's configs and runs on a wider grid: a tables.md and curves.png of
 # their own, from their report's choices, with the metrics and arms of the study whose runs they reuse
 TAKEN_OVER = {"gemma3_b_wider": "gemma3_b", "gpt_oss_wider": "gpt_oss"}
@@ -522,7 +517,7 @@ def from_logs_report() -> None:
         (OUT / study / "tables.md").write_text("\n".join(lines))
         print(OUT / study / "tables.md")
     # a study that reuses another's runs has its own protocol report
-    for study in dict.fromkeys([*STUDIES, *GLANCE_REPORTS]):
+    for study in dict.fromkeys([*STUDIES, *TAKEN_OVER, *GLANCE_REPORTS]):
         glance = _glance(study)
         if glance is not None:
             print(glance)

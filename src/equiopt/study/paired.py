@@ -368,8 +368,8 @@ def sweep(
     ``trainer`` (``"module:function"``, default :func:`equiopt.train.loop.train`); an arm's
     evaluation runs are queued once its own tuning runs are done, behind every tuning run still
     waiting, so an arm chosen at an edge of its grid shows before any evaluation run is spent on
-    it. Either way every run trains as
-    it would alone, so the runs, the choices and the report are the same.
+    it. Either way every run trains as it would alone, so the runs, the choices and the report
+    are the same.
     """
     from ..train.config import load_config
     from .runpool import DEFAULT_TRAINER, RunPool
