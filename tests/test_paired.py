@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from equiopt.study.paired import paired_rows, paired_table, sweep, sweep_report, t_quantile
+from equiopt.study.paired import (
+    decided_verdict,
+    is_decided,
+    paired_rows,
+    paired_table,
+    sign_flip_p,
+    sweep,
+    sweep_report,
+    t_quantile,
+)
+from equiopt.study.protocol import verdict
 
 
 def write_run(
@@ -36,6 +46,50 @@ def test_t_quantiles_match_tables():
     assert abs(t_quantile(0.025, 4) + 2.7764) < 1e-3
 
 
+def test_sign_flip_p_matches_hand_counts():
+    # five differences of one sign: only all + and all - are as extreme, 2 of 32 assignments
+    assert sign_flip_p([1, 2, 3, 4, 5]) == pytest.approx(0.0625)
+    assert sign_flip_p([-0.07, -0.06, -0.08, -0.05, -0.07]) == pytest.approx(0.0625)
+    # [1, -2, 3, 4, 5]: sum 11 of 15; as extreme when the flipped magnitudes sum to <= 2: {}, {1}, {2}
+    # on each side, 6 of 32
+    assert sign_flip_p([1, -2, 3, 4, 5]) == pytest.approx(6 / 32)
+    # [-1, 2, 3]: sum 4 of 6; {} and {1} on each side, 4 of 8
+    assert sign_flip_p([-1, 2, 3]) == pytest.approx(0.5)
+    # [3, -3, 1, 1]: sum 2 of 8; every assignment with |sum| >= 2, counted by enumeration below
+    import itertools
+
+    d = [3, -3, 1, 1]
+    count = sum(abs(sum(s * abs(x) for s, x in zip(signs, d))) >= 2 for signs in itertools.product((1, -1), repeat=4))
+    assert count == 12 and sign_flip_p(d) == pytest.approx(12 / 16)
+    assert sign_flip_p([0.0, 0.0, 0.0]) == 1.0  # no difference at all
+    assert sign_flip_p([]) is None and sign_flip_p([1.0, float("nan")]) is None
+    # seven pairs of one sign can go below 0.05: 2 / 128
+    assert sign_flip_p([0.1, 0.2, 0.1, 0.3, 0.2, 0.1, 0.2]) == pytest.approx(2 / 128)
+    # beyond 20 pairs: sampled, near the exact floor 2 / 2**22
+    assert sign_flip_p([1.0] * 22) < 1e-4
+
+
+def test_a_verdict_is_decided_only_where_the_interval_and_the_exact_test_agree():
+    ci = (0.0575, 0.0797)  # excludes 0 by far: Qwen3 (a)(i) - (iii) at 150 steps
+    interval = verdict(ci, "lower")
+    assert interval == "reverses"
+    # five seeds, all of one sign: p = 0.0625 >= 0.05, so not decided
+    text = decided_verdict(interval, sign_flip_p([0.064, 0.056, 0.079, 0.071, 0.073]), 5)
+    assert text == "not decided: interval on the other side of 0 (normal theory); exact test cannot decide at n = 5"
+    assert not is_decided(text)
+    assert decided_verdict("reproduces", 0.0625, 5).startswith("not decided: interval on the paper's side of 0")
+    assert decided_verdict("differs", 0.0625, 5).startswith("not decided: interval excludes 0")
+    # enough seeds to go below the level, but a mixed sign keeps p above it
+    mixed = decided_verdict("reverses", 0.1875, 8)
+    assert mixed.endswith("exact test does not decide (sign-flip p = 0.1875)") and not is_decided(mixed)
+    # both agree: decided
+    assert decided_verdict("reverses", 2 / 128, 7) == "reverses" and is_decided("reverses")
+    assert decided_verdict("reverses", 0.03, 7, level=0.01).startswith("not decided")  # a protocol's own level
+    # verdicts that claim no difference are left as they are
+    for v in ("inconclusive at this scale", "equivalent (within +-0.01)", "no harm (below +0.005)"):
+        assert decided_verdict(v, 0.5, 5) == v and not is_decided(v)
+
+
 def test_paired_differences_ci_and_sign_counts(tmp_path):
     base = [5.00, 5.10, 4.95, 5.05]
     arm = [4.90, 5.02, 4.97, 4.96]  # better on 3 of 4 seeds
@@ -54,8 +108,11 @@ def test_paired_differences_ci_and_sign_counts(tmp_path):
     assert r.mean == pytest.approx(mean)
     assert r.ci[0] == pytest.approx(mean - half, abs=1e-4) and r.ci[1] == pytest.approx(mean + half, abs=1e-4)
     assert (r.better, r.worse) == (3, 1)
+    # diffs -0.10, -0.08, +0.02, -0.09: as extreme as |sum| 0.25 when flipping 0.02 alone or nothing, 4 of 16
+    assert r.sign_flip_p == pytest.approx(4 / 16)
     table = paired_table(rows)
     assert "3 of 4" in table and f"{mean:+.4f}" in table and "0: -0.1000" in table
+    assert "exact sign-flip p" in table and "| 0.2500 |" in table
     with pytest.raises(ValueError, match="baseline"):
         paired_rows([tmp_path], baseline="sgd")
 

@@ -98,6 +98,7 @@ def test_protocol_is_parsed_hashed_and_checked(tmp_path):
         (lambda t: t.replace('direction = "lower"', 'direction = "down"'), "claims\\[0\\], field 'direction'"),
         (lambda t: t + "[extra]\n", "unknown section"),
         (lambda t: t.replace("[analysis]\n", "[analysis]\nhypothesis = 1\n"), "unknown field\\(s\\) hypothesis"),
+        (lambda t: t.replace("[analysis]\n", "[analysis]\nlevel = 5\n"), "field 'level'"),
         (lambda t: t.replace('"base.toml"', '"missing.toml"').replace("base.toml", "missing.toml"), "does not exist"),
     ],
 )
@@ -136,10 +137,14 @@ def test_compare_runs_a_protocols_sweep_and_reports_hash_and_verdicts(tmp_path, 
     sha = hashlib.sha256(p.read_bytes()).hexdigest()
     assert f"SHA-256 `{sha}`" in text and "Question: Does arm beat base?" in text
     assert "Tuning seeds: 100; evaluation seeds: 0, 1, 2" in text
-    assert "| arm vs base: arm is lower | 3.1 vs 3.2 | -0.0500 [" in text and "| reproduces |" in text
+    assert "| arm vs base: arm is lower | 3.1 vs 3.2 | -0.0500 [" in text
+    # the interval lies below 0, but with 3 seeds the exact sign-flip p is at least 2 / 8: not decided
+    undecided = "not decided: interval on the paper's side of 0 (normal theory); exact test cannot decide at n = 3"
+    assert f"| 0.2500 | {undecided} |" in text and "exact sign-flip p is below 0.05" in text
     data = json.loads(report.with_suffix(".json").read_text())
     assert data["protocol"]["sha256"] == sha and data["evaluation_seeds"] == [0, 1, 2]
-    assert data["verdicts"][0]["verdict"] == "reproduces" and data["paired"][0]["seeds"] == [0, 1, 2]
+    assert data["verdicts"][0]["interval_verdict"] == "reproduces" and data["verdicts"][0]["verdict"] == undecided
+    assert data["verdicts"][0]["sign_flip_p"] == pytest.approx(0.25) and data["paired"][0]["seeds"] == [0, 1, 2]
     # the protocol fixes what it runs: flags that would change it are refused
     with pytest.raises(SystemExit, match="the protocol fixes --seeds"):
         cli.main(["compare", "--protocol", str(p), "--seeds", "5"])
@@ -225,7 +230,8 @@ def test_per_config_grids_and_claims_against_another_arm(tmp_path, monkeypatch):
     ]
     assert [n for n in trained if n.startswith("base-") and n.endswith("s100")] == ["base-lrx1-s100"]
     text = report.read_text()
-    assert "| other vs arm: other beats arm | - | +0.0700 [" in text and "| reverses |" in text
+    assert "| other vs arm: other beats arm | - | +0.0700 [" in text
+    assert "| not decided: interval on the other side of 0 (normal theory); exact test cannot decide at n = 3 |" in text
     p.write_text(p.read_text().replace(f'grids = {{ "{configs[1]}"', 'grids = { "elsewhere.toml"'))
     with pytest.raises(ValueError, match="'elsewhere.toml' is not one of \\[study\\] configs"):
         load_protocol(p)

@@ -7,8 +7,18 @@ tools answer both:
     For every configuration against a named baseline, the per-seed differences
     ``value(arm, seed) - value(baseline, seed)`` over the seeds both ran (same seed =
     same initialisation and data order, so the differences cancel the shared noise), their
-    mean, a 95 % Student-t confidence interval ``mean +- t_{0.975, n-1} s / sqrt(n)`` and how
-    many seeds agree in sign (the arm is better on ``k`` of ``n`` seeds).
+    mean, a 95 % Student-t confidence interval ``mean +- t_{0.975, n-1} s / sqrt(n)``, how
+    many seeds agree in sign (the arm is better on ``k`` of ``n`` seeds) and the two-sided
+    exact sign-flip p over all ``2**n`` sign assignments of the differences
+    (:func:`~equiopt.study.stats.sign_flip_p`; at least ``2 / 2**n``, 0.0625 for five seeds).
+
+:func:`decided_verdict`
+    A verdict that says a difference exists ("reproduces", "reverses", "differs") is
+    *decided* only where the interval excludes 0 and the sign-flip p is below the level
+    (0.05 unless a protocol says otherwise): the interval rests on normality, the sign-flip
+    test only on the pairing. With five seeds the test cannot go below 0.0625, so no
+    five-seed verdict is decided; it reads "not decided: interval on the other side of 0
+    (normal theory); exact test cannot decide at n = 5".
 
 :func:`sweep` / :func:`sweep_report`
     Each arm (a run config) is trained at every multiplier of a learning-rate grid (the
@@ -46,11 +56,15 @@ from pathlib import Path
 from typing import Any
 
 from .compare_table import HIGHER_IS_BETTER, CompareRow, compare_rows, paired_differences
-from .stats import paired_interval, t_cdf, t_quantile
+from .stats import paired_interval, sign_flip_floor, sign_flip_p, t_cdf, t_quantile
 
 __all__ = [
     "t_cdf",
     "t_quantile",
+    "sign_flip_p",
+    "LEVEL",
+    "decided_verdict",
+    "is_decided",
     "PairedRow",
     "paired_rows",
     "paired_table",
@@ -64,6 +78,39 @@ __all__ = [
 
 
 # ------------------------------------------------------------ paired compare
+#: The level the exact sign-flip p must fall below for a verdict to be decided, unless a protocol sets its own.
+LEVEL = 0.05
+#: Interval verdicts that say a difference from 0 exists (and so need the exact test to agree).
+_DIFFERENCE = {"reproduces": "on the paper's side of 0", "reverses": "on the other side of 0", "differs": "excludes 0"}
+
+
+def decided_verdict(interval_verdict: str, p: float | None, n: int, level: float = LEVEL) -> str:
+    """``interval_verdict`` (from :func:`~equiopt.study.protocol.verdict`) where the exact
+    sign-flip p agrees, else why not.
+
+    A verdict that a difference exists ("reproduces", "reverses", "differs") stands only
+    where the sign-flip ``p`` of the ``n`` paired differences is below ``level``; otherwise
+    it becomes "not decided: interval on the other side of 0 (normal theory); exact test
+    cannot decide at n = 5" (when ``2 / 2**n >= level``, no data could decide it) or "...;
+    exact test does not decide (sign-flip p = 0.19)". Verdicts about margins or no
+    difference ("equivalent", "no harm", "harms", "inconclusive") are returned as they are.
+    """
+    where = _DIFFERENCE.get(interval_verdict)
+    if where is None or (p is not None and p < level):
+        return interval_verdict
+    floor = sign_flip_floor(n)
+    if floor is None or floor >= level:
+        why = f"exact test cannot decide at n = {n}"
+    else:
+        why = "exact test does not decide (sign-flip p " + ("unknown" if p is None else f"= {p:.4g}") + ")"
+    return f"not decided: interval {where} (normal theory); {why}"
+
+
+def is_decided(verdict_text: str) -> bool:
+    """Whether a verdict from :func:`decided_verdict` says a difference exists and both tests agree."""
+    return verdict_text in _DIFFERENCE
+
+
 @dataclass
 class PairedRow:
     """An arm against the baseline over the seeds both have a finite value for.
@@ -71,7 +118,8 @@ class PairedRow:
     ``diffs[i] = values[i] - baseline_values[i]`` for ``seeds[i]``; ``ci`` is the 95 %
     Student-t interval of the mean difference (``None`` below two seeds); ``better`` counts
     the seeds on which the arm beats the baseline (lower, or higher for
-    :data:`HIGHER_IS_BETTER` metrics), ``worse`` those on which it loses.
+    :data:`HIGHER_IS_BETTER` metrics), ``worse`` those on which it loses; ``sign_flip_p`` is
+    the two-sided exact sign-flip p of the differences (None without any).
     """
 
     label: str
@@ -89,6 +137,7 @@ class PairedRow:
     unpaired: list[Any] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     baseline_paths: list[str] = field(default_factory=list)
+    sign_flip_p: float | None = None
 
     @property
     def n(self) -> int:
@@ -118,7 +167,22 @@ def _pair(row: CompareRow, base: CompareRow, metric: str) -> PairedRow:
     better = sum(1 for d in diffs if (d > 0 if higher else d < 0))
     worse = sum(1 for d in diffs if (d < 0 if higher else d > 0))
     return PairedRow(
-        row.label, base.label, metric, seeds, vals, bvals, diffs, mean, std, ci, better, worse, unpaired, paths, bpaths
+        row.label,
+        base.label,
+        metric,
+        seeds,
+        vals,
+        bvals,
+        diffs,
+        mean,
+        std,
+        ci,
+        better,
+        worse,
+        unpaired,
+        paths,
+        bpaths,
+        sign_flip_p=sign_flip_p(diffs),
     )
 
 
@@ -143,9 +207,14 @@ def _f(v: float | None, digits: int, sign: bool = False) -> str:
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
+def _p(p: float | None) -> str:
+    """A p value as the table shows it: four decimals, or '-' without one."""
+    return "-" if p is None else f"{p:.4f}"
+
+
 def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
-    """Markdown: one line per arm with the mean paired difference, its 95 % CI, the sign
-    count and every seed's difference."""
+    """Markdown: one line per arm with the mean paired difference, its 95 % CI, the exact
+    sign-flip p, the sign count and every seed's difference."""
     if not rows:
         return "(no configuration besides the baseline)"
     metric, base = rows[0].metric, rows[0].baseline
@@ -155,6 +224,7 @@ def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
         "paired seeds",
         f"mean diff in {metric} vs {base}",
         "95 % CI (Student t)",
+        "exact sign-flip p",
         f"seeds {better} than baseline",
         "per-seed diff (seed: diff)",
     ]
@@ -167,7 +237,15 @@ def paired_table(rows: Sequence[PairedRow], digits: int = 4) -> str:
         lines.append(
             "| "
             + " | ".join(
-                [r.label.replace("|", "\\|"), str(r.n), _f(r.mean, digits, True), ci, f"{r.better} of {r.n}", per]
+                [
+                    r.label.replace("|", "\\|"),
+                    str(r.n),
+                    _f(r.mean, digits, True),
+                    ci,
+                    _p(r.sign_flip_p),
+                    f"{r.better} of {r.n}",
+                    per,
+                ]
             )
             + " |"
         )

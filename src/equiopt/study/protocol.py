@@ -25,6 +25,7 @@ changed after the results came in::
     [analysis]
     statistic = "paired difference arm - baseline over the evaluation seeds, 95 % Student-t interval"
     decision = "reproduces / reverses when the interval excludes 0 on the paper's / the other side"
+    level = 0.05                       # the exact sign-flip p must be below it too (default 0.05)
 
     [[claims]]                         # one per claim of the paper the study tests
     arm = "qwen3-a-i"
@@ -35,7 +36,9 @@ changed after the results came in::
 
 Each claim gets a verdict from the paired interval of its arm against its baseline:
 ``reproduces`` when the interval lies on the paper's side of 0, ``reverses`` when it lies on
-the other, ``inconclusive at this scale`` otherwise (and with one seed). A claim of no
+the other, ``inconclusive at this scale`` otherwise (and with one seed). A verdict that a
+difference exists stands only where the exact paired sign-flip p is below the analysis'
+``level`` too (:func:`~equiopt.study.paired.decided_verdict`); with five seeds it cannot be. A claim of no
 difference (``direction = "equal"`` with a ``margin``) is ``equivalent`` when the interval
 lies inside ``[-margin, margin]``, ``differs`` when it excludes 0, ``inconclusive`` otherwise.
 A claim of no harm (``direction = "not_higher"`` with a ``margin``: the arm is not worse than
@@ -64,7 +67,7 @@ _SECTIONS = {
     "study": {"name", "question", "configs", "baseline", "metric", "set", "budget"},
     "tuning": {"multipliers", "grids", "roles", "seeds"},
     "evaluation": {"seeds", "tuned_on"},
-    "analysis": {"statistic", "decision"},
+    "analysis": {"statistic", "decision", "level"},
 }
 
 
@@ -100,6 +103,7 @@ class Protocol:
     decision: str
     claims: list[Claim] = field(default_factory=list)
     budget: str = ""
+    level: float = 0.05  # the exact sign-flip p must be below it for a verdict to be decided
 
     @property
     def sweeps(self) -> bool:
@@ -128,7 +132,7 @@ class Protocol:
         """One record per claim: the paper's number, ours (the paired difference of the
         claim's arm and baseline over their common seeds, with its 95 % interval), the verdict.
         ``rows``: the comparison's :class:`~equiopt.study.compare_table.CompareRow` per arm."""
-        from .paired import paired_rows
+        from .paired import decided_verdict, paired_rows
 
         out = []
         for claim in self.claims:
@@ -139,6 +143,7 @@ class Protocol:
                 pairs = []
             match = [p for p in pairs if p.label == claim.arm] or [p for p in pairs if claim.arm in p.label]
             pair = match[0] if len(match) == 1 else None
+            interval = "not run" if pair is None else verdict(pair.ci, claim.direction, claim.margin)
             out.append(
                 {
                     "arm": claim.arm,
@@ -149,7 +154,11 @@ class Protocol:
                     "mean": None if pair is None else pair.mean,
                     "ci": None if pair is None else pair.ci,
                     "n": 0 if pair is None else pair.n,
-                    "verdict": "not run" if pair is None else verdict(pair.ci, claim.direction, claim.margin),
+                    "sign_flip_p": None if pair is None else pair.sign_flip_p,
+                    "interval_verdict": interval,
+                    "verdict": interval
+                    if pair is None
+                    else decided_verdict(interval, pair.sign_flip_p, pair.n, self.level),
                 }
             )
         return out
@@ -161,8 +170,11 @@ class Protocol:
         lines = [
             "## Claims",
             "",
-            f"| claim | paper | ours: mean diff in {self.metric} [95 % CI], seeds | verdict |",
-            "|---|---|---|---|",
+            f"A verdict is decided only where the 95 % interval excludes 0 and the exact sign-flip p is below "
+            f"{self.level:g} (with n seeds that p cannot go below 2 / 2^n, 0.0625 for five).",
+            "",
+            f"| claim | paper | ours: mean diff in {self.metric} [95 % CI], seeds | exact sign-flip p | verdict |",
+            "|---|---|---|---|---|",
         ]
         for v in self.verdicts(rows):
             if v["mean"] is None:
@@ -172,7 +184,10 @@ class Protocol:
             else:
                 lo, hi = v["ci"]
                 ours = f"{v['mean']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}], {v['n']} seeds"
-            lines.append(f"| {v['arm']} vs {v['baseline']}: {v['says']} | {v['paper']} | {ours} | {v['verdict']} |")
+            p = "-" if v["sign_flip_p"] is None else f"{v['sign_flip_p']:.4f}"
+            lines.append(
+                f"| {v['arm']} vs {v['baseline']}: {v['says']} | {v['paper']} | {ours} | {p} | {v['verdict']} |"
+            )
         return lines
 
 
@@ -352,6 +367,9 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
             )
         )
     analysis = doc.get("analysis", {})
+    level = analysis.get("level", 0.05)
+    if not isinstance(level, (int, float)) or isinstance(level, bool) or not 0 < level < 1:
+        raise ValueError(f"{where}, [analysis], field 'level': expected a number in (0, 1), got {level!r}")
     return Protocol(
         path=str(path),
         sha256=hashlib.sha256(data).hexdigest(),
@@ -373,4 +391,5 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
         decision=_text(analysis, "decision", f"{where}, [analysis]", required=False),
         claims=claims,
         budget=_text(study, "budget", f"{where}, [study]", required=False),
+        level=float(level),
     )
