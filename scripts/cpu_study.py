@@ -2,7 +2,7 @@
 final-logit study (results/study/README.md).
 
     python scripts/cpu_study.py configs [--steps 150]   # write results/study/<study>/configs/*.toml
-    python scripts/cpu_study.py report                  # tables and figures from the run logs
+    python scripts/cpu_study.py report                  # tables, protocol reports and figures from the run logs
 
 The configs are the shipped CPU-scale configs (configs/cpu/...) with fewer steps (the
 schedule's decay fraction is kept), no checkpoints and no TensorBoard, and their run
@@ -352,10 +352,13 @@ def _curves(study: str, dirs: list[Path]) -> Path:
 
 
 DOCS_IMG = ROOT / "docs" / "img"
-# a verdict's colour: what the claim said held, the opposite held, or neither
+# a verdict's colour: what the claim said held, the opposite held, the interval alone points one way
+# (normal theory; the exact sign-flip test does not decide: pale), or neither
 _VERDICT_COLOURS = (
     (("reproduces", "equivalent", "no harm"), "tab:green"),
     (("reverses", "differs", "harms"), "tab:red"),
+    (("not decided: interval on the paper's side",), "yellowgreen"),
+    (("not decided: interval on the other side", "not decided: interval excludes 0"), "lightcoral"),
 )
 
 
@@ -429,7 +432,11 @@ def _glance(study: str) -> Path | None:
     claims.set_yticklabels([f"{c['arm']} - {c['baseline']} ({c['direction']})" for c in rows], fontsize=7)
     claims.invert_yaxis()
     claims.set_xlabel(f"paired difference of final {data['metric']} (arm - baseline)")
-    claims.set_title("claims: seeds, mean, 95 % interval; green held, red the opposite, grey neither", fontsize=9)
+    claims.set_title(
+        "claims: seeds, mean, 95 % interval; green held, red the opposite (pale: the interval only,\n"
+        "the exact sign-flip test does not decide), grey neither",
+        fontsize=8,
+    )
     claims.grid(True, axis="x", alpha=0.3)
     fig.suptitle(f"{study}: protocol {data['protocol']['name']}, arms tuned on seed 0", fontsize=10)
     fig.tight_layout()
@@ -482,14 +489,74 @@ def _sweep_arms(study: str):
     return arms
 
 
+# protocols whose reports `report` rewrites from their runs' logs (a sweep's report: the grid, best
+# against best, the claims with the exact sign-flip p); every run must have finished, none is trained
+PROTOCOL_REPORTS = [
+    "qwen3_a_heldout/protocol.toml",
+    "peers/protocol.toml",
+    "gemma3_b/protocol.toml",
+    "gemma3_b_wider/protocol-widest.toml",
+    "gpt_oss/protocol.toml",
+    "gpt_oss_wider/protocol.toml",
+    "normuon_hidden_wider/protocol.toml",
+    "muon_iteration/protocol.toml",
+]
+
+
+def _refuse_training(cfg, progress=False):
+    raise RuntimeError(f"run {cfg.run.name} has not finished: `cpu_study.py report` trains nothing")
+
+
+def rewrite_protocol_report(rel: str) -> Path | None:
+    """Rewrite ``results/study/<rel>``'s report (``<protocol>-report.md``, its ``.json`` and figures)
+    from the finished runs' logs, with the command its last run recorded; None if it has no report yet.
+
+    Raises:
+        RuntimeError: a run the protocol needs has not finished (nothing is trained).
+    """
+    from equiopt.cli import _baseline_label, _parse_sets, _toml_value
+    from equiopt.study.paired import sweep, sweep_report
+    from equiopt.study.protocol import load_protocol
+
+    path = OUT / rel
+    report = path.with_name(path.stem + "-report.md")
+    if not report.exists():
+        return None
+    protocol = load_protocol(path.relative_to(ROOT).as_posix())
+    found = re.search(r"```bash\n(equiopt compare [^\n]*)\n```", report.read_text())
+    command = (
+        found.group(1) if found else f"equiopt compare --protocol {protocol.path} --report {report.relative_to(ROOT)}"
+    )
+    sets = _parse_sets([f"{k}={_toml_value(v)}" for k, v in protocol.sets.items()])
+    arms = sweep(
+        protocol.configs,
+        protocol.multipliers,
+        protocol.eval_seeds,
+        roles=protocol.roles,
+        sets=sets,
+        train_fn=_refuse_training,
+        progress=False,
+        tune_seeds=protocol.tune_seeds,
+        metric=protocol.metric,
+    )
+    baseline = _baseline_label(protocol.baseline, protocol.configs, arms)
+    sweep_report(arms, baseline, protocol.metric, out=report.relative_to(ROOT), command=command, protocol=protocol)
+    return report
+
+
 def from_logs_report() -> None:
     """results/study/<study>/tables.md and curves.png for every study whose runs have
-    finished; for a tuned study first its sweep report (sweep.md, sweep.json, figures)."""
+    finished; for a tuned study first its sweep report (sweep.md, sweep.json, figures); the
+    protocol reports of :data:`PROTOCOL_REPORTS` rewritten from their logs (nothing is trained)."""
     import os
 
     from equiopt.study.paired import sweep_report
 
     os.chdir(ROOT)  # run directories are named relative to the repository root
+    for rel in PROTOCOL_REPORTS:
+        written = rewrite_protocol_report(rel)
+        if written is not None:
+            print(written)
     for study, (_roles, command) in SWEEPS.items():
         if (OUT / study / "logs").exists():
             family, names = STUDIES[study]
