@@ -427,6 +427,7 @@ def sweep(
     allow_overlap: bool = False,
     jobs: int = 1,
     trainer: str | None = None,
+    hold=None,
 ) -> list[SweepArm]:
     """Train every config at every lr multiplier and tuning seed, then at its chosen
     multiplier on every evaluation seed (resumable, see the module docstring).
@@ -448,6 +449,10 @@ def sweep(
     waiting, so an arm chosen at an edge of its grid shows before any evaluation run is spent on
     it. Either way every run trains as it would alone, so the runs, the choices and the report
     are the same.
+
+    ``hold(arm, multiplier)``, when given, is asked once an arm's tuning runs are done and its
+    multiplier chosen; a true answer (the reason) starts none of its evaluation runs
+    (:func:`equiopt.study.guards.hidden_training_problem`).
     """
     from ..train.config import load_config
     from .runpool import DEFAULT_TRAINER, RunPool
@@ -499,6 +504,8 @@ def sweep(
     def evaluate(i: int) -> None:
         """Queue arm ``i``'s evaluation runs at its chosen multiplier (its tuning runs are all done)."""
         best, _ = _best(arms[i], metric)
+        if hold is not None and hold(arms[i], best):
+            return
         for seed in seeds:
             if seed not in arms[i].runs[best]:
                 run(i, best, seed, phase=1)

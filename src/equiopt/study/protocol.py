@@ -18,6 +18,11 @@ changed after the results came in::
     grids = { "configs/cpu/qwen3/a-i.toml" = [1, 2, 4] }   # per-config grids (optional)
     roles = ["embedding", "lm_head"]   # whose lrs are multiplied (default: all)
     seeds = [100, 101]                 # the grid's seeds
+    shared_because = "..."             # why one multiplier may serve roles whose optima may differ
+    min_hidden_rms_change = 0.1        # hidden weight RMS must move this much in a chosen tuning run
+    extend = 2                         # a value chosen at a grid's edge adds one beyond it, this often
+    hidden = { roles = ["attention", "mlp_in", "mlp_out"], multipliers = [0.5, 1, 2] }
+                                       # a second factor, tuned first (equiopt.study.twofactor)
 
     [evaluation]
     seeds = [0, 1, 2, 3, 4]            # disjoint from the tuning seeds
@@ -65,7 +70,16 @@ DIRECTIONS = ("lower", "higher", "equal", "not_higher")
 MARGINED = ("equal", "not_higher")  # directions that need a margin
 _SECTIONS = {
     "study": {"name", "question", "configs", "baseline", "metric", "set", "budget"},
-    "tuning": {"multipliers", "grids", "roles", "seeds"},
+    "tuning": {
+        "multipliers",
+        "grids",
+        "roles",
+        "seeds",
+        "shared_because",
+        "min_hidden_rms_change",
+        "extend",
+        "hidden",
+    },
     "evaluation": {"seeds", "tuned_on"},
     "analysis": {"statistic", "decision", "level"},
 }
@@ -103,6 +117,11 @@ class Protocol:
     decision: str
     claims: list[Claim] = field(default_factory=list)
     budget: str = ""
+    shared_because: str = ""  # why one multiplier may serve roles whose optima may differ
+    min_hidden_rms_change: float = 0.1  # see equiopt.study.guards.hidden_training_problem
+    extend: int = 0  # times a value chosen at a grid's edge adds one beyond it (two-factor tuning)
+    hidden: dict[str, Any] | None = None  # the second factor: roles, and a grid per config path
+    warnings: list[str] = field(default_factory=list)  # design problems, printed first in the report
     level: float = 0.05  # the exact sign-flip p must be below it for a verdict to be decided
 
     @property
@@ -118,8 +137,16 @@ class Protocol:
         lines = [
             f"Protocol: `{self.path}` (SHA-256 `{self.sha256}`), study **{self.name}**, committed before its runs.",
             "",
-            f"Question: {self.question}",
         ]
+        if self.warnings:
+            lines += [
+                "**Design warnings** (equiopt.study.guards; this protocol's runs were made before these checks, "
+                "which now refuse new runs of it):",
+                "",
+                *[f"- {w}" for w in self.warnings],
+                "",
+            ]
+        lines += [f"Question: {self.question}"]
         if self.budget:
             lines += ["", f"Budget: {self.budget}"]
         if self.statistic:
