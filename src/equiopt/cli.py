@@ -417,6 +417,9 @@ def _compare(args, argv) -> int:
         args.configs, args.baseline, args.metric = protocol.configs, protocol.baseline, protocol.metric
         args.seeds = protocol.eval_seeds
         sets = {**_parse_sets([f"{k}={_toml_value(v)}" for k, v in protocol.sets.items()]), **sets}
+        protocol = _guarded(protocol, sets)
+        if protocol.hidden is not None:
+            return _compare_two(args, sets, command, protocol)
         if protocol.sweeps:
             args.sweep_lr = protocol.multipliers
             args.sweep_roles = ",".join(protocol.roles) if protocol.roles else None
@@ -437,6 +440,9 @@ def _compare(args, argv) -> int:
             raise SystemExit(
                 "equiopt compare --tune-seeds: give the evaluation seeds too (--seeds), disjoint from them"
             )
+        from .study.guards import hold_untrained
+
+        held: dict[str, str] = {}
         try:
             arms = sweep(
                 args.configs,
@@ -449,7 +455,10 @@ def _compare(args, argv) -> int:
                 metric=args.metric,
                 allow_overlap=args.allow_seed_overlap,
                 jobs=args.jobs,
+                hold=None if protocol is None else hold_untrained(protocol, held),
             )
+            if held:
+                raise ValueError("held, no evaluation runs:\n- " + "\n- ".join(held.values()))
             baseline = _baseline_label(args.baseline, args.configs, arms)
             print(sweep_report(arms, baseline, args.metric, out=args.report, command=command, protocol=protocol))
         except (ValueError, RunFailed) as err:
@@ -466,6 +475,81 @@ def _compare(args, argv) -> int:
         )
     overlap = sorted(set(protocol.tune_seeds) & set(args.seeds)) if protocol is not None else []
     return _compare_fixed(args, sets, command, protocol, overlap)
+
+
+def _guarded(protocol, sets):
+    """The protocol, refused when its design has a problem (equiopt.study.guards) and a run would
+    start; when every run it needs has finished, the problems become the report's warnings."""
+    import dataclasses
+
+    from .study.guards import design_problems, runs_pending
+
+    try:
+        problems = design_problems(protocol, sets)
+        pending = bool(problems) and runs_pending(protocol, sets)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"equiopt compare: {err}") from None
+    if not problems:
+        return protocol
+    listed = "\n".join(f"- {p}" for p in problems)
+    if pending:
+        raise SystemExit(f"equiopt compare: {protocol.path}: refused before any run, its design misleads:\n{listed}")
+    print(
+        f"equiopt compare: {protocol.path}: design warnings (every run has finished; no new run):\n{listed}",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(protocol, warnings=problems)
+
+
+def _compare_two(args, sets, command, protocol) -> int:
+    """``equiopt compare --protocol`` with ``[tuning.hidden]``: two-factor tuning
+    (:mod:`equiopt.study.twofactor`), then the sweep report with both stages and the gap by step."""
+    from .study.paired import sweep_report
+    from .study.runpool import RunFailed
+    from .study.twofactor import gap_lines, hidden_lines, sweep_two
+
+    grids = (
+        protocol.multipliers
+        if isinstance(protocol.multipliers, dict)
+        else dict.fromkeys(protocol.configs, protocol.multipliers)
+    )
+    try:
+        arms = sweep_two(
+            protocol.configs,
+            grids,
+            protocol.roles,
+            protocol.hidden["roles"],
+            protocol.hidden["grids"],
+            protocol.eval_seeds,
+            protocol.tune_seeds,
+            sets=sets,
+            extend=protocol.extend,
+            min_hidden_rms_change=protocol.min_hidden_rms_change,
+            metric=protocol.metric,
+            jobs=args.jobs,
+            force=args.force,
+        )
+    except (ValueError, RunFailed) as err:
+        raise SystemExit(f"equiopt compare: {err}") from None
+    except KeyboardInterrupt:
+        print("equiopt compare: interrupted; finished runs are kept and skipped by the next call", file=sys.stderr)
+        return 130
+    extra = hidden_lines(arms, protocol.tune_seeds, protocol.metric)
+    held = [a.held for a in arms if a.held]
+    if held:
+        print("\n".join(extra))
+        raise SystemExit("equiopt compare: held, no evaluation runs:\n- " + "\n- ".join(held))
+    baseline = _baseline_label(protocol.baseline, protocol.configs, arms)
+    pairs = [(c.arm, c.baseline or baseline) for c in protocol.claims]
+    extra += gap_lines(arms, pairs, protocol.eval_seeds, protocol.metric)
+    sweeps = [a.sweep_arm(protocol.tune_seeds, protocol.eval_seeds) for a in arms]
+    text = sweep_report(sweeps, baseline, protocol.metric, out=args.report, command=command, protocol=protocol)
+    text += "\n" + "\n".join(extra)
+    if args.report:
+        Path(args.report).write_text(text + "\n")
+        print(f"report: {args.report}")
+    print(text)
+    return 0
 
 
 def _toml_value(value) -> str:

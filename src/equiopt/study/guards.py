@@ -233,3 +233,54 @@ def design_problems(protocol, sets: Mapping[str, Any] | None = None, root: str |
             protocol.hidden["roles"], protocol.shared_because, f"{protocol.path}, [tuning.hidden]"
         )
     return out
+
+
+def runs_pending(protocol, sets: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``equiopt compare --protocol`` would train a run: False only when every run the
+    protocol needs has finished (its report is being rebuilt from the logs)."""
+    from ..train.config import load_config
+    from .paired import SweepArm, _best, _done, mult_tag
+
+    if protocol.hidden is not None:
+        return True  # its later stages depend on its earlier ones: judged as pending
+    for config in protocol.configs:
+        cfg = load_config(config, dict(sets or {}))
+        if not protocol.sweeps:
+            seeds = protocol.eval_seeds
+            if not all(_done(Path(f"{cfg.out_path}-s{s}")) for s in seeds):
+                return True
+            continue
+        grid = protocol.multipliers[config] if isinstance(protocol.multipliers, dict) else protocol.multipliers
+        arm = SweepArm(cfg.run.name, config, {}, tune_seeds=list(protocol.tune_seeds))
+        for m in grid:
+            for s in protocol.tune_seeds:
+                out = cfg.out_path / f"{mult_tag(m)}-s{s}"
+                if not _done(out):
+                    return True
+                arm.runs.setdefault(m, {})[s] = str(out)
+        best, _ = _best(arm, protocol.metric)
+        if not all(_done(cfg.out_path / f"{mult_tag(best)}-s{s}") for s in protocol.eval_seeds):
+            return True
+    return False
+
+
+def hold_untrained(protocol, held: dict[str, str]):
+    """A ``hold`` for :func:`~equiopt.study.paired.sweep`: an arm whose hidden matrices barely
+    train in its chosen tuning runs gets no evaluation runs (its reason goes into ``held``),
+    unless they have all finished already (an old study's report: then nothing is held)."""
+    from .paired import _done, mult_tag
+
+    def hold(arm, mult) -> str | None:
+        tuned = [arm.runs[mult][s] for s in arm.tune_seeds if s in arm.runs[mult]]
+        if not tuned:
+            return None
+        where = Path(tuned[0]).parent
+        if all(_done(where / f"{mult_tag(mult)}-s{s}") for s in arm.eval_seeds):
+            return None
+        reason = hidden_training_problem(arm.label, tuned, protocol.min_hidden_rms_change)
+        if reason:
+            held[arm.label] = reason
+            print(f"held, no evaluation runs: {reason}", flush=True)
+        return reason
+
+    return hold
