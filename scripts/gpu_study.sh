@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU-scale study (results/study/qwen3_gpu/protocol-wider.toml, which took over from
-# protocol-wide.toml when HybridPolarGradM's tuning chose its grid's bottom edge, which took over
-# from protocol.toml when AdamW's chose its top edge), one chunk of at most 7 minutes.
+# The GPU-scale study, one chunk of at most 7 minutes: by default
+# results/study/qwen3_gpu_corrected/protocol.toml (the (a)(ii) arm as configured on the CPU, and
+# (a)(i) against (a)(iii) on 40 seeds; results/study/qwen3_gpu/README.md says why), which follows
+# results/study/qwen3_gpu/protocol-wider.toml (GPU_STUDY_PROTOCOL picks it or another).
 #
 # Each chunk runs `equiopt compare` on the protocol under a time limit: finished runs are
 # skipped, a run the limit interrupts starts again in the next chunk (the configs keep no
-# checkpoints). After the chunk the finished runs' directories (config and log) are packed into
+# checkpoints). After the chunk the finished runs' directories (config and log) under every
+# config's log directory (a protocol may reuse another study's runs) are packed into
 # $OUT/gpu-study-logs.tgz, with the report (the protocol's path, -report.md for .toml) once every
 # run is done; unpack it in the repository root on the CPU machine and commit, so the next chunk
 # skips them:
-#   tar xzf gpu-study-logs.tgz && git add results/study/qwen3_gpu && git commit
+#   tar xzf gpu-study-logs.tgz && git add results/study/qwen3_gpu results/study/qwen3_gpu_corrected && git commit
 #
 # Data (gitignored; made on the CPU machine, about 47 MB in all, carried to the device):
 #   equiopt data train-bpe --corpus poetry --vocab-size 4096 --out data/bpe4096.json
@@ -26,8 +28,7 @@
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-results/gpu/raw}
-PROTOCOL=${GPU_STUDY_PROTOCOL:-results/study/qwen3_gpu/protocol-wider.toml}
-STUDY=$(dirname "$PROTOCOL")
+PROTOCOL=${GPU_STUDY_PROTOCOL:-results/study/qwen3_gpu_corrected/protocol.toml}
 REPORT=${PROTOCOL%.toml}-report.md
 mkdir -p "$OUT"
 {
@@ -38,11 +39,15 @@ mkdir -p "$OUT"
 timeout --signal=TERM --kill-after=20 "${1:-420}" \
   python -m equiopt compare --protocol "$PROTOCOL" --report "$REPORT" --jobs "${GPU_STUDY_JOBS:-6}" >> "$OUT/gpu-study.txt" 2>&1
 echo "compare exit $? (124 when the time limit ended the chunk)" >> "$OUT/gpu-study.txt"
-python - "$STUDY" "$OUT/gpu-study-logs.tgz" "$REPORT" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
+python - "$PROTOCOL" "$OUT/gpu-study-logs.tgz" "$REPORT" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
 import json, sys, tarfile
 from pathlib import Path
 
-study, target, report = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+from equiopt.study.protocol import load_protocol
+from equiopt.train.config import load_config
+
+protocol, target, report = load_protocol(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+logs = sorted({load_config(c).out_path for c in protocol.configs})  # each arm's runs: <out_dir>/lrx<m>-s<seed>
 
 
 def finished(log: Path) -> bool:
@@ -53,7 +58,7 @@ def finished(log: Path) -> bool:
     return last.get("kind") == "end" and last.get("status") == "done"
 
 
-runs = sorted(d for d in (study / "logs").glob("*/*") if d.is_dir() and finished(d / "log.jsonl"))
+runs = sorted(d for log in logs for d in log.glob("*") if d.is_dir() and finished(d / "log.jsonl"))
 with tarfile.open(target, "w:gz") as tar:
     for d in runs:
         tar.add(d)
