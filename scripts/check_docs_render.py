@@ -11,6 +11,10 @@ table the ``fields_table`` hook inserts), then reads the HTML and reports text b
 - emphasis left as text: ``**``, a pair of backticks, ``_word_`` or ``*word*``;
 - a table row, ``| a | b |``.
 
+It also reads the source for one mistake the HTML cannot show: a bulleted list right after a
+numbered one (or the reverse), with nothing but blank lines between, which Python-Markdown
+renders as more items of the first list.
+
 Text inside ``<code>`` and ``<pre>`` is ignored. Each finding names the page and the
 source line it comes from (found by its words; ``?`` when the line cannot be found).
 
@@ -148,6 +152,41 @@ def _locate(sources: list[tuple[str, list[str]]], text: str) -> tuple[str, int |
     return sources[0][0], None
 
 
+BULLET = re.compile(r"^[-*+]\s+\S")
+NUMBERED = re.compile(r"^\d+[.)]\s+\S")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def check_source(page: str, source: str) -> list[Finding]:
+    """Top-level lists of the other kind that Python-Markdown joins to the list before them."""
+    findings: list[Finding] = []
+    kind = None  # the top-level list the lines are in: "bullet", "numbered" or None
+    fence = None
+    blank = True
+    for number, line in enumerate(source.splitlines(), 1):
+        match = FENCE.match(line)
+        if fence is not None:  # inside a fenced block: only its closing fence counts
+            fence = None if match and match.group(1) == fence else fence
+            continue
+        if match:
+            fence = match.group(1)
+            kind = kind if line.startswith((" ", "\t")) else None
+            continue
+        if not line.strip() or line.startswith((" ", "\t")):  # blank, or inside an item
+            blank = not line.strip()
+            continue
+        this = "bullet" if BULLET.match(line) else "numbered" if NUMBERED.match(line) else None
+        if this is not None and kind is not None and this != kind:
+            what = f"a {this} list joined to the {kind} list before it (put a sentence between)"
+            findings.append(Finding(page, number, what, line))
+        if this is not None:
+            kind = this
+        elif blank:  # a paragraph after a blank line ends the list; without one it continues an item
+            kind = None
+        blank = False
+    return findings
+
+
 def check_html(page: str, html_text: str, source: str | list[tuple[str, list[str]]]) -> list[Finding]:
     """What in a page's HTML is Markdown that did not render.
 
@@ -193,6 +232,7 @@ def check_pages(paths: list[Path] | None = None) -> list[Finding]:
         md.reset()
         html_text = md.convert(rendered)
         sources = _sources(path, text)
+        findings.extend(check_source(sources[0][0], text))
         findings.extend(check_html(sources[0][0], html_text, sources))
     return findings
 

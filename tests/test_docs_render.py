@@ -77,6 +77,17 @@ def test_literal_emphasis_is_found(check):
     ]
 
 
+def test_bullets_right_after_a_numbered_list_are_found(check):
+    text = "Steps:\n\n1. one\n2. two\n\n- a bullet\n- another\n"
+    assert [(f.line, f.what) for f in check.check_source("page.md", text)] == [
+        (6, "a bullet list joined to the numbered list before it (put a sentence between)")
+    ]
+    html = check._markdown().convert(text)
+    assert "<ul>" not in html  # the reason: Python-Markdown numbers the bullets on
+    assert check.check_source("page.md", text.replace("\n\n- a", "\n\nThen:\n\n- a")) == []
+    assert check.check_source("page.md", "- a\n  1. nested\n\n```\n1. code\n```\n- b\n") == []
+
+
 def test_code_blocks_are_ignored(check):
     text = "Text.\n\n```text\n- a\n| a | b |\n**x**\n```\n\n    - indented code\n"
     assert render(check, text) == []
