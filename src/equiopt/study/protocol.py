@@ -393,6 +393,16 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
                 float(margin),
             )
         )
+    shared_because = _text(tuning, "shared_because", f"{where}, [tuning]", required=False)
+    min_change = tuning.get("min_hidden_rms_change", 0.1)
+    if not isinstance(min_change, (int, float)) or isinstance(min_change, bool) or not 0 <= min_change < 1:
+        raise ValueError(
+            f"{where}, [tuning], field 'min_hidden_rms_change': expected a fraction in [0, 1), got {min_change!r}"
+        )
+    extend = tuning.get("extend", 0)
+    if not isinstance(extend, int) or isinstance(extend, bool) or extend < 0:
+        raise ValueError(f"{where}, [tuning], field 'extend': expected an integer >= 0, got {extend!r}")
+    hidden = _hidden(tuning.get("hidden"), configs, resolved, f"{where}, [tuning.hidden]")
     analysis = doc.get("analysis", {})
     level = analysis.get("level", 0.05)
     if not isinstance(level, (int, float)) or isinstance(level, bool) or not 0 < level < 1:
@@ -419,4 +429,46 @@ def load_protocol(path: str | Path, allow_overlap: bool = False) -> Protocol:
         claims=claims,
         budget=_text(study, "budget", f"{where}, [study]", required=False),
         level=float(level),
+        shared_because=shared_because,
+        min_hidden_rms_change=float(min_change),
+        extend=extend,
+        hidden=hidden,
     )
+
+
+def _grid(value: Any, where: str) -> list[float]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in value)
+    ):
+        raise ValueError(f"{where}: expected positive numbers, got {value!r}")
+    return [float(m) for m in value]
+
+
+def _hidden(table: Any, configs: list[str], resolved: list[str], where: str) -> dict[str, Any] | None:
+    """``[tuning.hidden]``: ``roles`` (default: the hidden matrices), ``multipliers`` and optional
+    per-config ``grids``, as ``{"roles": [...], "grids": {resolved config: [...]}}``."""
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a table with roles and multipliers, got {table!r}")
+    extra = set(table) - {"roles", "multipliers", "grids"}
+    if extra:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(extra))}; valid: grids, multipliers, roles")
+    from .guards import HIDDEN_ROLES
+
+    roles = table.get("roles", list(HIDDEN_ROLES))
+    if not isinstance(roles, list) or not roles or not all(isinstance(r, str) for r in roles):
+        raise ValueError(f"{where}, field 'roles': expected a list of role names, got {roles!r}")
+    default = _grid(table.get("multipliers"), f"{where}, field 'multipliers'")
+    grids = table.get("grids", {})
+    if not isinstance(grids, dict) or any(c not in configs for c in grids):
+        raise ValueError(f"{where}, field 'grids': expected a table of [study] configs, got {grids!r}")
+    return {
+        "roles": list(roles),
+        "grids": {
+            r: (_grid(grids[c], f"{where}, field 'grids': {c!r}") if c in grids else default)
+            for c, r in zip(configs, resolved)
+        },
+    }
