@@ -62,13 +62,14 @@ def main() -> None:
         ax.set_xticks(range(len(RECIPES)), [r.split(":", 1)[1] for r in RECIPES])
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()  # below the plots, clear of the bars
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(
         f"Optimizer step of a Qwen3 stack: GPU {gpu['device']} (torch {gpu['torch']}, Qwen3-0.6B, commit "
         f"{(gpu.get('commit') or '?')[:7]}); CPU {cpu.get('torch', '?')} (19.7 M parameters)",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(args.out)
     print(f"wrote {args.out}")
 
