@@ -2,8 +2,6 @@
 from bfloat16 products of split operands ("bfloat16x6"), the accuracy each keeps against
 float64, equivariance, the automatic choice, and the optimizer setting."""
 
-import types
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from equiopt.bench import _tall
 from equiopt.diagnostics.equivariance import check_equivariance
 from equiopt.linalg import inv_sqrt
 from equiopt.linalg import products as P
+from equiopt.linalg.device_choices import decide_as
 from equiopt.optim import EquivariantOptimizer
 
 
@@ -167,23 +166,26 @@ def test_split_products_keep_the_maps_equivariant():
     assert check_equivariance(router, "router", (2, 24, 96), dtype=torch.float32) < 1e-4
 
 
-def _like(shape, cuda, dtype=torch.float32):
-    return types.SimpleNamespace(shape=torch.Size(shape), is_cuda=cuda, dtype=dtype)
+def _precision(shape, cuda, gram_dtype, dtype=torch.float32):
+    """What ``gram_precision`` takes for a matrix of ``shape`` on CUDA or on a CPU (a meta
+    tensor deciding as either)."""
+    with decide_as("cuda" if cuda else "cpu"):
+        return maps.gram_precision(torch.empty(shape, dtype=dtype, device="meta"), gram_dtype)
 
 
 def test_auto_takes_split_products_on_cuda_for_wide_matrices_only(monkeypatch):
     monkeypatch.setattr(maps, "OUT_DTYPE_MM", True)
     big, small = (4096, maps.AUTO_SPLIT_MIN), (4096, maps.AUTO_SPLIT_MIN - 1)
-    assert maps.gram_precision(_like(big, True), "auto") == "bfloat16x6"
-    assert maps.gram_precision(_like(small, True), "auto") == "float32"
-    assert maps.gram_precision(_like(big, False), "auto") == "float32"
-    assert maps.gram_precision(_like(big, True, torch.float64), "auto") == "float32"
-    assert maps.gram_precision(_like(big, True), None) == "float32"
-    assert maps.gram_precision(_like(big, False), "bfloat16x6") == "bfloat16x6"
+    assert _precision(big, True, "auto") == "bfloat16x6"
+    assert _precision(small, True, "auto") == "float32"
+    assert _precision(big, False, "auto") == "float32"
+    assert _precision(big, True, "auto", torch.float64) == "float32"
+    assert _precision(big, True, None) == "float32"
+    assert _precision(big, False, "bfloat16x6") == "bfloat16x6"
     monkeypatch.setattr(maps, "OUT_DTYPE_MM", False)  # no fast product: strict float32 is faster
-    assert maps.gram_precision(_like(big, True), "auto") == "float32"
+    assert _precision(big, True, "auto") == "float32"
     with pytest.raises(ValueError, match="unknown gram_dtype 'tf32'"):
-        maps.gram_precision(_like(big, True), "tf32")
+        _precision(big, True, "tf32")
 
 
 def test_optimizer_split_setting_steps_as_float32_and_skips_nonfinite():

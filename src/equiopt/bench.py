@@ -24,6 +24,12 @@
     collectives of a waited step, and the share of it the overlap hides.
 (f) ``--ops``: the ATen operators one step dispatches, for each recipe and for torch's
     foreach AdamW and Muon, on the Qwen3-0.6B structure at 28 and 56 layers (tiny widths).
+(g) ``--roofline``: one step of each recipe counted on the meta device at real widths
+    (``--model``, default Qwen3-0.6B as the H100 figures measured it) and charged at an
+    H100's rates (:mod:`equiopt.roofline`), taking the choices the step takes on each of
+    ``--routes`` (default cuda): FLOPs by dtype, bytes moved, operators, estimated time
+    against fused AdamW and a forward+backward, peak memory beyond the state, and the
+    costliest operators.
 (b) Accuracy of the right-spectral map and its nuclear-norm estimate ``nu`` against
     float64, for condition numbers 1e1, 1e3, 1e5 and entry scales 1e-4 to 1, for the
     default oracle and for Algorithm 3 as the paper's code runs it (Frobenius
@@ -388,6 +394,25 @@ def ops(recipes) -> None:
         print(f"{label:34s} {cells[0]:>16s} {cells[1]:>16s}")
 
 
+def roofline(recipes, model: str | None, routes, gram_dtype: str | None, tokens: int, json_path: str | None) -> None:
+    """(g) Each recipe's step at an H100's roofline, counted on the meta device
+    (:mod:`equiopt.roofline`), once per route; the tables also to ``json_path``."""
+    from . import roofline as rl
+
+    tables = []
+    for i, route in enumerate(routes):
+        table = rl.roofline(recipes, model or rl.DEFAULT_MODEL, route, gram_dtype, tokens)
+        if i:
+            print()
+        rl.print_report(table)
+        tables.append(table)
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump({"torch": torch.__version__, "machine": rl.H100.__dict__, "tables": tables}, f, indent=1)
+
+
 def _slowest(seconds: float, device: torch.device) -> float:
     """The largest of every rank's ``seconds``: the slowest rank sets a step's time."""
     import torch.distributed as dist
@@ -643,10 +668,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--gram-dtype",
-        default="float32",
-        help="--stack: comma-separated gram_dtype values (float32, bfloat16) each recipe with Gram maps is timed at",
+        default=None,
+        help="--stack: comma-separated gram_dtype values (float32, bfloat16) each recipe with Gram maps is timed at "
+        "(default float32); --roofline: one gram_dtype set on every role that takes one (default: the recipes' own)",
     )
-    parser.add_argument("--json", default=None, help="--stack: also write its figures to this JSON file")
+    parser.add_argument("--json", default=None, help="--stack, --roofline: also write the figures to this JSON file")
     parser.add_argument(
         "--graphed", action="store_true", help="--stack: each recipe also through a CUDA graph (GraphedStep)"
     )
@@ -659,7 +685,10 @@ def main(argv=None) -> None:
     parser.add_argument("--divided", action="store_true", help="only the per-rank DDP table (1 vs 2 processes)")
     parser.add_argument("--worlds", default="1,2", help="process counts for --divided")
     parser.add_argument(
-        "--model", default=None, help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided / --overlap"
+        "--model",
+        default=None,
+        help="VOCABxHIDDEN: a 4-layer Qwen3-style model for --divided / --overlap / --roofline; --roofline also "
+        "takes an equiopt.models preset (qwen3:paper, the default), qwen3-0.6b, or a transformers config",
     )
     parser.add_argument(
         "--overlap", action="store_true", help="only the FSDP2 overlap table (waited vs overlapped exchanges)"
@@ -668,8 +697,24 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--ops", action="store_true", help="only the ATen operators per step on the Qwen3-0.6B structure"
     )
+    parser.add_argument(
+        "--roofline", action="store_true", help="only the roofline of one step counted on the meta device"
+    )
+    parser.add_argument("--routes", default="cuda", help="--roofline: comma-separated devices whose choices to take")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.roofline:
+        roofline(
+            args.recipes.split(",")
+            if args.recipes != ",".join(STACK_RECIPES)
+            else ["paper:qwen3:a-i", "paper:qwen3:b-ii", "equiopt:default"],
+            args.model,
+            args.routes.split(","),
+            args.gram_dtype,
+            (args.batch or 8) * (args.seq or 1024),
+            args.json,
+        )
+        return
     if args.ops:
         ops(
             args.recipes.split(",")
@@ -705,7 +750,7 @@ def main(argv=None) -> None:
             args.batch or 8,
             seq,
             comp,
-            args.gram_dtype.split(","),
+            (args.gram_dtype or "float32").split(","),
             args.structure,
             args.graphed,
         )

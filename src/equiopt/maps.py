@@ -34,6 +34,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .linalg import inv_sqrt, polar
+from .linalg.device_choices import decides_like
 from .linalg.products import OUT_DTYPE_MM, mm, split, split_gram, split_times
 
 EtaRule = str | Callable[[torch.Tensor], torch.Tensor]
@@ -160,7 +161,7 @@ def gram_precision(x: torch.Tensor, gram_dtype: str | None) -> str:
         return "float32"
     if gram_dtype == "auto":
         wide = min(x.shape[-2:]) >= AUTO_SPLIT_MIN
-        return "bfloat16x6" if x.is_cuda and OUT_DTYPE_MM and wide else "float32"
+        return "bfloat16x6" if decides_like(x) == "cuda" and OUT_DTYPE_MM and wide else "float32"
     return gram_dtype
 
 
@@ -195,7 +196,7 @@ def low_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = _as_3d(a.expand(*lead, *a.shape[-2:]))
     b3 = _as_3d(b.expand(*lead, *b.shape[-2:]))
-    if _OUT_DTYPE_MM and a.is_cuda:
+    if _OUT_DTYPE_MM and decides_like(a) == "cuda":
         out = torch.bmm(a3, b3, out_dtype=torch.float32)
     else:
         hi = torch.bmm(a3, b3)
@@ -297,7 +298,7 @@ def _row_norms(x: torch.Tensor) -> torch.Tensor:
     momentum update, a row reduction of it and a row-scaled write (``KeyError`` in its
     outer-loop fusion); the product keeps the reduction out of that fusion.
     """
-    if x.device.type == "cpu" and _compiling():
+    if decides_like(x) == "cpu" and _compiling():
         ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
         return ((x * x) @ ones).sqrt()
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
@@ -1013,7 +1014,7 @@ def row_blocks(x: torch.Tensor) -> list[tuple[int, int]]:
     """Row ranges ``[a, b)`` of ``x`` (``(..., m, n)``) in which an unformed first stage
     (:func:`hybrid_factored`) is taken: blocks of about :data:`STAGE_BLOCK_BYTES`."""
     m = x.shape[-2]
-    budget = STAGE_BLOCK_BYTES.get(x.device.type)
+    budget = STAGE_BLOCK_BYTES.get(decides_like(x))
     if budget is None or m == 0:
         return [(0, m)]
     per_row = max(1, x.numel() // m) * x.element_size()

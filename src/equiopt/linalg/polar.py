@@ -47,6 +47,7 @@ import contextlib
 import torch
 
 from .coefficients import MUON_NS_COEFFICIENTS, schedule
+from .device_choices import decides_like
 from .products import Bfloat16ProductsInFloat32
 
 POLAR_METHODS = ("polar_express", "newton_schulz", "newton_schulz_torch", "gram_newton_schulz", "exact")
@@ -86,7 +87,7 @@ def emulates_bfloat16(dtype: torch.dtype, device: torch.device) -> bool:
     float32 ones. The arithmetic is bfloat16 hardware's: a product of two bfloat16 values is
     exact in float32, the sums accumulate in float32 and the result is rounded once; only
     the order of the sums may differ, as between any two BLAS libraries."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and not CPU_BFLOAT16
+    return dtype == torch.bfloat16 and decides_like(device) == "cpu" and not CPU_BFLOAT16
 
 
 def bfloat16_products(device: torch.device) -> contextlib.AbstractContextManager:
@@ -123,7 +124,7 @@ def default_dtype(method: str, device: torch.device) -> torch.dtype:
     float32's rounding instead of bfloat16's."""
     if method == "gram_newton_schulz":
         return torch.float32
-    if method == "newton_schulz_torch" or device.type != "cpu" or CPU_BFLOAT16:
+    if method == "newton_schulz_torch" or decides_like(device) != "cpu" or CPU_BFLOAT16:
         return torch.bfloat16
     return torch.float32
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .device_choices import decides_like
+
 __all__ = [
     "mm",
     "split",
@@ -64,7 +66,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def wide_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of bfloat16 operands, accumulated and returned in float32."""
-    if a.is_cuda and OUT_DTYPE_MM and a.ndim == b.ndim and a.ndim in (2, 3):
+    if decides_like(a) == "cuda" and OUT_DTYPE_MM and a.ndim == b.ndim and a.ndim in (2, 3):
         if a.ndim == 2:
             return torch.mm(a, b, out_dtype=torch.float32)
         if a.shape[0] == b.shape[0]:
@@ -91,7 +93,7 @@ class Bfloat16ProductsInFloat32(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if func in _PRODUCTS and tensors and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+        if func in _PRODUCTS and tensors and all(t.dtype == torch.bfloat16 and decides_like(t) == "cpu" for t in tensors):
             wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
             return func(*wide, **kwargs).bfloat16()
         return func(*args, **kwargs)
