@@ -201,11 +201,14 @@ def test_plain_module_fused_gate_up_pairing_is_probed(interleave):
     assert table.row("wrapper.proj.weight").role == "matrix"
 
 
-def test_plain_module_on_meta_needs_an_explicit_rule():
+def test_plain_module_on_meta_pairing_from_the_dataflow_or_an_explicit_rule():
     with torch.device("meta"):
         model = PlainLM()
+    table = assign_roles(model)  # the forward on fake tensors shows which half feeds the activation
+    assert table.row("block.w_in.weight").layout == GateUp("concat")
+    assert table.row("block.w_in.weight").source == "dataflow"
     with pytest.raises(RoleInferenceError, match="block.w_in.weight.*meta"):
-        assign_roles(model)
+        assign_roles(model, dataflow=False)  # names and shapes alone cannot probe on meta
     table = assign_roles(model, rules={r"block\.w_in": ("mlp_in", "gate_up:concat"), r"block\.w_out": "mlp_out"})
     assert table.row("block.w_in.weight").layout == GateUp("concat")
     assert table.row("block.w_in.weight").reason == "explicit rule"

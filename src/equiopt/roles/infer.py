@@ -40,6 +40,8 @@ Conventions recognised:
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,6 +72,7 @@ def assign_roles(
     dims: Mapping[str, Any] | None = None,
     gate_up: str = "split",
     per_head: bool = True,
+    dataflow: bool = True,
 ) -> RoleTable:
     """One :class:`RoleRow` per trainable parameter of ``model``.
 
@@ -99,6 +102,8 @@ def assign_roles(
             ``kv_heads``, ``head_dim``, ``experts``, ``vocab``).
         gate_up: ``"split"`` or ``"paired"``, for fused gate/up tensors.
         per_head: per-head layouts for attention projections.
+        dataflow: decide roles from one forward on fake tensors (the default); False
+            decides from module structure, names, shapes and config alone.
 
     Returns:
         The :class:`RoleTable`: one row per trainable parameter, in the order of
@@ -116,7 +121,15 @@ def assign_roles(
     _check_model(model)
     table = _rule_table(rules)
     ctx = _Context(model, dims, gate_up == "split", per_head)
+    flow = _dataflow(model, gate_up == "split", per_head) if dataflow else None
     rows, notes = [], []
+    if flow is not None and flow.failed:
+        warnings.warn(
+            f"roles: the forward of {type(model).__name__} could not run on fake tensors ({flow.failed}); "
+            "roles come from module structure, names, shapes and config attributes",
+            stacklevel=2,
+        )
+        notes.append(f"roles from names and shapes: the forward could not be traced ({flow.failed})")
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
         for attr, p in module.named_parameters(recurse=False):
@@ -139,10 +152,14 @@ def assign_roles(
                         layout = Row() if p.ndim == 2 else None
                 if layout is not None:
                     layout.check(tuple(p.shape), name)
-                reason = "explicit rule"
+                reason, source = "explicit rule", "rule"
+            elif flow is not None and id(p) in flow.by_param:
+                role, layout, reason = _from_dataflow(ctx, flow.by_param[id(p)], name, mod_name, module, attr, p, notes)
+                source = "dataflow"
             else:
                 role, layout, reason = ctx.infer(mod_name, module, attr, p)
-            rows.append(RoleRow(name, tuple(p.shape), role, layout, reason, p))
+                source = "name"
+            rows.append(RoleRow(name, tuple(p.shape), role, layout, reason, p, source))
     hidden = _unregistered_modules(model)
     if hidden:
         notes.append(
@@ -151,7 +168,46 @@ def assign_roles(
         )
     if ctx.probed:
         notes.append("gate/up pairing found by probing the MLP's neuron-permutation symmetry: " + ", ".join(ctx.probed))
-    return RoleTable(rows, tied_embeddings=ctx.tied, notes=notes)
+    tied = ctx.tied or (flow is not None and flow.tied)
+    return RoleTable(rows, tied_embeddings=tied, notes=notes)
+
+
+def _from_dataflow(ctx, found, name, mod_name, module, attr, p, notes) -> _Decision:
+    """The dataflow's decision for one parameter, checked against what names and shapes
+    say (the dataflow wins; a disagreement becomes a note of the table)."""
+    if found.problem is not None:
+        raise ctx._fail(
+            name,
+            p.shape,
+            f"the forward shows it as {found.role!r}, but {found.problem}",
+            fix=f"Pass an explicit rule, e.g. assign_roles(model, rules={{{re.escape(name)!r}: "
+            f"{_suggested_rule(found.role, p)}}})",
+        )
+    try:
+        by_name = ctx.infer(mod_name, module, attr, p)
+    except RoleInferenceError:
+        by_name = None
+    if by_name is not None and (by_name.role, by_name.layout) != (found.role, found.layout):
+        notes.append(
+            f"{name}: names and shapes suggest {by_name.role!r} {by_name.layout!r}; "
+            f"the dataflow's {found.role!r} {found.layout!r} is used ({found.reason})"
+        )
+    return _Decision(found.role, found.layout, found.reason)
+
+
+def _suggested_rule(role: str, p: torch.Tensor) -> str:
+    """A ``rules=`` value that is right for ``role`` on a parameter of ``p``'s shape."""
+    if p.ndim == 3:
+        return repr((role, "experts:row"))
+    if p.ndim > 3:
+        return repr((role, "flatten:" + "x".join(map(str, p.shape[2:]))))
+    return repr((role, "row"))
+
+
+def _dataflow(model: nn.Module, split: bool, per_head: bool):
+    from .dataflow import findings
+
+    return findings(model, split=split, per_head=per_head)
 
 
 class _Context(_AttentionRoles, _MlpRoles):

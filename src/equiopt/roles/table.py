@@ -24,6 +24,9 @@ class RoleRow:
             for element-wise roles.
         reason: why it got this role, in words.
         param: the parameter itself.
+        source: where the role came from: ``"dataflow"`` (what the parameter does in the
+            model's forward), ``"name"`` (module structure, names, shapes and config) or
+            ``"rule"`` (an explicit ``rules=`` entry).
     """
 
     name: str
@@ -32,6 +35,7 @@ class RoleRow:
     layout: Layout | None
     reason: str
     param: torch.nn.Parameter = field(repr=False, compare=False)
+    source: str = field(default="name", compare=False)
 
     @property
     def work_shapes(self) -> list[tuple[int, ...]]:
@@ -97,7 +101,7 @@ class RoleTable(list):
         if recipe is not None:
             header += ["rule", "lr"]
         if reasons:
-            header.append("reason")
+            header += ["from", "reason"]
         lines = []
         for r in self:
             work = " + ".join("x".join(map(str, s)) for s in _merge(r.work_shapes))
@@ -111,7 +115,7 @@ class RoleTable(list):
                     rule += " centred"
                 cells += [rule, f"{settings['lr']:g}"]
             if reasons:
-                cells.append(r.reason)
+                cells += [r.source, r.reason]
             lines.append(cells)
         out = _columns(header, lines)
         counts = {role: sum(r.param.numel() for r in rows) for role, rows in self.by_role().items() if rows}
