@@ -6,7 +6,7 @@ The step runs on the meta device (real widths, no memory, no arithmetic) under a
 matrix products by the dtype of their operands, the bytes it reads (each distinct input
 tensor once, broadcast axes once) and writes (its outputs, or the arguments it mutates),
 and the Python function of equiopt that dispatched it (its *stage*). Each operator that
-runs a kernel (all but views and allocations) is charged
+runs a kernel (all but views, allocations and host-side records) is charged
 
     ``max(FLOPs / product rate of its dtype, bytes / memory bandwidth) + launch``
 
@@ -125,8 +125,21 @@ H100 = Machine(
 )
 
 _PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot"})
-# operators that allocate or alias without running a kernel
-_FREE = VIEW_OPS | frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+# operators that alias, allocate or run on the host only: no kernel
+_FREE = VIEW_OPS | frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "promote_types",
+        "result_type",
+        "_record_function_enter",
+        "_record_function_enter_new",
+        "_record_function_exit",
+    }
+)
 # operators whose first argument is written and not read
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_"})
 # mutable arguments (by position) an operator actually writes, where its schema marks more
@@ -260,7 +273,7 @@ class RooflineCounter(TorchDispatchMode):
 
     @property
     def kernels(self) -> int:
-        """Operators that run a kernel (all but views and allocations)."""
+        """Operators that run a kernel (all but views, allocations and host-side records)."""
         return sum(o.kernel for o in self.ops)
 
     @property

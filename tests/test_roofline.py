@@ -1,0 +1,127 @@
+"""The roofline counter (equiopt.roofline, ``bench --roofline``): FLOPs, bytes and peak
+memory of operators on the meta device against counts by hand, the device-choice switch,
+and the command."""
+
+import json
+
+import pytest
+import torch
+
+from equiopt import bench
+from equiopt.linalg.device_choices import decide_as, decides_like
+from equiopt.optim import EquivariantOptimizer
+from equiopt.roofline import H100, RooflineCounter, count_step, fused_adamw_step
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _only(counter, name):
+    (op,) = [o for o in counter.ops if o.name == name]
+    return op
+
+
+def test_elementwise_and_product_counts_by_hand():
+    n, (m, k, p) = 1000, (64, 32, 48)
+    x, y = _meta(n), _meta(n)
+    a, b = _meta(m, k, dtype=torch.bfloat16), _meta(k, p, dtype=torch.bfloat16)
+    row = _meta(1, n)
+    with RooflineCounter() as c:
+        x.add_(y)  # reads x and y, writes x
+        x.copy_(y)  # reads y only
+        x.lerp_(y, 0.5)
+        _meta(8, n).mul(row.expand(8, n))  # the broadcast row is read once
+        torch.mm(a, b)
+        torch.mm(a, b, out_dtype=torch.float32)
+        x.view(10, 100)
+    add, copy, lerp, mul = (_only(c, s) for s in ("add_", "copy_", "lerp_", "mul"))
+    assert (add.read, add.written) == (8 * n, 4 * n)
+    assert (copy.read, copy.written) == (4 * n, 4 * n)
+    assert (lerp.read, lerp.written) == (8 * n, 4 * n)
+    assert (mul.read, mul.written) == (4 * 9 * n, 4 * 8 * n)
+    mm, wide = [o for o in c.ops if o.name == "mm"]
+    assert mm.flops == wide.flops == 2 * m * k * p and mm.dtype == wide.dtype == torch.bfloat16
+    assert (mm.read, mm.written, wide.written) == (2 * (m * k + k * p), 2 * m * p, 4 * m * p)
+    assert mm.seconds == pytest.approx(max(2 * m * k * p / 700e12, mm.bytes / 2.8e12) + 5e-6)
+    assert add.seconds == pytest.approx(12 * n / H100.bandwidth + H100.launch_s)
+    assert c.kernels == 6 and len(c.ops) == 9  # an empty, an expand and a view: no kernel, no cost
+    assert c.flops_by_dtype() == {"bfloat16": 4 * m * k * p}
+
+
+def test_polar_express_products_of_one_matrix_by_formula():
+    """A spectral step of one m x n matrix (m <= n): five Polar Express steps, each
+    ``A = X X^T`` (2 m^2 n), ``B = b A + c A^2`` (2 m^3) and ``a X + B X`` (2 m^2 n), all
+    bfloat16 on CUDA; the momentum ``lerp_`` reads momentum and gradient and writes momentum."""
+    m, n = 64, 256
+    w = torch.nn.Parameter(_meta(m, n))
+    w.grad = torch.empty_like(w)
+    with decide_as("cuda"):
+        opt = EquivariantOptimizer(
+            [w], lr=1e-3, rule="spectral", method="polar_express", steps=5, nesterov=False, compile=False
+        )
+        c = count_step(opt.step)
+    assert c.flops_by_dtype() == {"bfloat16": 5 * (4 * m * m * n + 2 * m**3)}
+    lerp = _only(c, "lerp_")
+    assert lerp.written == 4 * m * n and lerp.read - 8 * m * n in (0, 4)  # (a 0-d weight tensor)
+
+
+def test_fused_adamw_reads_four_and_writes_three_tensors():
+    params = [_meta(100, 10), _meta(300)]
+    c = count_step(fused_adamw_step(params))
+    fused = _only(c, "_fused_adamw_")
+    assert fused.written == 3 * 4 * 1300 and fused.read == 4 * 4 * 1300 + 4 * 2  # and two step counters
+    assert c.kernels == 2
+
+
+def test_cuda_choices_make_split_products_bfloat16_products():
+    """``gram_dtype="auto"`` on a matrix of 512 and more: six (four for a Gram) bfloat16
+    products per float32 one on CUDA, strict float32 products on a CPU."""
+    w = torch.nn.Parameter(_meta(1024, 512))
+    w.grad = torch.empty_like(w)
+    found = {}
+    for route in ("cuda", "cpu"):
+        with decide_as(route):
+            opt = EquivariantOptimizer([w], lr=1e-3, rule="right", compile=False)
+            found[route] = count_step(opt.step).flops_by_dtype()
+    assert set(found["cuda"]) == {"bfloat16"} and set(found["cpu"]) == {"float32"}
+    assert 4 * found["cpu"]["float32"] < found["cuda"]["bfloat16"] <= 6 * found["cpu"]["float32"]
+
+
+def test_decide_as_applies_to_meta_tensors_only_and_restores():
+    assert decides_like(_meta(1)) == "meta"
+    with decide_as("cuda"):
+        assert decides_like(_meta(1)) == "cuda" and decides_like(torch.zeros(1)) == "cpu"
+        with decide_as("cpu"):
+            assert decides_like(torch.device("meta")) == "cpu"
+        assert decides_like(_meta(1)) == "cuda"
+    assert decides_like(_meta(1)) == "meta"
+
+
+def test_peak_counts_storages_alive_at_once_not_views():
+    a = _meta(1000)  # before: not counted
+    with RooflineCounter() as c:
+        b = a * 2  # 4,000 bytes
+        v = b.view(10, 100)  # a view: nothing new
+        d = v + 1  # 8,000 alive
+        del b  # v keeps b's storage
+        e = d * 3  # 12,000
+        del v  # b's storage goes
+        f = torch.cat([d, e])  # 4,000 + 4,000 + 8,000
+        del d, e, f
+        torch.empty(1000, device="meta")  # dies at once
+    assert c.peak_bytes == 16000
+
+
+def test_the_command_prints_and_writes_each_route(tmp_path, capsys):
+    out = tmp_path / "roofline.json"
+    bench.main(
+        ["--roofline", "--model", "512x64", "--recipes", "paper:qwen3:a-i", "--routes", "cuda,cpu", "--json", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert "cuda choices" in text and "cpu choices" in text and "paper:qwen3:a-i" in text
+    tables = json.loads(out.read_text())["tables"]
+    assert [t["route"] for t in tables] == ["cuda", "cpu"]
+    row = tables[0]["recipes"]["paper:qwen3:a-i"]
+    assert row["ms"] > tables[0]["adamw"]["ms"] > 0 and row["kernels"] > 0 and len(row["top"]) == 10
+    assert row["flops"]["bfloat16"] > 0 and row["peak_extra_mib"] > 0 and row["state_mib"] > 0
