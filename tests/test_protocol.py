@@ -11,6 +11,8 @@ from test_paired import write_run
 from equiopt.study.protocol import load_protocol, verdict
 
 CONFIG = '[run]\nname = "{name}"\nout_dir = "{out}"\n[model]\nfamily = "qwen3"\n[data]\ntrain = "nowhere"\n[optim]\nrecipe = "paper:qwen3:a-i"\n'
+# a warm-up within a tenth of the toy runs' 7 steps (equiopt.study.guards)
+CONFIG += 'overrides = {{ vector = {{ schedule = {{ kind = "constant" }} }} }}\n'
 
 
 def _configs(tmp_path, names=("base", "arm")):
