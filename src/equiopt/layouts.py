@@ -68,6 +68,7 @@ __all__ = [
     "Fused",
     "Experts",
     "Flatten",
+    "Unflatten",
     "Compose",
     "parse_layout",
     "stack_by_shape",
@@ -552,6 +553,45 @@ class Flatten(Layout):
 
 
 @dataclass(frozen=True, repr=False)
+class Unflatten(Layout):
+    """A flat ``(rows * cols,)`` tensor read as the ``(rows, cols)`` matrix it stores (a view):
+    e.g. a router kept 1-D as ``(experts * d,)`` that the model applies as ``weight.view(experts,
+    d)``; work rows are its ``rows`` (the experts)."""
+
+    rows: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", _positive_int(self.rows, "Unflatten rows"))
+
+    ndim = 1
+
+    def __repr__(self) -> str:
+        return f"Unflatten({self.rows})"
+
+    @property
+    def spec(self) -> str:
+        return f"unflatten:{self.rows}"
+
+    def _problem(self, shape):
+        if shape[-1] % self.rows:
+            return f"length {shape[-1]} is not divisible by {self.rows} rows"
+        return None
+
+    def _to_work(self, t):
+        return [t.unflatten(-1, (self.rows, t.shape[-1] // self.rows))]
+
+    def _from_work(self, work):
+        return work[0].flatten(-2, -1)
+
+    def _work_shapes(self, shape):
+        return [shape[:-1] + (self.rows, shape[-1] // self.rows)]
+
+    def _stored_shape(self, shapes):
+        s = shapes[0]
+        return s[:-2] + (s[-2] * s[-1],)
+
+
+@dataclass(frozen=True, repr=False)
 class Fused(Layout):
     """Blocks of possibly unequal sizes concatenated along ``axis``, each with its own layout.
 
@@ -729,6 +769,7 @@ SPEC_FORMS = """\
   gate_up[:concat|:interleave][:rows|:cols][:split|:paired]
                                 fused gate/up, e.g. gate_up:interleave:cols
   experts[:SPEC]                leading expert axis, e.g. experts:col (default experts:row)
+  unflatten:R                   a flat (R*C,) tensor as its (R, C) matrix (a 1-D router)
   flatten:K1xK2..[:groups=G]    trailing axes folded into the columns (a convolution weight):
                                 (m, c, K1, K2) -> (m, c*K1*K2); with groups: (G, m/G, c*K1*K2)
   fused:S1,S2,..[:SPEC|:SPEC1/SPEC2/..]
@@ -798,6 +839,8 @@ def _parse(s: str) -> Layout:
         return GateUp(**kwargs)
     if head == "experts":
         return Experts(_parse(rest) if rest else Row())
+    if head == "unflatten":
+        return Unflatten(int(rest))
     if head == "flatten":
         tail, _, option = rest.partition(":")
         groups = 1

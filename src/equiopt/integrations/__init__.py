@@ -10,6 +10,9 @@ Each submodule imports its trainer library only when used, so equiopt needs none
 - :mod:`equiopt.integrations.torchtitan`: ``config.optimizer = torchtitan.equiopt_config(recipe=...)``
   in a torchtitan ``Trainer.Config`` (a container that resolves the optimizer name
   ``"equiopt"``; roles of torchtitan's Llama 3, Qwen3, DeepSeek V3 and gpt-oss models).
+- :mod:`equiopt.integrations.olmo_core`: ``optim=olmo_core.EquioptConfig(recipe=...)`` in an
+  OLMo-core train module config (an ``OptimConfig`` registered as ``"equiopt"``; roles of
+  its dense and MoE transformers from their forward).
 - A plain loop (one process or ``torchrun`` with DDP / FSDP2) needs no adapter:
   ``optimizer, scheduler = equiopt.build_optimizer(ddp_model, recipe, total_steps)``;
   roles are those of the bare model, whatever wraps it.
@@ -17,7 +20,7 @@ Each submodule imports its trainer library only when used, so equiopt needs none
 Runnable scripts for each are in the repository's ``examples/`` folder.
 """
 
-__all__ = ["hf", "lightning", "torchtitan"]
+__all__ = ["hf", "lightning", "torchtitan", "olmo_core"]
 
 
 def __getattr__(name):

@@ -11,9 +11,19 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .decide import Finding, decide
-from .trace import Evidence, TraceFailed, trace_model
+from .trace import Evidence, TraceFailed, register_trace_forward, trace_model
 
-__all__ = ["Finding", "Evidence", "TraceFailed", "Findings", "findings", "trace_model", "decide", "bare_model"]
+__all__ = [
+    "Finding",
+    "Evidence",
+    "TraceFailed",
+    "Findings",
+    "findings",
+    "trace_model",
+    "decide",
+    "bare_model",
+    "register_trace_forward",
+]
 
 
 @dataclass
@@ -54,8 +64,21 @@ def _candidates(model: nn.Module):
             return
 
 
+#: codebases whose models need trace forwards of their own, and the module that registers them
+_PLUGINS = {"olmo_core": "equiopt.integrations.olmo_core"}
+
+
+def _load_plugins(model: nn.Module) -> None:
+    import importlib
+
+    roots = {type(m).__module__.split(".")[0] for m in model.modules()}
+    for root in roots & set(_PLUGINS):
+        importlib.import_module(_PLUGINS[root])
+
+
 def findings(model: nn.Module, split: bool = True, per_head: bool = True) -> Findings:
     """Trace ``model`` (bare or wrapped) and decide every parameter it uses as a weight."""
+    _load_plugins(model)
     errors = []
     for candidate in _candidates(bare_model(model)):
         try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...layouts import Col, Compose, Experts, GateUp, Heads, Layout, Row
+from ...layouts import Col, Compose, Experts, GateUp, Heads, Layout, Row, Unflatten
 from .trace import Evidence, Product
 
 __all__ = ["Finding", "decide"]
@@ -99,6 +99,9 @@ def _rows_layout(p: torch.Tensor, prod: Product, axis: tuple[int, int] | None) -
     if axis is None:
         return None, "the product's axes could not be read"
     ax, block = axis
+    if p.ndim == 1 and len(prod.view_shape) == 2 and block > 1:
+        rows = p.shape[0] // block
+        return Unflatten(rows), f"stored flat, applied as a {rows}x{block} matrix"
     if p.ndim == 2 and prod.batch_axis is None and len(prod.view_shape) == 2 and block == 1:
         return (Row(), "rows = stored rows") if ax == 0 else (Col(), "rows = stored columns")
     if p.ndim == 3 and ax in (1, 2) and block == 1:

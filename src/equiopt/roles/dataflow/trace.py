@@ -23,7 +23,8 @@ a projection's outputs, and the projection that makes the model's output.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["Tag", "Product", "AttentionUse", "GatedUse", "Evidence", "TraceFailed", "trace_model"]
+__all__ = [
+    "Tag",
+    "Product",
+    "AttentionUse",
+    "GatedUse",
+    "Evidence",
+    "TraceFailed",
+    "trace_model",
+    "register_trace_forward",
+]
 
 aten = torch.ops.aten
 
@@ -506,6 +516,45 @@ def _real_tensors():
         yield
 
 
+#: forwards to run in place of a module's own during the trace, by qualified class name
+#: (:func:`register_trace_forward`).
+_TRACE_FORWARDS: dict[str, Callable[..., Any]] = {}
+
+
+def register_trace_forward(qualified_class: str, forward: Callable[..., Any]) -> None:
+    """Run ``forward(module, *args, **kwargs)`` in place of the forward of every module of
+    class ``qualified_class`` (``"package.module.Class"``, subclasses included) during the
+    trace: for a module whose own forward needs a device kernel (a CUDA-only token dispatch)
+    the substitute computes the same products with torch operations on every expert."""
+    _TRACE_FORWARDS[qualified_class] = forward
+
+
+def _trace_forward_of(module: nn.Module) -> Callable[..., Any] | None:
+    for cls in type(module).__mro__:
+        found = _TRACE_FORWARDS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if found is not None:
+            return found
+    return None
+
+
+@contextlib.contextmanager
+def _substituted(model: nn.Module) -> Iterator[None]:
+    patched = []
+    for m in model.modules():
+        fn = _trace_forward_of(m)
+        if fn is not None:
+            patched.append((m, "forward" in vars(m), vars(m).get("forward")))
+            m.forward = types.MethodType(fn, m)
+    try:
+        yield
+    finally:
+        for m, had, old in patched:
+            if had:
+                m.forward = old
+            else:
+                del m.forward
+
+
 @contextlib.contextmanager
 def _hooks_off(model: nn.Module) -> Iterator[None]:
     """Every module's forward hooks removed for the duration (FSDP2 unshards, TP
@@ -582,7 +631,7 @@ def trace_model(model: nn.Module, tokens: tuple[int, int] = (1, 8), vocab: int |
         ids = torch.zeros(tokens, dtype=torch.long)
     recorder.tokens[ids] = True
     try:
-        with _hooks_off(model), fake_mode, recorder:
+        with _hooks_off(model), _substituted(model), fake_mode, recorder:
             try:
                 out = functional_call(model, values, (ids,), strict=False)
             except TypeError:
