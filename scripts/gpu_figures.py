@@ -15,6 +15,10 @@ On one CUDA device, in this order (each against a baseline run in the same proce
 - ``compile_s``: the first compiled step of ``paper:qwen3:a-i`` on Qwen3-0.6B (cold cache,
   in a child process with a time limit; ``null`` if it did not finish), and
   ``compile_s_each`` of every recipe the child finished;
+- ``roofline_ms``: the same eager steps and fused AdamW counted on the meta device at an
+  H100's roofline (:mod:`equiopt.roofline`, CUDA's choices, the Gram precision ``bench
+  --stack`` sets), and ``roofline_over_eager`` each one's estimate over its measured eager
+  step: the roofline model checked whenever a GPU is lent;
 - ``cuda_tests``: ``{passed, failed}`` of ``tests/test_cuda.py`` and ``tests/test_buckets.py``.
 """
 
@@ -98,6 +102,19 @@ def _tests(limit: float) -> dict:
     return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)}
 
 
+def roofline_figures(recipes=RECIPES, gram_dtype: str = "float32") -> dict[str, float]:
+    """Milliseconds of fused AdamW (``"fused_adamw"``) and of each recipe's eager step on
+    Qwen3-0.6B (``bench --stack``'s model on CUDA) at an H100's roofline, counted on the meta
+    device with CUDA's choices and ``gram_dtype`` on every role that takes one (``bench
+    --stack``'s default); no GPU needed."""
+    from equiopt.roofline import roofline
+
+    table = roofline(list(recipes), "qwen3:paper", "cuda", gram_dtype=gram_dtype)
+    return {"fused_adamw": round(table["adamw"]["ms"], 2)} | {
+        name: round(row["ms"], 2) for name, row in table["recipes"].items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/gpu/figures.json")
@@ -154,6 +171,9 @@ def main() -> None:
     fig["stack_mode"] = fig[f"stack_{_key(RECIPES[0])}_mode"]
     fig["peak_extra_over_state"] = round(max(r["peak_extra_mib"] / r["state_mib"] for r in table["rows"]), 3)
     fig["graphed_vs_eager_rel"] = max(r["graphed_vs_eager"] for r in table["rows"])
+    fig["roofline_ms"] = roofline_figures()
+    eager = {"fused_adamw": table["adamw_ms"]} | {r: m["eager"] for r, m in best_modes.items()}
+    fig["roofline_over_eager"] = {k: round(fig["roofline_ms"][k] / eager[k], 3) for k in eager}
     fig["cuda_tests"] = _tests(150.0)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -119,7 +119,7 @@ def test_the_command_prints_and_writes_each_route(tmp_path, capsys):
         ["--roofline", "--model", "512x64", "--recipes", "paper:qwen3:a-i", "--routes", "cuda,cpu", "--json", str(out)]
     )
     text = capsys.readouterr().out
-    assert "cuda choices" in text and "cpu choices" in text and "paper:qwen3:a-i" in text
+    assert "cuda's choices" in text and "cpu's choices" in text and "paper:qwen3:a-i" in text
     tables = json.loads(out.read_text())["tables"]
     assert [t["route"] for t in tables] == ["cuda", "cpu"]
     row = tables[0]["recipes"]["paper:qwen3:a-i"]

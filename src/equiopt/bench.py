@@ -394,14 +394,17 @@ def ops(recipes) -> None:
         print(f"{label:34s} {cells[0]:>16s} {cells[1]:>16s}")
 
 
-def roofline(recipes, model: str | None, routes, gram_dtype: str | None, tokens: int, json_path: str | None) -> None:
+def roofline(
+    recipes, model: str | None, routes, gram_dtype: str | None, tokens: int, json_path: str | None, machine="h100"
+) -> None:
     """(g) Each recipe's step at an H100's roofline, counted on the meta device
     (:mod:`equiopt.roofline`), once per route; the tables also to ``json_path``."""
     from . import roofline as rl
 
+    rates = rl.MACHINES[machine]
     tables = []
     for i, route in enumerate(routes):
-        table = rl.roofline(recipes, model or rl.DEFAULT_MODEL, route, gram_dtype, tokens)
+        table = rl.roofline(recipes, model or rl.DEFAULT_MODEL, route, gram_dtype, tokens, rates)
         if i:
             print()
         rl.print_report(table)
@@ -410,7 +413,7 @@ def roofline(recipes, model: str | None, routes, gram_dtype: str | None, tokens:
         import json
 
         with open(json_path, "w") as f:
-            json.dump({"torch": torch.__version__, "machine": rl.H100.__dict__, "tables": tables}, f, indent=1)
+            json.dump({"torch": torch.__version__, "machine": rates.__dict__, "tables": tables}, f, indent=1)
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -701,6 +704,12 @@ def main(argv=None) -> None:
         "--roofline", action="store_true", help="only the roofline of one step counted on the meta device"
     )
     parser.add_argument("--routes", default="cuda", help="--roofline: comma-separated devices whose choices to take")
+    parser.add_argument(
+        "--machine",
+        default="h100",
+        choices=["h100", "h100-measured"],
+        help="--roofline: the rates charged (equiopt.roofline.MACHINES: an H100's nominal or measured ones)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.roofline:
@@ -713,6 +722,7 @@ def main(argv=None) -> None:
             args.gram_dtype,
             (args.batch or 8) * (args.seq or 1024),
             args.json,
+            args.machine,
         )
         return
     if args.ops:

@@ -43,6 +43,8 @@ from .opcount import VIEW_OPS
 
 __all__ = [
     "H100",
+    "H100_MEASURED",
+    "MACHINES",
     "Machine",
     "OpCost",
     "RooflineCounter",
@@ -115,7 +117,7 @@ class Machine:
 #: bfloat16 autocast: 169.2 ms (results/gpu/figures.json), that is
 #: ``6 * 625.8e6 * 8192 / (0.1692 s * 700e12)``.
 H100 = Machine(
-    name="H100 SXM 80GB",
+    name="H100 SXM 80GB (nominal)",
     bfloat16_flops=700e12,
     float32_flops=55e12,
     float64_flops=55e12,
@@ -123,6 +125,24 @@ H100 = Machine(
     launch_s=5e-6,
     fwd_bwd_mfu=0.2597,
 )
+
+#: The same H100 with the rates its own measurements imply (results/gpu, commit bbb07aa,
+#: eager): fused AdamW moved its 17.5 GB in 8.33 ms (2.1 TB/s); a-i's bfloat16 products
+#: (4.85 T FLOP) took 8.86 ms (550 TFLOP/s) and b-ii's out-of-place float32 products (3.18 T
+#: FLOP) 67.0 ms (47.5 TFLOP/s). With them the counted steps land within 7 % of the
+#: measured eager ones (results/roofline/README.md).
+H100_MEASURED = Machine(
+    name="H100 SXM 80GB (measured)",
+    bfloat16_flops=550e12,
+    float32_flops=47.5e12,
+    float64_flops=47.5e12,
+    bandwidth=2.1e12,
+    launch_s=5e-6,
+    fwd_bwd_mfu=0.3305,
+)
+
+#: By name, for ``bench --roofline --machine``.
+MACHINES = {"h100": H100, "h100-measured": H100_MEASURED}
 
 _PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot"})
 # operators that alias, allocate or run on the host only: no kernel
@@ -480,7 +500,7 @@ def print_report(table: dict, file=None) -> None:
     fb = table["fwd_bwd_ms"]
     a = table["adamw"]
     print(
-        f"roofline of one step on the meta device, {table['machine']} constants, {table['route']} choices"
+        f"roofline of one step on the meta device, rates of an {table['machine']}, {table['route']}'s choices"
         f"{', gram_dtype=' + table['gram_dtype'] if table['gram_dtype'] else ''}; model {table['model']} "
         f"({table['params'] / 1e6:.1f} M parameters); forward+backward of {table['tokens']} tokens "
         f"{fb:.1f} ms (estimated); fused AdamW {a['ms']:.2f} ms, {a['gb']:.1f} GB",
