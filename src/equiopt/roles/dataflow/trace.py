@@ -203,7 +203,9 @@ class _Recorder(TorchDispatchMode):
         self.bases: dict[int, torch.Tensor] = {}
 
     # -- provenance lookup ------------------------------------------------------------
-    def shadow(self, t) -> tuple[int, torch.Tensor, bool] | None:
+    def shadow(self, t) -> tuple[int, torch.Tensor, bool, tuple[int, ...]] | None:
+        """``(parameter index, meta shadow, gathered, shape of the shadow's base)`` of a
+        parameter view, else None."""
         if not isinstance(t, torch.Tensor):
             return None
         pid = self.fakes.get(id(t))
@@ -211,7 +213,7 @@ class _Recorder(TorchDispatchMode):
             if pid not in self.bases:
                 p = self.ev.params[pid]
                 self.bases[pid] = torch.empty(tuple(p.shape), device="meta")
-            return pid, self.bases[pid], False
+            return pid, self.bases[pid], False, tuple(self.bases[pid].shape)
         return self.shadows.get(t)
 
     def tags_of(self, t) -> list[Tag]:
@@ -250,10 +252,11 @@ class _Recorder(TorchDispatchMode):
                 self.ev.lookups.add(src[0])
             else:
                 self.ev.gathers.add(src[0])
-                base = src[1]
-                lead = outs[0].shape[: outs[0].ndim - (base.ndim - 1)]
-                view = base.narrow(0, 0, 1).squeeze(0).expand(*lead, *base.shape[1:])
-                self.shadows[outs[0]] = (src[0], view, True)
+                trailing = tuple(self.ev.params[src[0]].shape[1:])
+                lead = tuple(outs[0].shape[: outs[0].ndim - len(trailing)])
+                rows = int(torch.Size(lead).numel())
+                gathered = torch.empty((rows, *trailing), device="meta")  # axis 0: the gathered experts
+                self.shadows[outs[0]] = (src[0], gathered.view(*lead, *trailing), True, tuple(gathered.shape))
             return
         if name in _MATMULS:
             self.product(name, args, outs[0])
@@ -271,7 +274,7 @@ class _Recorder(TorchDispatchMode):
         # parameter views follow the same view on the shadow
         src = self.shadow(first)
         if src is not None and (_is_view(func) or name in _COPIES):
-            pid, shadow, gathered = src
+            pid, shadow, gathered, base_shape = src
             try:
                 new = shadow if name in _COPIES and name != "_unsafe_view" else None
                 if name == "_unsafe_view":
@@ -282,7 +285,7 @@ class _Recorder(TorchDispatchMode):
                 return
             for o, s in zip(outs, new if isinstance(new, (list, tuple)) else [new]):
                 if isinstance(s, torch.Tensor):
-                    self.shadows[o] = (pid, s, gathered)
+                    self.shadows[o] = (pid, s, gathered, base_shape)
             return
         # activations: companions follow the values
         self.follow(func, name, args, kwargs, outs)
@@ -391,15 +394,14 @@ class _Recorder(TorchDispatchMode):
             a, b = args[0], args[1]
         sa, sb = self.shadow(a), self.shadow(b)
         if sb is not None and sa is None:
-            act, (pid, shadow, gathered), right = a, sb, True
+            act, (pid, shadow, gathered, base_shape), right = a, sb, True
         elif sa is not None and sb is None:
-            act, (pid, shadow, gathered), right = b, sa, False
+            act, (pid, shadow, gathered, base_shape), right = b, sa, False
         else:
             if sa is None and sb is None:
                 self.activation_product(name, a, b, out)
             return
-        p = self.ev.params[pid]
-        base_shape, base_strides = tuple(p.shape), _contiguous_strides(tuple(p.shape))
+        base_strides = _contiguous_strides(base_shape)
         nd = shadow.ndim
         out_dim, in_dim = (nd - 1, nd - 2) if right else (nd - 2, nd - 1)
         batch_dim = 0 if nd == 3 else None
@@ -416,8 +418,8 @@ class _Recorder(TorchDispatchMode):
         if in_axis is not None:
             in_coords = _coords(shadow, in_dim, in_axis[0], base_shape, base_strides)
             for tag in self.tags_of(act):
-                c = tag.comp
-                vec = c.reshape(-1, c.shape[-1])[0] if right else c.reshape(c.shape[0], -1)[:, 0]
+                c = tag.comp.movedim(-1 if right else -2, -1)  # the activation's contracted axis last
+                vec = c.reshape(-1, c.shape[-1])[0]
                 if vec.numel() == in_coords.numel():
                     prod.inputs.append((tag, torch.stack([vec, in_coords])))
         self.ev.products.append(prod)

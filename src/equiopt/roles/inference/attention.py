@@ -74,15 +74,19 @@ class _AttentionRoles(_ContextBase):
         short = _short(name.rsplit(".", 1)[0]) if "." in name else ""
         input_side = inp == d.hidden and out % hd == 0
         output_side = out == d.hidden and inp % hd == 0
+        both = [
+            (f"('attention', 'heads:{hd}')", "for a query, key or value projection stored (out, in)"),
+            (f"('attention', 'heads_cols:{hd}')", "for the output projection stored (out, in)"),
+        ]
         if st == "unknown" and input_side and output_side:
-            raise self._fail(name, p.shape, f"square weight in {where} with unknown storage convention")
+            raise self._fail(name, p.shape, f"square weight in {where} with unknown storage convention", both)
         if input_side and output_side:
             if short in _ATTN_OUT_NAMES:
                 input_side = False
             elif short in _ATTN_IN_NAMES:
                 output_side = False
             else:
-                raise self._fail(name, p.shape, "square attention projection: cannot tell q/k/v from output")
+                raise self._fail(name, p.shape, "square attention projection: cannot tell q/k/v from output", both)
         heads = None
         if input_side:
             heads = out // hd

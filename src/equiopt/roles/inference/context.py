@@ -113,16 +113,22 @@ class _ContextBase:
         name: str,
         shape,
         why: str,
-        hint: str = "('mlp_in', 'row')",
+        hint: str | list = "('matrix', 'row')",
         mod_name: str | None = None,
         fix: str | None = None,
     ) -> RoleInferenceError:
         pattern = re.escape(name)
         kind = self._model_type(mod_name if mod_name is not None else name.rpartition(".")[0])
         where = f" in a {kind!r} model (no convention equiopt knows settles it)" if kind else ""
+        if fix is None:
+            options = [hint] if isinstance(hint, str) else list(hint)
+            fix = "Pass an explicit rule: " + ", or ".join(
+                f"assign_roles(model, rules={{{pattern!r}: {rule}}}){f' {when}' if when else ''}"
+                for rule, when in (o if isinstance(o, tuple) else (o, "") for o in options)
+            )
         return RoleInferenceError(
             f"cannot infer the role of {name!r} (shape {tuple(shape)}){where}: {why}. "
-            + (fix or f"Pass an explicit rule, e.g. assign_roles(model, rules={{{pattern!r}: {hint}}})")
+            + fix
             + " (build_optimizer takes the same keyword arguments)"
         )
 

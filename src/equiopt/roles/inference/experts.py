@@ -10,6 +10,14 @@ from ...layouts import Col, Experts, GateUp, Row
 from .context import _ContextBase, _Decision
 from .names import _ROUTER_CLASS, _axes
 
+#: ``rules=`` values for a stack of expert matrices, and when each is right.
+_STACK_RULES = [
+    ("('mlp_in', 'experts:row')", "for input projections stored (experts, out, in)"),
+    ("('mlp_in', 'experts:col')", "for input projections stored (experts, in, out)"),
+    ("('mlp_out', 'experts:col')", "for output projections stored (experts, out, in)"),
+    ("('mlp_out', 'experts:row')", "for output projections stored (experts, in, out)"),
+]
+
 
 class _ExpertRoles(_ContextBase):
     """The role and layout of a router or an expert tensor inside an MLP (MoE) block."""
@@ -43,7 +51,9 @@ class _ExpertRoles(_ContextBase):
             elif a == d.hidden and b != d.hidden:
                 transposed = True
             else:
-                raise self._fail(name, p.shape, f"expert tensor in {type(module).__name__} with undeclared storage")
+                raise self._fail(
+                    name, p.shape, f"expert tensor in {type(module).__name__} with undeclared storage", _STACK_RULES
+                )
         out, inp = (b, a) if transposed else (a, b)
         if named:  # the axis that is the model width tells the side, whatever the sizes
             side = "in" if axes[2] == "D" else "out"
@@ -54,11 +64,13 @@ class _ExpertRoles(_ContextBase):
                 else ("in" if "gate" in attr or "up" in attr else None)
             )
             if side is None:
-                raise self._fail(name, p.shape, "square expert tensor: cannot tell input from output projection")
+                raise self._fail(
+                    name, p.shape, "square expert tensor: cannot tell input from output projection", _STACK_RULES
+                )
         else:
             side = "out" if out == d.hidden else ("in" if inp == d.hidden else None)
         if side is None:
-            raise self._fail(name, p.shape, "expert tensor that neither reads nor writes the hidden size")
+            raise self._fail(name, p.shape, "expert tensor that neither reads nor writes the hidden size", _STACK_RULES)
         if side == "out":
             inner = Row() if transposed else Col()
             return _Decision(
@@ -75,7 +87,10 @@ class _ExpertRoles(_ContextBase):
                     p.shape,
                     f"fused gate/up experts in {type(module).__name__} do not declare "
                     "whether gate and up are concatenated or interleaved",
-                    "('mlp_in', 'experts:gate_up:concat')",
+                    [
+                        ("('mlp_in', 'experts:gate_up:concat')", "for [gate; up] halves"),
+                        ("('mlp_in', 'experts:gate_up:interleave')", "for gate and up rows interleaved"),
+                    ],
                 )
             mode = "concat" if concatenated else "interleave"
             layout = Experts(GateUp(mode, split=self.split, axis=1 if transposed else 0))

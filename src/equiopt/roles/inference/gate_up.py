@@ -10,6 +10,12 @@ import torch
 
 from .context import _ContextBase
 
+#: ``rules=`` values for a fused gate/up projection, and when each is right.
+_PAIRINGS = [
+    ("('mlp_in', 'gate_up:concat')", "for [gate; up] halves"),
+    ("('mlp_in', 'gate_up:interleave')", "for gate and up rows interleaved"),
+]
+
 
 class _DownProjection(NamedTuple):
     """The output projection an MLP block's fused gate/up weight is probed against."""
@@ -28,7 +34,7 @@ class _GateUpProbe(_ContextBase):
                 name,
                 p.shape,
                 "fused gate/up pairing cannot be probed on the meta device",
-                "('mlp_in', 'gate_up:concat') or ('mlp_in', 'gate_up:interleave')",
+                _PAIRINGS,
             )
         ff = p.shape[0 if st == "out_in" else 1] // 2
         down = None
@@ -36,7 +42,9 @@ class _GateUpProbe(_ContextBase):
             if oriented.in_features == ff and oriented.out_features == self.dims.hidden:
                 down = _DownProjection(q, oriented.storage)
         if down is None:
-            raise self._fail(name, p.shape, "fused gate/up without a matching output projection to probe with")
+            raise self._fail(
+                name, p.shape, "fused gate/up without a matching output projection to probe with", _PAIRINGS
+            )
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(2, 3, self.dims.hidden, generator=g).to(device=p.device, dtype=p.dtype)
         perm = torch.randperm(ff, generator=g).to(p.device)
@@ -71,7 +79,7 @@ class _GateUpProbe(_ContextBase):
                     bias.copy_(saved_b)
         good = [m for m, ok in results.items() if ok]
         if len(good) != 1:
-            raise self._fail(name, p.shape, f"probing the gate/up pairing was inconclusive ({results})")
+            raise self._fail(name, p.shape, f"probing the gate/up pairing was inconclusive ({results})", _PAIRINGS)
         (pairing,) = good
         self.probed.append(f"{name}: {pairing}")
         return pairing

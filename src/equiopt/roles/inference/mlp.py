@@ -12,6 +12,12 @@ from .experts import _ExpertRoles
 from .gate_up import _GateUpProbe
 from .names import _MLP_IN_NAMES, _MLP_OUT_NAMES, _short
 
+#: ``rules=`` values for an MLP matrix whose side is unknown, and when each is right.
+_IN_OUT = [
+    ("('mlp_in', 'row')", "for an input projection stored (out, in)"),
+    ("('mlp_out', 'col')", "for the output projection stored (out, in)"),
+]
+
 
 class _MlpRoles(_ExpertRoles, _GateUpProbe):
     """The role and layout of a weight inside an MLP (or MoE) block."""
@@ -42,9 +48,11 @@ class _MlpRoles(_ExpertRoles, _GateUpProbe):
         elif short in _MLP_IN_NAMES or want == "mlp_in":
             side = "in"
         else:
-            raise self._fail(name, shape, f"square weight in {where}: cannot tell input from output projection")
+            raise self._fail(
+                name, shape, f"square weight in {where}: cannot tell input from output projection", _IN_OUT
+            )
         if st == "unknown" and inp == out:
-            raise self._fail(name, shape, f"weight in {where} with unknown storage convention")
+            raise self._fail(name, shape, f"weight in {where} with unknown storage convention", _IN_OUT)
         if side == "out":
             layout = Col() if st == "out_in" else Row()
             return _Decision("mlp_out", layout, f"{where} output projection ({inp} -> {out}): work = neurons x hidden")
