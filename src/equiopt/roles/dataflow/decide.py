@@ -93,12 +93,43 @@ def _facts(ev: Evidence) -> dict[int, _Facts]:
     return facts
 
 
-def _rows_layout(p: torch.Tensor, prod: Product, axis: tuple[int, int] | None) -> tuple[Layout | None, str]:
+def _blocks(products: list[Product], p: torch.Tensor) -> tuple[int, int] | None:
+    """``(axis, size)`` when the 2-D products each used one block of ``size`` along a
+    parameter axis, the blocks tiling it (experts stored as a 2-D stack and applied one at a
+    time); None when every product used the whole parameter."""
+    for axis in range(p.ndim):
+        spans = sorted({q.spans[axis] for q in products if axis in q.spans})
+        if not spans or spans == [(0, p.shape[axis])]:
+            continue
+        sizes = {b - a for a, b in spans}
+        if len(sizes) == 1 and [a for a, _ in spans] == list(range(0, p.shape[axis], sizes.pop())):
+            return axis, spans[0][1] - spans[0][0]
+        return axis, -1
+    return None
+
+
+def _stack_layout(block_axis: int, size: int, rows_axis: int) -> Layout:
+    """One work matrix per block of ``size`` along ``block_axis``, rows along ``rows_axis``."""
+    if block_axis == 0:
+        return Heads(size) if rows_axis == 0 else Compose(Heads(size), Col())
+    return Compose(Col(), Heads(size)) if rows_axis == 1 else Compose(Heads(size, "cols"), Col())
+
+
+def _rows_layout(
+    p: torch.Tensor, prod: Product, axis: tuple[int, int] | None, products=()
+) -> tuple[Layout | None, str]:
     """The layout whose work rows walk parameter ``axis`` (one work matrix per expert when
     the product was batched over experts), and the words for it."""
     if axis is None:
         return None, "the product's axes could not be read"
     ax, block = axis
+    stacked = _blocks(list(products), p) if p.ndim == 2 and prod.batch_axis is None else None
+    if stacked is not None:
+        b_axis, size = stacked
+        if size < 0:
+            return None, f"its products used blocks along axis {b_axis} that do not tile it evenly"
+        n = p.shape[b_axis] // size
+        return _stack_layout(b_axis, size, ax), f"{n} experts stacked as blocks of {size} along axis {b_axis}"
     if p.ndim == 1 and len(prod.view_shape) == 2 and block > 1:
         rows = p.shape[0] // block
         return Unflatten(rows), f"stored flat, applied as a {rows}x{block} matrix"
@@ -207,7 +238,7 @@ def decide(ev: Evidence, split: bool = True, per_head: bool = True) -> dict[int,
             continue
         contracting = role == "mlp_out" or (role == "attention" and f.out_heads and not f.heads)
         axis = prod.in_axis if contracting else prod.out_axis
-        base, words = _rows_layout(p, prod, axis)
+        base, words = _rows_layout(p, prod, axis, f.products)
         finding = Finding(role, base, "", roles_seen=roles)
         if base is None:
             finding.problem = words

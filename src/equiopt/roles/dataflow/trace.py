@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,7 @@ class Product:
     gathered: bool
     view_shape: tuple[int, ...]
     inputs: list[tuple[Tag, torch.Tensor]] = field(default_factory=list)
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # parameter axis -> [start, stop) covered
 
 
 @dataclass
@@ -415,14 +417,21 @@ class _Recorder(TorchDispatchMode):
         if in_axis is None and shadow.shape[in_dim] == 1 and units:
             in_axis = (units.pop(0), 1)
         prod = Product(pid, out_axis, in_axis, batch_axis, gathered, tuple(shadow.shape))
+        if batch_dim is None and not gathered:
+            for dim, axis in ((out_dim, out_axis), (in_dim, in_axis)):
+                if axis is not None and axis[1] == 1:
+                    c = _coords(shadow, dim, axis[0], base_shape, base_strides)
+                    prod.spans[axis[0]] = (int(c.min()), int(c.max()) + 1)
+        self.ev.products.append(prod)
         if in_axis is not None:
             in_coords = _coords(shadow, in_dim, in_axis[0], base_shape, base_strides)
             for tag in self.tags_of(act):
                 c = tag.comp.movedim(-1 if right else -2, -1)  # the activation's contracted axis last
+                if c.numel() == 0:
+                    continue
                 vec = c.reshape(-1, c.shape[-1])[0]
                 if vec.numel() == in_coords.numel():
                     prod.inputs.append((tag, torch.stack([vec, in_coords])))
-        self.ev.products.append(prod)
         if out_axis is not None:
             coords = _coords(shadow, out_dim, out_axis[0], base_shape, base_strides)
             if right:
@@ -633,7 +642,8 @@ def trace_model(model: nn.Module, tokens: tuple[int, int] = (1, 8), vocab: int |
         ids = torch.zeros(tokens, dtype=torch.long)
     recorder.tokens[ids] = True
     try:
-        with _hooks_off(model), _substituted(model), fake_mode, recorder:
+        with warnings.catch_warnings(), _hooks_off(model), _substituted(model), fake_mode, recorder:
+            warnings.simplefilter("ignore")  # the model's own warnings belong to its real forward
             try:
                 out = functional_call(model, values, (ids,), strict=False)
             except TypeError:
