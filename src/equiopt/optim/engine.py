@@ -50,6 +50,7 @@ from .row_moments import (
 )
 from .rules import MapKey, map_key, precentred, reducible, shape_factor, validate_group
 from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
+from .validate import check_hyperparameters, is_default, names_of, saved_param_names
 
 
 def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
@@ -114,11 +115,6 @@ _UNOFFERED_FLAGS = {
 }
 
 
-def _default_names(where: str, count: int) -> list[str]:
-    """The names of a param group's parameters when it gives none: their places."""
-    return [f"{where}.params[{j}]" for j in range(count)]
-
-
 def _times(step: torch.Tensor, factor: float) -> torch.Tensor:
     """A step size ``-lr * ok`` times a shape factor (no operator when the factor is 1)."""
     return step if factor == 1.0 else step * factor
@@ -172,7 +168,11 @@ class EquivariantOptimizer(Optimizer):
       is counted in :attr:`nonfinite_updates`.
     - ``lazy``: update only the rows of each work matrix whose gradient is nonzero in this
       step (the others' momentum still decays); see :meth:`_lazy_rows`. For embeddings.
-    - ``names``: parameter names for messages (one per parameter).
+    - ``param_names``: torch's parameter names (one per parameter), also from
+      ``named_parameters()``; they name the parameters in messages and are saved in the
+      state dict. ``names`` is the earlier spelling, still accepted. Each live group's
+      ``names`` holds the names messages use (``param_names``, else the parameters' places,
+      ``"param_groups[i].params[j]"``); it is not saved.
 
     ``divide_work``: a process group over which the plain (non-DTensor) parameters are
     replicated, as under DDP, or ``True`` for the default group. Each Gram map (right
@@ -267,6 +267,10 @@ class EquivariantOptimizer(Optimizer):
         UnsupportedTensorError: a complex parameter of a matrix rule (also a ValueError and a
             RuntimeError, as torch's Muon raises for it).
         TypeError: ``params`` a tensor or a set, as torch's optimizers refuse them.
+
+    The settings of :data:`~.validate.CHECKED_FIRST` (``lr``, ``betas``, ``eps``, ...) are
+    checked before ``params`` is read, with torch's messages
+    (:func:`~.validate.check_hyperparameters`), as torch checks its optimizers.
     """
 
     def __init__(
@@ -302,6 +306,20 @@ class EquivariantOptimizer(Optimizer):
         cost_model: Any = None,
         overlap: bool = True,
     ):
+        check_hyperparameters(
+            dict(
+                rule=rule,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                adam_eps=adam_eps,
+                weight_decay=weight_decay,
+                beta=beta,
+                beta2=beta2,
+                alpha=alpha,
+                steps=steps,
+            )
+        )
         if isinstance(params, (set, frozenset)):
             # torch refuses a set in a param group; at the top its order would decide the
             # positions that state dicts and names refer to just the same
@@ -331,7 +349,6 @@ class EquivariantOptimizer(Optimizer):
             rule=rule,
             layout=layout,
             layouts=None,
-            names=None,
             center=center,
             order=order,
             beta=beta,
@@ -384,14 +401,7 @@ class EquivariantOptimizer(Optimizer):
         validate_group(group, where)
         _check_flags(group, where)
         params = group["params"]
-        names = group.get("names")
-        if names is None:
-            names = group.get("param_names")  # torch's, from named_parameters()
-        if names is None:
-            names = _default_names(where, len(params))
-        elif len(names) != len(params):
-            raise ValueError(f"{where}: 'names' has {len(names)} entries for {len(params)} parameters")
-        group["names"] = list(names)
+        group["names"] = names = names_of(group, where)  # param_names, else places; not saved
         per_param = group.get("layouts")
         if per_param is not None and len(per_param) != len(params):
             raise ValueError(f"{where}: 'layouts' has {len(per_param)} entries for {len(params)} parameters")
@@ -542,12 +552,19 @@ class EquivariantOptimizer(Optimizer):
     def state_dict(self) -> dict:
         """torch's state dict, with layouts as spec strings so ``torch.load(weights_only=True)`` reads it.
 
+        Names are torch's ``param_names`` (a group named by ``names`` saves them so); the
+        live groups' ``names`` are not saved, so two equal optimizers, one built from
+        ``named_parameters()``, give state dicts that differ in ``param_names`` alone.
+
         Returns:
             ``{"state", "param_groups"}`` as torch's, plus ``"nonfinite_updates"`` once counted.
         """
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["layouts"] = [layout.spec for layout in group["layouts"]]
+            names = group.pop("names", None)
+            if "param_names" not in group and names is not None and not is_default(names):
+                group["param_names"] = list(names)
         if self._update_skips is not None:
             sd["nonfinite_updates"] = self._update_skips.detach().clone()
         return sd
@@ -562,8 +579,9 @@ class EquivariantOptimizer(Optimizer):
         value, and an AdamW ``step`` saved as a number becomes a tensor. The hooks of
         :meth:`register_load_state_dict_pre_hook` run first, once, as torch runs them (so a
         hook may convert a state dict the checks would refuse), then the checks. Parameter
-        names given to this optimizer (``names``, or ``named_parameters()``) stay its own; one
-        built without names takes the saved ones.
+        names given to this optimizer (``param_names``, ``named_parameters()`` or ``names``)
+        stay its own; one built without names takes the saved ``param_names`` (or the
+        ``names`` an earlier version saved).
 
         Args:
             state_dict: from :meth:`state_dict` (also of an earlier version of this optimizer).
@@ -590,19 +608,19 @@ class EquivariantOptimizer(Optimizer):
                     "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
                 )
             for key, value in own.items():
-                if key != "params":
+                if key not in ("params", "names", "param_names"):
                     group.setdefault(key, value)  # a state_dict from before a setting existed: keep this one's
             validate_group(group, where)
             _check_flags(group, where)
-            saved_names = group.get("names")
-            if (
-                own["names"] != _default_names(where, len(own["params"]))
-                or not saved_names
-                or len(saved_names) != len(own["params"])
-            ):
-                group["names"] = own["names"]  # this optimizer's names describe its parameters
+            saved_names = saved_param_names(group)  # (and an earlier version's names)
+            if "param_names" in own:
+                group["param_names"] = list(own["param_names"])  # this optimizer's names describe its parameters
+                group["names"] = own["names"]
+            elif not is_default(own["names"]) or not saved_names or len(saved_names) != len(own["params"]):
+                group.pop("param_names", None)  # named by ``names``, or the saved names do not fit
+                group["names"] = own["names"]
             else:
-                group["names"] = list(saved_names)
+                group["param_names"], group["names"] = saved_names, list(saved_names)
             layouts = []
             for j, (spec, p) in enumerate(zip(group["layouts"], own["params"])):
                 name = group["names"][j]
