@@ -433,11 +433,11 @@ class EquivariantOptimizer(Optimizer):
             if group["rule"] in PEER_RULES:
                 check_peer_param(group["rule"], p, names[j], sharding.kind == "sharded" and sharding.is_sharded)
             if group["rule"] in MATRIX_RULES:
-                if p.ndim < 2:
+                if p.ndim < 2 and layout.ndim != p.ndim:
                     raise ValueError(
                         f"parameter {names[j]!r} has shape {tuple(p.shape)}: rule {group['rule']!r} needs a matrix "
-                        f"(it only supports parameters of 2 or more dimensions); give vectors and scalars rule "
-                        "'adamw' or 'sgd'"
+                        f"(it only supports parameters of 2 or more dimensions, or a flat one with layout "
+                        "'unflatten:ROWS'); give vectors and scalars rule 'adamw' or 'sgd'"
                     )
                 layout.check(tuple(p.shape), names[j])
                 _check_views(p, layout, names[j])
