@@ -75,17 +75,21 @@ def test_fused_adamw_reads_four_and_writes_three_tensors():
 
 
 def test_cuda_choices_make_split_products_bfloat16_products():
-    """``gram_dtype="auto"`` on a matrix of 512 and more: six (four for a Gram) bfloat16
-    products per float32 one on CUDA, strict float32 products on a CPU."""
+    """``gram_dtype="auto"`` on a matrix of 512 and more, on the Gram route: six (four for a
+    Gram) bfloat16 products per float32 one on CUDA, strict float32 products on a CPU. On
+    ``route="auto"`` CUDA takes the direct route (Polar Express on the matrix, bfloat16)."""
     w = torch.nn.Parameter(_meta(1024, 512))
     w.grad = torch.empty_like(w)
     found = {}
     for route in ("cuda", "cpu"):
         with decide_as(route):
-            opt = EquivariantOptimizer([w], lr=1e-3, rule="right", compile=False)
+            opt = EquivariantOptimizer([w], lr=1e-3, rule="right", compile=False, route="gram")
             found[route] = count_step(opt.step).flops_by_dtype()
     assert set(found["cuda"]) == {"bfloat16"} and set(found["cpu"]) == {"float32"}
     assert 4 * found["cpu"]["float32"] < found["cuda"]["bfloat16"] <= 6 * found["cpu"]["float32"]
+    with decide_as("cuda"):
+        auto = count_step(EquivariantOptimizer([w], lr=1e-3, rule="right", compile=False).step).flops_by_dtype()
+    assert auto == {"bfloat16": 5 * (4 * 1024 * 512 * 512 + 2 * 512**3)}
 
 
 def test_decide_as_applies_to_meta_tensors_only_and_restores():

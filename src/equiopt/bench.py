@@ -35,7 +35,9 @@
     default oracle and for Algorithm 3 as the paper's code runs it (Frobenius
     normalisation, five greedy steps for l = 1e-3 with safety 1.05, symmetrised R); and
     (b2) of the right-spectral and hybrid maps with ``gram_dtype="bfloat16"`` against
-    float64, for conditions 1e1-1e3 on vocabulary-, MLP- and router-shaped matrices.
+    float64, for conditions 1e1-1e3 on vocabulary-, MLP- and router-shaped matrices; and
+    (b3, also alone with ``--route-accuracy``) of the one-sided and hybrid maps on each
+    ``route`` (Gram; direct: Polar Express on the matrix, as Muon) on the same matrices.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import time
 import torch
 
 from . import maps
-from .linalg import inv_sqrt
+from .linalg import default_dtype, inv_sqrt, polar
 from .linalg.coefficients import greedy_schedule
 from .optim import EquivariantOptimizer
 from .peakmem import peak_extra_bytes
@@ -650,10 +652,51 @@ def accuracy_low() -> None:
             print(f"{label + f' {m}x{n}':>14s} {cond:6.0e} | " + " ".join(f"{100 * e:12.3f}%" for e in row))
 
 
+def accuracy_routes() -> None:
+    """The accuracy of each ``route`` of the one-sided and hybrid maps against float64 (the
+    map with an exact eigendecomposition of the float64 Gram): the Gram route (float32
+    products) and the direct route (Polar Express on the matrix in the iteration's dtype),
+    beside Muon's own iteration on the same matrix in the same dtype, and in float32."""
+    iteration = default_dtype("polar_express", torch.device("cpu"))
+    print(
+        "(b3) route: relative Frobenius error against float64 (exact eigendecomposition) of right_spectral "
+        f"and hybrid (row->right), eps 1e-8; direct and Muon in {str(iteration).removeprefix('torch.')} "
+        "(this CPU's iteration dtype), 5 steps; nu: relative error of the direct route's nu = tr(D^T P)"
+    )
+    heads = ["right gram", "right direct", "Muon", "Muon f32", "nu direct", "hybrid gram", "hybrid direct"]
+    print(f"{'shape':>16s} {'cond':>6s} | " + " ".join(f"{h:>13s}" for h in heads))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [("vocab", 16384, 256), ("MLP", 3072, 1024), ("router", 2048, 32)]
+    for label, m, n in shapes:
+        for cond in (1e1, 1e2, 1e3):
+            D = _tall(m, n, cond, 1e-2, gen)
+            Df = D.float()
+            exact = maps.right_spectral(D, method="exact")
+            nu = torch.linalg.svdvals(D).sum()
+            direct = maps.right_spectral(Df, route="direct")
+            scaled = maps.right_spectral(Df, alpha=1.0, route="direct").double()
+            hybrid = maps.hybrid(D, method="exact")
+            errors = [
+                (maps.right_spectral(Df, route="gram"), exact),
+                (direct, exact),
+                (polar(Df, "polar_express", 5), exact),
+                (polar(Df, "polar_express", 5, dtype=torch.float32), exact),
+            ]
+            row = [float((a.double() - b).norm() / b.norm()) for a, b in errors]
+            row.append(float(abs((scaled * direct.double()).sum() / direct.double().square().sum() / nu - 1)))
+            for route in ("gram", "direct"):
+                got = maps.hybrid(Df, route=route).double()
+                row.append(float((got - hybrid).norm() / hybrid.norm()))
+            print(f"{label + f' {m}x{n}':>16s} {cond:6.0e} | " + " ".join(f"{100 * e:12.3f}%" for e in row))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m equiopt.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--speed", action="store_true", help="only the step-time table")
-    parser.add_argument("--accuracy", action="store_true", help="only the accuracy table")
+    parser.add_argument("--accuracy", action="store_true", help="only the accuracy tables")
+    parser.add_argument(
+        "--route-accuracy", action="store_true", help="only the accuracy table of each route (Gram, direct)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shrink", type=int, default=None, help="divide the paper's matrix sizes by this")
     parser.add_argument("--repeats", type=int, default=None)
@@ -771,6 +814,9 @@ def main(argv=None) -> None:
             with open(args.json, "w") as f:
                 json.dump(table, f, indent=2)
         return
+    if args.route_accuracy:
+        accuracy_routes()
+        return
     both = not (args.speed or args.accuracy)
     if args.speed or both:
         shrink = args.shrink or (1 if device.type == "cuda" else 4)
@@ -782,6 +828,8 @@ def main(argv=None) -> None:
         accuracy(m, n)
         print()
         accuracy_low()
+        print()
+        accuracy_routes()
 
 
 if __name__ == "__main__":

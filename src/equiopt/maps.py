@@ -33,7 +33,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .linalg import inv_sqrt, polar
+from .linalg import default_dtype, inv_sqrt, polar
 from .linalg.device_choices import decides_like
 from .linalg.products import OUT_DTYPE_MM, mm, split, split_gram, split_times
 
@@ -489,6 +489,96 @@ def _damping(trace: torch.Tensor, eps: float, half: torch.Tensor, damping: str, 
 
 DAMPINGS = ("relative", "absolute")
 
+ROUTES = ("auto", "gram", "direct")
+
+#: Product rates (FLOP/s) by precision on the device types whose rates are known: an
+#: H100's nominal dense rates (:data:`equiopt.roofline.H100`, which the roofline calibrates
+#: against measured steps). ``"auto"`` keeps the Gram route on other devices (the CPU, the
+#: meta device outside :func:`~equiopt.linalg.device_choices.decide_as`).
+ROUTE_RATES: dict[str, dict[str, float]] = {"cuda": {"bfloat16": 700e12, "float32": 55e12}}
+
+# Polar methods the direct route takes for each inverse-square-root method
+_DIRECT_METHODS = {"polar_express": "polar_express", "newton_schulz": "newton_schulz", "exact": "exact"}
+
+
+def route_flops(m: int, n: int, steps: int, route: str, precision: str, iteration: torch.dtype) -> dict[str, float]:
+    """Matrix-product FLOPs by precision of one one-sided map of an ``m x n`` matrix.
+
+    With ``k = max(m, n)``, ``r = min(m, n)``: the Gram route forms the ``r x r`` Gram
+    (``2 k r^2``), runs the coupled inverse square root (``4 steps + 1`` products of
+    ``2 r^3``, see :func:`~equiopt.linalg.inv_sqrt`) and the product with ``R``
+    (``2 k r^2``), each at ``precision`` (:func:`gram_precision`; ``"bfloat16x6"``: six
+    bfloat16 products each, four for the Gram). The direct route runs Polar Express on the
+    matrix itself, ``steps`` iterations of ``x x^T``, ``h(G)`` and ``h(G) x``
+    (``4 k r^2 + 2 r^3`` each) in ``iteration`` (Muon's cost).
+    """
+    k, r = max(m, n), min(m, n)
+    side, inverse = 2.0 * k * r * r, (8.0 * steps + 2.0) * r**3
+    if route == "direct":
+        return {"bfloat16" if iteration == torch.bfloat16 else "float32": steps * (2 * side + 2.0 * r**3)}
+    if precision == "bfloat16x6":
+        return {"bfloat16": 4 * side + 6 * inverse + 6 * side}
+    if precision == "bfloat16":
+        return {"bfloat16": (1 if OUT_DTYPE_MM else 2) * side + 2 * side, "float32": inverse}
+    return {"float32": 2 * side + inverse}
+
+
+def route_costs(
+    x: torch.Tensor, method: str = "polar_express", steps: int = 5, gram_dtype: str | None = None
+) -> dict[str, float] | None:
+    """The estimated seconds of each route (``"gram"``, ``"direct"``) of a one-sided map of
+    ``x`` (``(..., m, n)``) on the device ``x`` decides as: :func:`route_flops` at the
+    device's :data:`ROUTE_RATES` for each precision. None where the rates are unknown."""
+    rates = ROUTE_RATES.get(decides_like(x))
+    if rates is None:
+        return None
+    m, n = x.shape[-2:]
+    batch = math.prod(x.shape[:-2])
+    precision = gram_precision(x, gram_dtype)
+    iteration = default_dtype(_DIRECT_METHODS.get(method, method), x.device)
+    return {
+        route: batch * sum(f / rates[p] for p, f in route_flops(m, n, steps, route, precision, iteration).items())
+        for route in ("gram", "direct")
+    }
+
+
+def one_sided_route(
+    x: torch.Tensor,
+    route: str = "auto",
+    method: str = "polar_express",
+    steps: int = 5,
+    gram_dtype: str | None = None,
+    reducer: RowReducer | None = None,
+) -> str:
+    """The route a one-sided map (or a hybrid's one-sided stage) of ``x`` takes: ``"gram"``
+    (Gram, coupled inverse square root, product: Algorithm 1 as written) or ``"direct"``
+    (the polar factor of ``x`` itself by Polar Express in the iteration's dtype, as Muon
+    computes it, with ``nu = tr(x^T P)``; see :func:`_one_sided_polar`).
+
+    ``route="auto"`` takes the cheaper of the two by :func:`route_costs`: the products'
+    FLOPs charged at the rate of their precision on ``x``'s device. It keeps the Gram route
+    where the rates are unknown (CPU), for float64 inputs (the direct route would iterate
+    below their precision), for methods other than Polar Express, and for a row-sharded
+    ``x`` (``reducer`` set): the Gram route is the one whose only cross-shard operation is
+    the all-reduce of a ``d x d`` Gram, while the direct route needs the whole matrix.
+
+    Raises:
+        ValueError: for an unknown ``route``, or ``"direct"`` with a ``reducer``.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}; valid: {', '.join(ROUTES)}")
+    if route == "direct":
+        if reducer is not None:
+            raise ValueError(
+                "route 'direct' needs the whole work matrix; a row-sharded one takes route 'gram' "
+                "(or 'auto'), or is gathered to one rank"
+            )
+        return "direct"
+    if route == "gram" or reducer is not None or method != "polar_express" or x.dtype == torch.float64:
+        return "gram"
+    costs = route_costs(x, method, steps, gram_dtype)
+    return "direct" if costs is not None and costs["direct"] < costs["gram"] else "gram"
+
 
 def _one_sided(
     x: torch.Tensor,
@@ -503,6 +593,7 @@ def _one_sided(
     reducer: RowReducer | None = None,
     damping: str = "relative",
     gram_dtype: str | None = None,
+    route: str = "gram",
 ) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
@@ -532,8 +623,13 @@ def _one_sided(
     the final product from six bfloat16 products each (four for the Gram) of ``x``'s three
     bfloat16 parts: float32's accuracy on tensor cores (:mod:`equiopt.linalg.products`).
     ``"auto"``: see :func:`gram_precision`.
+
+    ``route``: ``"gram"`` (the above), ``"direct"`` (the polar factor of ``x`` itself, see
+    :func:`_one_sided_polar`) or ``"auto"`` (:func:`one_sided_route`).
     """
     _check_settings(scale, damping)
+    if one_sided_route(x, route, method, steps, gram_dtype, reducer) == "direct" and method != "gram_newton_schulz":
+        return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows, _DIRECT_METHODS[method], None)
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
     left = gram_side(m, n, gram) == "left"
     if reducer is not None and (left or method == "gram_newton_schulz"):
@@ -664,16 +760,28 @@ def _one_sided_polar(
     centered: bool,
     scale: str = "nu",
     rows: torch.Tensor | None = None,
+    method: str = "gram_newton_schulz",
+    dtype: torch.dtype | None = torch.float32,
 ) -> Factored:
-    """The paper's Gram Newton-Schulz variant: the undamped polar factor ``U`` computed
-    directly (float32), with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)``
-    at ``eps = 0``. It ignores the damping, so zero directions are not damped."""
-    out = polar(x, method="gram_newton_schulz", steps=steps, dtype=torch.float32).to(x.dtype)
+    """The one-sided map from the undamped polar factor ``U`` of ``D`` computed directly,
+    with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)`` at ``eps = 0``.
+
+    ``method="gram_newton_schulz"`` (float32) is the paper's Gram Newton-Schulz variant;
+    ``"polar_express"`` in the iteration's dtype (``dtype=None``: bfloat16 where the device
+    multiplies it natively, :func:`~equiopt.linalg.default_dtype`) is the direct route
+    (:func:`one_sided_route`), Muon's iteration on ``D``. Damping: where ``eps`` is
+    negligible against the smallest squared singular value, ``D (D^T D + eps I)^(-1/2)``
+    is ``U`` and the routes agree; the damping is not applied here, so a zero singular
+    value stays zero but a tiny one is mapped towards 1 (as Muon maps it) where the Gram
+    route's ``eps`` maps it towards 0. ``D`` is centred before (``centered``), and the
+    result projected by its row mean."""
+    out = polar(x, method=method, steps=steps, dtype=dtype).to(x.dtype)
     if alpha != 0 or scale != "nu":
         nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
-        fro2 = x.pow(2).sum(dim=(-2, -1))
+        # ||D||_F^2 is read by the "rms" scale only: one reduction over D, no squared copy
+        fro2 = torch.linalg.vector_norm(x, dim=(-2, -1)).square() if scale == "rms" else nu
         m = x.shape[-2] if rows is None else rows
-        out = out * _scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None]
+        out = out.mul_(_scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None])
     return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
 
 
@@ -691,6 +799,7 @@ def one_sided_factored(
     centered_input: bool = False,
     damping: str = "relative",
     gram_dtype: str | None = None,
+    route: str = "gram",
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
@@ -713,13 +822,25 @@ def one_sided_factored(
         gram_dtype: the precision of the Gram, the inverse square root and the final
             product: one of :data:`GRAM_DTYPES`, None for ``"float32"`` (see
             :func:`gram_precision` and :func:`_one_sided`).
+        route: ``"gram"``, ``"direct"`` or ``"auto"`` (see :func:`right_spectral`).
 
     Returns:
         The update as a :class:`Factored`.
     """
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
     return _one_sided(
-        x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping, gram_dtype=gram_dtype
+        x,
+        eps,
+        alpha,
+        method,
+        steps,
+        center,
+        gram,
+        scale,
+        reducer=reducer,
+        damping=damping,
+        gram_dtype=gram_dtype,
+        route=route,
     )
 
 
@@ -737,6 +858,7 @@ def right_spectral(
     scale: str = "nu",
     damping: str = "relative",
     gram_dtype: str | None = None,
+    route: str = "gram",
 ) -> torch.Tensor:
     """Damped right-polar map ``nu^alpha D (D^T D + eps I)^(-1/2)`` (Algorithm 1, RightPolarGradM).
 
@@ -760,12 +882,18 @@ def right_spectral(
         gram_dtype: the precision of the Gram, the inverse square root and the final
             product: one of :data:`GRAM_DTYPES`, None for ``"float32"`` (see
             :func:`gram_precision`; :func:`_one_sided` for what each costs).
+        route: ``"gram"`` (default: Gram, inverse square root, product), ``"direct"``
+            (Polar Express on ``D`` itself in the iteration's dtype, with
+            ``nu = tr(D^T P)``: Muon's accuracy, undamped) or ``"auto"`` (the cheaper on
+            ``D``'s device, :func:`one_sided_route`).
 
     Returns:
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "right_spectral")
-    f = one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping, gram_dtype=gram_dtype)
+    f = one_sided_factored(
+        D, eps, alpha, center, method, steps, gram, scale, damping=damping, gram_dtype=gram_dtype, route=route
+    )
     return materialize(f).to(D.dtype)
 
 
@@ -780,6 +908,7 @@ def left_spectral(
     scale: str = "nu",
     damping: str = "relative",
     gram_dtype: str | None = None,
+    route: str = "gram",
 ) -> torch.Tensor:
     """Damped left-polar map ``nu^alpha (D D^T + eps I)^(-1/2) D`` (Algorithm 1, LeftPolarGradM).
 
@@ -801,12 +930,15 @@ def left_spectral(
         scale: ``"nu"`` or ``"rms"``.
         damping: ``"relative"`` (default) or ``"absolute"``.
         gram_dtype: the products' precision, as in :func:`right_spectral`.
+        route: ``"gram"``, ``"direct"`` or ``"auto"``, as in :func:`right_spectral`.
 
     Returns:
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "left_spectral")
-    f = one_sided_factored(D, eps, alpha, center, method, steps, gram, scale, damping=damping, gram_dtype=gram_dtype)
+    f = one_sided_factored(
+        D, eps, alpha, center, method, steps, gram, scale, damping=damping, gram_dtype=gram_dtype, route=route
+    )
     return materialize(f).to(D.dtype)
 
 
@@ -943,6 +1075,7 @@ def hybrid(
     scale: str = "nu",
     damping: str = "relative",
     gram_dtype: str | None = None,
+    route: str = "gram",
 ) -> torch.Tensor:
     """Hybrid row-norm / one-sided spectral maps (Algorithm 2, HybridPolarGradM).
 
@@ -979,13 +1112,26 @@ def hybrid(
         damping: ``"relative"`` (default) or ``"absolute"``.
         gram_dtype: the precision of the one-sided stage's products, as in
             :func:`right_spectral`.
+        route: the one-sided stage's route, as in :func:`right_spectral`.
 
     Returns:
         The update, of ``D``'s shape and dtype.
     """
     _check(D, "hybrid")
     f = hybrid_factored(
-        D, order, eps, alpha, center, method, steps, eta, gram, scale, damping=damping, gram_dtype=gram_dtype
+        D,
+        order,
+        eps,
+        alpha,
+        center,
+        method,
+        steps,
+        eta,
+        gram,
+        scale,
+        damping=damping,
+        gram_dtype=gram_dtype,
+        route=route,
     )
     return materialize(f).to(D.dtype)
 
@@ -1136,6 +1282,7 @@ def hybrid_factored(
     centered_input: bool = False,
     damping: str = "relative",
     gram_dtype: str | None = None,
+    route: str = "gram",
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
@@ -1158,6 +1305,8 @@ def hybrid_factored(
             deprecated alias, see :func:`row_norm_factored`).
         damping: ``"relative"`` or ``"absolute"``.
         gram_dtype: the precision of the one-sided stage's products (see :func:`right_spectral`).
+        route: the one-sided stage's route (see :func:`right_spectral`); centring, when
+            set, comes before either.
 
     Returns:
         The update as a :class:`Factored`.
@@ -1165,7 +1314,9 @@ def hybrid_factored(
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
-    if order == "row_then_right" and _unformed_stage(x, gram, method, gram_dtype, reducer):
+    # the stage the one-sided map takes has x's shape, dtype and device: one decision for both
+    route = one_sided_route(x, route, method, steps, gram_dtype, reducer)
+    if order == "row_then_right" and route == "gram" and _unformed_stage(x, gram, method, gram_dtype, reducer):
         return _row_then_right(
             x, _row_factors(x, eta, eps, center, reducer), eps, alpha, method, steps, center, scale, reducer, damping
         )
@@ -1175,12 +1326,23 @@ def hybrid_factored(
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             sq = _row_norms(z)[..., 0].square()
             rows = _soft_row_count(_row_sum(sq, reducer), _row_sum(sq.pow(2), reducer))
-        return _clean_stage(
-            _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping, gram_dtype)
-        )
+        f = _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping, gram_dtype, route)
+        # the direct route's update is the whole result, not a stage: a non-finite value stays for the finite check
+        return _clean_stage(f) if route == "gram" else f
     z = materialize(
         _one_sided(
-            x, eps, alpha, method, steps, center, gram, scale, reducer=reducer, damping=damping, gram_dtype=gram_dtype
+            x,
+            eps,
+            alpha,
+            method,
+            steps,
+            center,
+            gram,
+            scale,
+            reducer=reducer,
+            damping=damping,
+            gram_dtype=gram_dtype,
+            route=route,
         )
     )
     f = _clean_stage(_row_factors(z, eta, eps, center, reducer))
@@ -1216,6 +1378,11 @@ __all__ = [
     "SCALES",
     "DAMPINGS",
     "GRAM_DTYPES",
+    "ROUTES",
+    "ROUTE_RATES",
+    "route_flops",
+    "route_costs",
+    "one_sided_route",
     "low_product",
     "gram_precision",
     "row_blocks",

@@ -107,6 +107,9 @@ def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None)
             passes = 1 + (steps - 1) // RESTART_EVERY
             return batch * (4 * passes * m * n * s + steps * 8 * s**3)
         return batch * steps * (4 * m * n * s + 2 * s**3)
+    if key.route == "direct":  # Polar Express on the matrix itself (a whole one: never sharded)
+        s = min(m, n)
+        return batch * steps * (4 * m * n * s + 2 * s**3) + (4 * batch * m * n if rule == "hybrid" else 0)
     rows = m if gram_rows is None else gram_rows
     side = n if rows >= n else rows  # the smaller Gram, see maps.gram_side
     out = batch * (4 * m * n * side + steps * 6 * side**3)  # the Gram and the product with R

@@ -248,6 +248,7 @@ class EquivariantOptimizer(Optimizer):
         scale: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         damping: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         gram_dtype: group default: the precision of the one-sided and hybrid maps' Gram and final product.
+        route: group default: how the one-sided and hybrid maps are computed (``"auto"``, ``"gram"``, ``"direct"``).
         lazy: group default (:data:`equiopt.optim.fields.FIELDS`; ``None``: the rule's).
         state_dtype: dtype of momentum and Adam moments (default: float32, float64 for float64 parameters).
         eager_state: create every state tensor at construction.
@@ -298,6 +299,7 @@ class EquivariantOptimizer(Optimizer):
         scale: str | None = None,
         damping: str = default("damping"),
         gram_dtype: str = default("gram_dtype", "right"),
+        route: str = default("route", "right"),
         lazy: bool = default("lazy"),
         state_dtype: torch.dtype | None = None,
         eager_state: bool = False,
@@ -368,6 +370,7 @@ class EquivariantOptimizer(Optimizer):
             scale=scale,
             damping=damping,
             gram_dtype=gram_dtype,
+            route=route,
             lazy=lazy,
         )
         super().__init__(params, defaults)

@@ -327,6 +327,17 @@ FIELDS: dict[str, Field] = {
             optional=True,
         ),
         Field(
+            "route",
+            _GRAM_RULES,
+            "auto",
+            _choice("route", maps.ROUTES),
+            "how the one-sided stage is computed: gram (Gram, inverse square root, product; damped by eps); "
+            "direct (Polar Express on the matrix itself in the iteration's dtype, as Muon, nu = tr(M^T P); "
+            "undamped, Muon's accuracy); auto (the cheaper by FLOPs at each precision's rate on the device: "
+            "direct on CUDA, gram on CPU, float64 and row-sharded matrices)",
+            optional=True,
+        ),
+        Field(
             "beta2",
             ("normuon",),
             0.95,

@@ -58,6 +58,7 @@ class MapKey(NamedTuple):
     scale: str
     damping: str
     gram_dtype: str = "auto"
+    route: str = "auto"
 
 
 def map_key(group: dict) -> MapKey:
@@ -77,6 +78,7 @@ def map_key(group: dict) -> MapKey:
         scale=group["scale"],
         damping=group.get("damping", "relative"),
         gram_dtype=group.get("gram_dtype") or "auto",
+        route=group.get("route") or "auto",
     )
 
 
@@ -104,7 +106,7 @@ def factored_map(
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
     ``col_reducer``: the same for a split of the columns (row-norm only)."""
-    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping, gram_dtype = key
+    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping, gram_dtype, route = key
     done = center == PRECENTRED
     center = bool(center)
     if rule in POLAR_RULES:
@@ -132,6 +134,7 @@ def factored_map(
         centered_input=done,
         damping=damping,
         gram_dtype=gram_dtype,
+        route=route,
     )
     if rule in ("right", "left"):
         return maps.one_sided_factored(D, **common)
@@ -150,13 +153,15 @@ def reducible(key: MapKey, rows: int, cols: int) -> bool:
     only): row-norm always; one-sided and hybrid maps when they form the right
     (``cols x cols``) Gram with a damped inverse square root; the spectral map of a tall
     matrix (``rows >= cols``) with the Gram Newton-Schulz polar factor, whose iteration
-    runs on the summed ``cols x cols`` Gram. Other spectral maps, left Grams and the
-    one-sided maps' Gram Newton-Schulz need the whole matrix."""
+    runs on the summed ``cols x cols`` Gram. Other spectral maps, left Grams, the
+    one-sided maps' Gram Newton-Schulz and their ``route="direct"`` need the whole matrix
+    (the engine gathers it to an owner rank). ``route="auto"`` is reducible: given a
+    reducer, the map keeps the Gram route (:func:`equiopt.maps.one_sided_route`)."""
     rule, method = key.rule, key.method
     if rule == "row":
         return True
     if rule in ("right", "left", "hybrid"):
-        return method != "gram_newton_schulz" and maps.gram_side(rows, cols) == "right"
+        return method != "gram_newton_schulz" and key.route != "direct" and maps.gram_side(rows, cols) == "right"
     return rule in ("spectral", "spectral_row") and method == "gram_newton_schulz" and rows >= cols
 
 
