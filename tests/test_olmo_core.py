@@ -1,9 +1,12 @@
 """OLMo-core as a client: roles of its dense and MoE transformers from their forward, its
-``OptimConfig``, and its own FSDP placement on 2 gloo processes."""
+``OptimConfig``, its own FSDP and expert-parallel placements on 2 gloo processes, and the
+example that trains with its own train loop."""
 
 import copy
+import math
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +144,82 @@ def _fsdp_equals_one_process(rank, world):
 def test_olmo_core_fsdp_step_equals_one_process(gloo):
     for errors in gloo(_fsdp_equals_one_process, 2):
         assert all(e <= 1e-5 for e in errors.values()), errors
+
+
+def _ep_equals_one_process(rank, world):
+    """OLMo-core's expert-parallel placement, as its train module makes it (EP over the HSDP
+    shard dimension, the only data parallelism it allows EP with), for both expert MLPs."""
+    from olmo_core.distributed.parallel import DataParallelType, build_world_mesh
+    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerExpertParallelConfig
+    from olmo_core.train.train_module.transformer.common import parallelize_model
+    from sharded_steps import give_grads, global_grads, rel
+    from torch.distributed.tensor import DTensor
+
+    from equiopt.integrations.olmo_core import EquioptConfig
+
+    dp = TransformerDataParallelConfig(name=DataParallelType.hsdp)
+    ep = TransformerExpertParallelConfig(degree=world)
+    mesh = build_world_mesh(dp=dp, ep=ep, device_type="cpu")  # (dp_replicate=1, dp_shard=2)
+    errors = {}
+    for name in ("llama_like_moe", "llama_like_moe_dropless"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DTensor random ops on a CPU mesh; no grouped_gemm
+            placed = parallelize_model(
+                _configs()[name].build(init_device="meta"),
+                world_mesh=mesh,
+                device=torch.device("cpu"),
+                max_sequence_length=16,
+                rank_microbatch_size=32,
+                dp_config=dp,
+                ep_config=ep,
+            )
+            ref = _configs()[name].build(init_device="cpu")
+        experts = {n: p for n, p in placed.named_parameters() if ".experts." in n}
+        assert experts and all(p.to_local().shape[0] == p.shape[0] // world for p in experts.values())  # 2 of 4 here
+        want = dict(ref.named_parameters())
+        with torch.no_grad():  # the reference holds the placed model's weights
+            for n, p in placed.named_parameters():
+                want[n].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+        config = EquioptConfig(recipe="paper:olmoe:ii", overrides={"*": {"method": "exact"}})
+        opt_ref, opt = config.build(ref), config.build(placed)
+        roles = {r.name: (r.role, r.layout) for r in opt.role_table}
+        assert roles == {r.name: (r.role, r.layout) for r in opt_ref.role_table}  # per-expert maps, as on one process
+        for step in range(2):
+            give_grads(global_grads(ref, step, seed=5), ref, placed)
+            opt_ref.step()
+            opt.step()
+        errors[name] = max(rel(p.full_tensor(), want[n].detach()) for n, p in placed.named_parameters())
+    return errors
+
+
+@pytest.mark.slow
+def test_olmo_core_expert_parallel_step_equals_one_process(gloo):
+    for errors in gloo(_ep_equals_one_process, 2):
+        assert all(e <= 1e-5 for e in errors.values()), errors
+
+
+@pytest.mark.slow
+def test_olmo_core_train_example(monkeypatch, tmp_path, one_thread):
+    """The example trains with OLMo-core's own trainer, data loader and scheduler (dense on a CPU)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    import olmo_core_train
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result, train_module = olmo_core_train.main(["--steps", "3", "--out", str(tmp_path), "--no-moe"])
+    assert result["steps"] == 3 and len(result["losses"]) == 3
+    assert all(math.isfinite(loss) for loss in result["losses"]), result
+    opt = train_module.optim
+    assert isinstance(opt, eo.EquivariantOptimizer)
+    recipe = eo.recipes.get_recipe("paper:olmoe:ii")
+    by_role = {g["role"]: g for g in opt.param_groups}
+    assert set(by_role) == {"embedding", "lm_head", "attention", "mlp_in", "mlp_out", "vector"}
+    for role, group in by_role.items():
+        assert group["rule"] == recipe.settings(role)["rule"], role
+    assert by_role["attention"]["rule"] == "spectral" and by_role["lm_head"]["rule"] == "row"
+    grouped = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert grouped == {id(p) for p in train_module.model.parameters()}
+    # OLMo-core's scheduler scaled each group's initial_lr (CosWithWarmup ends at 0.1 of it)
+    for group in opt.param_groups:
+        assert group["lr"] < group["initial_lr"]

@@ -15,9 +15,11 @@ Roles come from the model's forward (``equiopt.assign_roles``): OLMo-core's squa
 projections, 2-D expert stacks (``w1``/``w3`` stored ``(experts * d_model, hidden)`` for
 ``MoEMLP`` and ``(experts * hidden, d_model)`` for ``DroplessMoEMLP``) and flat routers
 (``(experts * d_model,)``) get the roles and per-head / per-expert work matrices of DESIGN.md's
-table. OLMo-core's token dispatch for experts (``binned_gather``, ``grouped_gemm``) needs CUDA
-kernels; for the trace only, the module registers a forward that applies the same expert
-weights, through the module's own expert MLP, to every token on every expert.
+table. OLMo-core's token dispatch for experts (``gather`` / ``binned_gather`` of
+``olmo_core.ops.moe``) runs Triton kernels, CUDA only; for the trace only, the module registers a
+forward that applies the same expert weights, through the module's own expert MLP, to every
+token on every expert (all of them, the trace holding the global stacks under expert
+parallelism too).
 
 The recipe's per-role learning rates become each group's ``initial_lr``, which OLMo-core's
 scheduler scales every step (its warm-up and decay shape every role alike; the recipe's own
@@ -42,12 +44,13 @@ __all__ = ["EquioptConfig", "experts_on_every_token"]
 def experts_on_every_token(self, x, expert_weights=None, expert_indices=None, batch_size_per_expert=None, **_):
     """Trace forward of OLMo-core's ``ParallelMLPBase``: every token through every expert
     with the module's own expert MLP (its CUDA-only dispatch left out); same output shape."""
+    from olmo_core.nn.moe.mlp import DroplessMoEMLP
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     flat = x.reshape(-1, x.shape[-1])
     mlp = self.mlp
-    experts = int(getattr(mlp, "num_local_experts", None) or mlp.num_experts)
-    if type(mlp).__name__ == "DroplessMoEMLP":
+    experts = int(mlp.num_experts)  # the trace holds every expert's weights, expert-parallel or not
+    if isinstance(mlp, DroplessMoEMLP):  # FSDP2 renames the class (FSDPDroplessMoEMLP) and keeps this base
         with unset_fake_temporarily():
             sizes = torch.full((experts,), flat.shape[0], dtype=torch.long)
         out = mlp(flat.repeat(experts, 1), sizes)
