@@ -41,19 +41,32 @@ from ..roles.dataflow import register_trace_forward
 __all__ = ["EquioptConfig", "experts_on_every_token"]
 
 
+class _HostCounts:
+    """Tokens per expert as the host array the dropless MLP's loop over experts reads
+    (``batch_sizes.cpu().numpy()``), kept out of the fake mode of the trace."""
+
+    def __init__(self, counts: list[int]):
+        self.counts = counts
+
+    def cpu(self) -> _HostCounts:
+        return self
+
+    def numpy(self):
+        import numpy as np
+
+        return np.asarray(self.counts)
+
+
 def experts_on_every_token(self, x, expert_weights=None, expert_indices=None, batch_size_per_expert=None, **_):
     """Trace forward of OLMo-core's ``ParallelMLPBase``: every token through every expert
     with the module's own expert MLP (its CUDA-only dispatch left out); same output shape."""
     from olmo_core.nn.moe.mlp import DroplessMoEMLP
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     flat = x.reshape(-1, x.shape[-1])
     mlp = self.mlp
     experts = int(mlp.num_experts)  # the trace holds every expert's weights, expert-parallel or not
     if isinstance(mlp, DroplessMoEMLP):  # FSDP2 renames the class (FSDPDroplessMoEMLP) and keeps this base
-        with unset_fake_temporarily():
-            sizes = torch.full((experts,), flat.shape[0], dtype=torch.long)
-        out = mlp(flat.repeat(experts, 1), sizes)
+        out = mlp(flat.repeat(experts, 1), _HostCounts([flat.shape[0]] * experts))
         out = out.reshape(experts, flat.shape[0], -1).sum(0)
     else:
         out = mlp(flat.unsqueeze(0).expand(experts, -1, -1)).sum(0)

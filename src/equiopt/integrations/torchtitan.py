@@ -62,6 +62,7 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 from ..optim import EquivariantOptimizer
 from ..recipes import DEFAULT_RECIPE, ROLES, Recipe, get_recipe, register_recipe
 from ..roles import RoleTable, assign_roles
+from ..roles.dataflow import register_trace_forward
 
 __all__ = [
     "OPTIMIZER_NAME",
@@ -130,6 +131,23 @@ def role_table(model: nn.Module, rules: Any = None, **role_options: Any) -> Role
         The :class:`~equiopt.roles.RoleTable`.
     """
     return assign_roles(model, rules=_merged_rules(model, rules), **role_options)
+
+
+# ------------------------------------------------------------------ roles trace
+
+
+def sdpa_in_place_of_masked_attention(self, q, k, v, *, scale=None, **_: Any) -> torch.Tensor:
+    """Trace forward of torchtitan's flex and varlen attention (``(batch, tokens, heads,
+    head_dim)`` in and out), which need a mask built from real token ids: causal SDPA on
+    the same q, k, v, so the roles trace sees what becomes attention's inputs."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, is_causal=True, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+for _cls in ("FlexAttention", "VarlenAttention"):
+    register_trace_forward(f"torchtitan.models.common.attention.{_cls}", sdpa_in_place_of_masked_attention)
 
 
 # --------------------------------------------------------------------- factory

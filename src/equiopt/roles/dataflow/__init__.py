@@ -65,7 +65,7 @@ def _candidates(model: nn.Module):
 
 
 #: codebases whose models need trace forwards of their own, and the module that registers them
-_PLUGINS = {"olmo_core": "equiopt.integrations.olmo_core"}
+_PLUGINS = {"olmo_core": "equiopt.integrations.olmo_core", "torchtitan": "equiopt.integrations.torchtitan"}
 
 
 def _load_plugins(model: nn.Module) -> None:

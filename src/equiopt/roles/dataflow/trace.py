@@ -246,6 +246,8 @@ class _Recorder(TorchDispatchMode):
             if src is not None:
                 by_tokens = self.tokens.get(args[1]) is not None
                 (self.ev.lookups if by_tokens else self.ev.positions).add(src[0])
+                if by_tokens:  # the residual stream starts here
+                    self.tags[outs[0]] = [Tag("stream", -1, torch.zeros(tuple(outs[0].shape), dtype=torch.int64))]
             return
         if name in ("index", "index_select") and (src := self.shadow(first)) is not None:
             idx = args[1] if name == "index" else args[2]
@@ -302,6 +304,15 @@ class _Recorder(TorchDispatchMode):
         if not tagged:
             return
         first = args[0] if args else None
+        if name in ("view_as_complex", "view_as_real") and self.tags_of(first):
+            for tag in self.tags_of(first):  # a complex companion packs the pair's two indices in one integer
+                c = tag.comp
+                if name == "view_as_complex":
+                    packed = c[..., 0] + (c[..., 1] << 32)
+                else:
+                    packed = torch.stack([((c << 32) >> 32), c >> 32], -1)
+                self.tags.setdefault(outs[0], []).append(_with(tag, packed))
+            return
         viewing = _is_view(func) or name in ("_unsafe_view", "clone", "contiguous", "_to_copy", "alias", "detach")
         if viewing and isinstance(first, torch.Tensor) and self.tags_of(first):
             for tag in self.tags_of(first):
@@ -319,12 +330,14 @@ class _Recorder(TorchDispatchMode):
         out = outs[0]
         if name == "mul" and len(args) >= 2 and self.gate(args[0], args[1], out):
             return
+        if name == "addcmul" and len(args) >= 3 and self.gate(args[1], args[2], out):
+            return
         merged: dict[tuple, Tag] = {}
         keys = [{t.key() for t in self.tags_of(a)} for a in tagged]
         residual = (
             name in ("add", "sub", "add_", "sub_")
             and len(args) >= 2
-            and all(isinstance(a, torch.Tensor) and self.shadow(a) is None for a in args[:2])
+            and all(isinstance(a, torch.Tensor) and self.shadow(a) is None and self.tags_of(a) for a in args[:2])
             and tuple(args[0].shape) == tuple(args[1].shape)
         )
         for a in tagged:
@@ -334,7 +347,9 @@ class _Recorder(TorchDispatchMode):
                 try:
                     comp = tag.comp.expand(out.shape) if tuple(a.shape) != tuple(out.shape) else tag.comp
                 except RuntimeError:
-                    continue
+                    comp = _by_feature(tag.comp, tuple(out.shape))  # rows gathered, scattered or padded
+                    if comp is None:
+                        continue
                 if residual and tag.kind == "proj" and not tag.gated and sum(tag.key() in k for k in keys) < 2:
                     continue  # a sum with an independent stream (the residual): no longer this projection's output
                 new = _with(tag, comp)
@@ -474,6 +489,17 @@ class _Recorder(TorchDispatchMode):
             lead = out.shape[:-2]
             idx = torch.arange(int(torch.Size(lead).numel())).reshape(*lead, 1, 1) * hd + torch.arange(hd)
             self.tags[out] = [Tag("attn", -1, idx.expand(tuple(out.shape)), size=hd)]
+
+
+def _by_feature(comp: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The companion of an operation that moves whole rows (token gathers and scatters,
+    padding) of a tensor whose companion depends on the last (feature) axis only; else None."""
+    if comp.ndim == 0 or not shape or comp.shape[-1] != shape[-1] or comp.numel() == 0:
+        return None
+    row = comp.reshape(-1, comp.shape[-1])
+    if not bool((row == row[:1]).all()):
+        return None
+    return row[0].expand(shape)
 
 
 def _first_row(comp: torch.Tensor) -> torch.Tensor:
