@@ -175,6 +175,19 @@ def test_roles_of_torchtitan_models(spec):
         assert row.layout == layout, (spec, row.name, row.layout, row.reason)
 
 
+@pytest.mark.parametrize("spec", list(EXPECTED))
+def test_roles_of_torchtitan_models_from_the_dataflow_alone(spec):
+    """No torchtitan rules: the forward (flex / varlen attention traced as SDPA) decides."""
+    model = tt.build_model(spec)
+    table = equiopt.assign_roles(model)
+    for row in table:
+        role, layout = next((r, lay) for pattern, r, lay in EXPECTED[spec] if re.search(pattern, row.name))
+        assert (row.role, row.layout) == (role, layout), (spec, row.name, row.role, row.layout, row.reason)
+        if role != "vector":
+            assert row.source == "dataflow", (spec, row.name, row.reason)
+    assert not table.notes, table.notes  # the names agree with the dataflow everywhere
+
+
 def test_equiopt_roles_prints_torchtitan_models(capsys):
     from equiopt.cli import main
 
