@@ -377,6 +377,34 @@ def test_padded_head_is_never_muon_and_vocab_equal_to_mlp_width_is_not_confused(
     assert groups[id(model.head.weight)]["rule"] != "spectral"
 
 
+class LoRA(nn.Module):
+    """A PEFT-style adapter around a frozen linear layer: ``base(x) + B(A(x))``."""
+
+    def __init__(self, base: nn.Linear, r: int = 4):
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_peft_style_adapters_get_the_roles_of_what_they_feed():
+    model = LM(SeparateQKV(), SwiGLU())
+    for name in ("wq", "wo"):
+        setattr(model.attn, name, LoRA(getattr(model.attn, name)))
+    model.mlp.w2 = LoRA(model.mlp.w2)
+    table = assign_roles(model)
+    names = [r.name for r in table]
+    assert "attn.wq.base_layer.weight" not in names  # frozen: not optimised
+    assert (table.row("attn.wq.lora_B.weight").role, table.row("attn.wq.lora_B.weight").layout) == ATTN_Q
+    assert table.row("attn.wq.lora_B.weight").work_shapes == [(H, HD, 4)]  # one (head_dim, r) block per head
+    assert table.row("attn.wo.lora_A.weight").layout == Heads(HD, "cols")  # it reads attention's output
+    assert table.row("mlp.w2.lora_A.weight").role == "mlp_out"  # it reads the gated hidden layer
+    assert table.row("attn.wq.lora_A.weight").role == "matrix"  # a low-rank factor feeding another
+
+
 class Misnamed(nn.Module):
     """An attention block whose projections are called like an MLP's."""
 

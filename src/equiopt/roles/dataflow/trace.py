@@ -337,7 +337,8 @@ class _Recorder(TorchDispatchMode):
         residual = (
             name in ("add", "sub", "add_", "sub_")
             and len(args) >= 2
-            and all(isinstance(a, torch.Tensor) and self.shadow(a) is None and self.tags_of(a) for a in args[:2])
+            and all(isinstance(a, torch.Tensor) and self.shadow(a) is None for a in args[:2])
+            and any(t.kind == "stream" for a in args[:2] for t in self.tags_of(a))
             and tuple(args[0].shape) == tuple(args[1].shape)
         )
         for a in tagged:
