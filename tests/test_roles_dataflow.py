@@ -61,6 +61,28 @@ class SeparateQKV(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, t, H * HD))
 
 
+@torch.library.custom_op("equiopt_test::flash_attn", mutates_args=())
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An attention kernel of another library: (batch, tokens, heads, head_dim) in and out."""
+    return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).contiguous()
+
+
+@flash_attn.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+class KernelAttention(SeparateQKV):
+    """q/k/v handed to a custom attention operator in (batch, tokens, heads, head_dim)."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, H, HD)
+        k = self.wk(x).view(b, t, HKV, HD).repeat_interleave(H // HKV, 2)
+        v = self.wv(x).view(b, t, HKV, HD).repeat_interleave(H // HKV, 2)
+        return self.wo(flash_attn(q, k, v).reshape(b, t, H * HD))
+
+
 class FusedQKV(nn.Module):
     """One qkv projection: q|k|v concatenated, or interleaved per key-value group."""
 
@@ -237,6 +259,10 @@ ZOO = {
     "attention_written_out": (
         lambda: LM(SeparateQKV(written=True), SwiGLU()),
         {"attn.wq.weight": ATTN_Q, "attn.wk.weight": ATTN_Q, "attn.wo.weight": ATTN_O},
+    ),
+    "attention_kernel_of_another_library": (
+        lambda: LM(KernelAttention(), SwiGLU()),
+        {"attn.wq.weight": ATTN_Q, "attn.wk.weight": ATTN_Q, "attn.wv.weight": ATTN_Q, "attn.wo.weight": ATTN_O},
     ),
     "fused_qkv_concatenated": (
         lambda: LM(FusedQKV(), SwiGLU()),
@@ -525,3 +551,27 @@ def test_every_suggested_rule_gives_the_role_it_names():
             rules.update(options[0])
     assert seen >= 6
     assert rules[r"attn\.a\.weight"][0] == "attention"  # never an MLP rule for an attention projection
+
+
+class EightHeads(nn.Module):
+    """An attention block whose kernel's layout the trace cannot tell (8 heads, 8 tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = 8, 8
+        self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 8, 8) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(flash_attn(q, k, v).reshape(b, t, D))
+
+
+def test_where_the_forward_shows_no_role_the_names_decide_and_say_so():
+    table = assign_roles(LM(EightHeads(), SwiGLU()))
+    row = table.row("attn.q_proj.weight")
+    assert (row.role, row.layout, row.source) == ("attention", Heads(8), "name")
+    assert table.row("attn.o_proj.weight").layout == Heads(8, "cols")
+    assert any("attn.q_proj.weight: the forward showed no role" in n for n in table.notes)
+    assert table.row("mlp.w1.weight").source == "dataflow"

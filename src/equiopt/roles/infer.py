@@ -154,8 +154,9 @@ def assign_roles(
                     layout.check(tuple(p.shape), name)
                 reason, source = "explicit rule", "rule"
             elif flow is not None and id(p) in flow.by_param:
-                role, layout, reason = _from_dataflow(ctx, flow.by_param[id(p)], name, mod_name, module, attr, p, notes)
-                source = "dataflow"
+                (role, layout, reason), source = _from_dataflow(
+                    ctx, flow.by_param[id(p)], name, mod_name, module, attr, p, notes
+                )
             else:
                 role, layout, reason = ctx.infer(mod_name, module, attr, p)
                 source = "name"
@@ -172,9 +173,12 @@ def assign_roles(
     return RoleTable(rows, tied_embeddings=tied, notes=notes)
 
 
-def _from_dataflow(ctx, found, name, mod_name, module, attr, p, notes) -> _Decision:
-    """The dataflow's decision for one parameter, checked against what names and shapes
-    say (the dataflow wins; a disagreement becomes a note of the table)."""
+def _from_dataflow(ctx, found, name, mod_name, module, attr, p, notes) -> tuple[_Decision, str]:
+    """The dataflow's decision for one parameter and its source, checked against what names
+    and shapes say: the dataflow wins where it saw a role (a disagreement becomes a note of
+    the table); where it saw only a plain product (``matrix``) and the names give a role, the
+    names' decision stands (an operation the trace does not know, e.g. an attention kernel of
+    another library, hides the role from it), with a note."""
     if found.problem is not None:
         raise ctx._fail(
             name,
@@ -187,12 +191,15 @@ def _from_dataflow(ctx, found, name, mod_name, module, attr, p, notes) -> _Decis
         by_name = ctx.infer(mod_name, module, attr, p)
     except RoleInferenceError:
         by_name = None
+    if by_name is not None and found.role == "matrix" and by_name.role not in ("matrix", "vector"):
+        notes.append(f"{name}: the forward showed no role for it; names and shapes give {by_name.role!r}")
+        return by_name, "name"
     if by_name is not None and (by_name.role, by_name.layout) != (found.role, found.layout):
         notes.append(
             f"{name}: names and shapes suggest {by_name.role!r} {by_name.layout!r}; "
             f"the dataflow's {found.role!r} {found.layout!r} is used ({found.reason})"
         )
-    return _Decision(found.role, found.layout, found.reason)
+    return _Decision(found.role, found.layout, found.reason), "dataflow"
 
 
 def _suggested_rule(role: str, p: torch.Tensor) -> str:

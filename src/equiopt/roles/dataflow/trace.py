@@ -195,8 +195,9 @@ def _coords(shadow: torch.Tensor, dim: int, axis: int, base_shape, base_strides)
 class _Recorder(TorchDispatchMode):
     """The dispatch mode of :func:`trace_model` (above the fake mode)."""
 
-    def __init__(self, evidence: Evidence, fakes: dict[int, int]):
+    def __init__(self, evidence: Evidence, fakes: dict[int, int], tokens_per_sequence: int = 8):
         super().__init__()
+        self.tokens_per_sequence = tokens_per_sequence
         self.ev = evidence
         self.fakes = fakes  # id(fake param) -> parameter index
         self.shadows: Any = WeakTensorKeyDictionary()  # tensor -> (pid, meta shadow, gathered)
@@ -267,6 +268,9 @@ class _Recorder(TorchDispatchMode):
             return
         if name in _SDPA:
             self.sdpa(args, outs[0])
+            return
+        if _looks_like_attention(name, args) and outs:
+            self.foreign_attention(args, outs[0])
             return
         if name == "topk":
             for tag in self.tags_of(first):
@@ -480,16 +484,50 @@ class _Recorder(TorchDispatchMode):
             v,
         )
 
+    def foreign_attention(self, args, out) -> None:
+        """An attention kernel whose layout is not known: ``(batch, heads, tokens, head_dim)``
+        or ``(batch, tokens, heads, head_dim)``, told apart by the trace's token count; when
+        both fit, nothing is recorded (the names decide)."""
+        tokens, q = self.tokens_per_sequence, args[0]
+        if q.shape[2] == tokens and q.shape[1] != tokens:
+            heads_first = True
+        elif q.shape[1] == tokens and q.shape[2] != tokens:
+            heads_first = False
+        else:
+            return
+        order = (lambda c: c) if heads_first else (lambda c: c.transpose(1, 2))
+        parts = [[(t, order(t.comp)) for t in self.tags_of(x) if t.kind == "proj"] for x in args[:3]]
+        self.attention_event(*parts, None, args[2])
+        if out.ndim == 4:
+            b, h, hd = out.shape[0], out.shape[1 if heads_first else 2], out.shape[-1]
+            idx = (torch.arange(b * h).reshape(b, h, 1, 1) * hd + torch.arange(hd)).expand(b, h, tokens, hd)
+            self.tags[out] = [Tag("attn", -1, order(idx), size=hd)]
+
     def attention_event(self, q_tags, k_tags, v_tags, out, v) -> None:
         for which, tags in (("q", q_tags), ("k", k_tags), ("v", v_tags)):
             for tag, comp in tags:
                 heads = comp.flatten(0, -3)[:, 0, :] if comp.ndim >= 3 else comp[:1]
                 self.ev.attention.append(AttentionUse(tag.pid, which, torch.unique(heads, dim=0)))
+        if out is None:
+            return
         hd = out.shape[-1]
         if out.ndim >= 3:
             lead = out.shape[:-2]
             idx = torch.arange(int(torch.Size(lead).numel())).reshape(*lead, 1, 1) * hd + torch.arange(hd)
             self.tags[out] = [Tag("attn", -1, idx.expand(tuple(out.shape)), size=hd)]
+
+
+def _looks_like_attention(name: str, args) -> bool:
+    """An attention kernel of another library (``flash_attn``'s, a custom operator): q, k, v
+    as its first three arguments, 4-D with one head size."""
+    if "attn" not in name and "attention" not in name:
+        return False
+    qkv = args[:3]
+    return (
+        len(qkv) == 3
+        and all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in qkv)
+        and qkv[0].shape[-1] == qkv[1].shape[-1]
+    )
 
 
 def _by_feature(comp: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -664,7 +702,7 @@ def trace_model(model: nn.Module, tokens: tuple[int, int] = (1, 8), vocab: int |
         values[name] = made[id(p)]
     for name, b in model.named_buffers(remove_duplicate=False):
         values[name] = fake(b)
-    recorder = _Recorder(evidence, fakes)
+    recorder = _Recorder(evidence, fakes, tokens[-1])
     with fake_mode:
         ids = torch.zeros(tokens, dtype=torch.long)
     recorder.tokens[ids] = True
