@@ -553,7 +553,7 @@ def test_every_suggested_rule_gives_the_role_it_names():
     assert rules[r"attn\.a\.weight"][0] == "attention"  # never an MLP rule for an attention projection
 
 
-class EightHeads(nn.Module):
+class EightHeadAttention(nn.Module):
     """An attention block whose kernel's layout the trace cannot tell (8 heads, 8 tokens)."""
 
     def __init__(self):
@@ -569,7 +569,7 @@ class EightHeads(nn.Module):
 
 
 def test_where_the_forward_shows_no_role_the_names_decide_and_say_so():
-    table = assign_roles(LM(EightHeads(), SwiGLU()))
+    table = assign_roles(LM(EightHeadAttention(), SwiGLU()))
     row = table.row("attn.q_proj.weight")
     assert (row.role, row.layout, row.source) == ("attention", Heads(8), "name")
     assert table.row("attn.o_proj.weight").layout == Heads(8, "cols")
