@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
@@ -266,6 +266,9 @@ class _Recorder(TorchDispatchMode):
         if name in _MATMULS:
             self.product(name, args, outs[0])
             return
+        if name == "copy_" and len(args) >= 2 and self.tags_of(args[1]):
+            self.write_into(args[0], args[1])
+            return
         if name in _SDPA:
             self.sdpa(args, outs[0])
             return
@@ -329,6 +332,11 @@ class _Recorder(TorchDispatchMode):
         if name == "cat":
             self.cat(args, kwargs, outs[0])
             return
+        if name in _MOVES and isinstance(first, torch.Tensor) and self.tags_of(first):
+            moved = [(tag, _apply_same(func, tag.comp, args, kwargs)) for tag in self.tags_of(first)]
+            if all(c is not None and tuple(c.shape) == tuple(outs[0].shape) for _, c in moved):
+                self.tags[outs[0]] = [_with(tag, c) for tag, c in moved]
+                return
         if name == "stack":
             return
         out = outs[0]
@@ -389,6 +397,23 @@ class _Recorder(TorchDispatchMode):
                     ]
                     return True
         return False
+
+    def write_into(self, dst, src) -> None:
+        """``dst.copy_(src)`` where ``dst`` may be a view (a slice of a tensor the model filled
+        piece by piece): ``src``'s companions are written where ``dst`` lies in its base."""
+        base = dst._base if dst._base is not None else dst
+        if not base.is_contiguous() or base.storage_offset() != 0:
+            return
+        merged = {t.key(): t for t in self.tags_of(base)}
+        for tag in self.tags_of(src):
+            if tag.comp.shape != src.shape:
+                continue
+            old = merged.get(tag.key())
+            comp = old.comp.clone() if old is not None else torch.full(tuple(base.shape), -1, dtype=torch.int64)
+            comp.as_strided(tuple(dst.shape), dst.stride(), dst.storage_offset()).copy_(tag.comp.expand(dst.shape))
+            merged[tag.key()] = _with(tag, comp)
+        self.tags[base] = list(merged.values())
+        self.tags[dst] = [_with(t, t.comp.expand(dst.shape)) for t in self.tags_of(src) if t.comp.shape == src.shape]
 
     def cat(self, args, kwargs, out) -> None:
         tensors = args[0]
@@ -555,6 +580,42 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         strides.append(acc)
         acc *= n
     return tuple(reversed(strides))
+
+
+#: operations that move elements without combining them: their companion is the operation
+#: applied to the companion (with the index arguments' constant values).
+_MOVES = {
+    "index",
+    "index_select",
+    "gather",
+    "flip",
+    "roll",
+    "repeat",
+    "repeat_interleave",
+    "tile",
+    "constant_pad_nd",
+    "slice_copy",
+    "select_copy",
+}
+
+
+def _apply_same(func, comp, args, kwargs):
+    """``func`` applied to a companion in place of its first argument; tensors among the other
+    arguments must be constants the model made (indices from Python lists), else None."""
+
+    def real(x):
+        if isinstance(x, torch.Tensor):
+            constant = getattr(x, "constant", None)
+            if constant is not None:
+                return constant
+            raise LookupError
+        return x
+
+    try:
+        rest = tree_map(real, (list(args[1:]), dict(kwargs)))
+        return func(comp, *rest[0], **rest[1])
+    except (LookupError, RuntimeError, TypeError, IndexError):
+        return None
 
 
 def _apply_view(func, comp, args, kwargs):
