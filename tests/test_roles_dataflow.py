@@ -575,3 +575,69 @@ def test_where_the_forward_shows_no_role_the_names_decide_and_say_so():
     assert table.row("attn.o_proj.weight").layout == Heads(8, "cols")
     assert any("attn.q_proj.weight: the forward showed no role" in n for n in table.notes)
     assert table.row("mlp.w1.weight").source == "dataflow"
+
+
+HF_ARCHS = {  # config class, extra settings; tiny widths on the meta device
+    "llama": ("LlamaConfig", {}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16}),
+    "phi": ("PhiConfig", {}),
+    "starcoder2": ("Starcoder2Config", {}),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "bloom": ("BloomConfig", {"n_head": 4, "n_layer": 2}),
+    "opt": ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64}),
+    "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 64, "n_head": 4, "n_layer": 2}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_ARCHS))
+def test_hugging_face_architectures_from_the_dataflow_agree_with_their_conventions(arch):
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    cls, extra = HF_ARCHS[arch]
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    common["num_key_value_heads"] = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = getattr(transformers, cls)(**{**common, **extra})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the forward is traced: no fallback
+        table = assign_roles(model)
+    by_names = {r.name: r for r in assign_roles(model, dataflow=False)}
+    for row in table:
+        if row.role == "vector":
+            continue
+        expected = (by_names[row.name].role, by_names[row.name].layout)
+        if arch == "opt" and re.search(r"fc[12]\.weight$", row.name):
+            expected = ("mlp_in", Row()) if "fc1" in row.name else ("mlp_out", Col())  # names alone: "matrix"
+        assert (row.role, row.layout) == expected, (arch, row.name, row.role, row.layout, row.reason)
+        latent = arch == "deepseek_v3" and "q_a_proj" in row.name  # feeds only q_b_proj: the names' "attention"
+        assert row.source == ("name" if latent else "dataflow"), (arch, row.name, row.source, row.reason)
