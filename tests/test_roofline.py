@@ -52,7 +52,8 @@ def test_elementwise_and_product_counts_by_hand():
 def test_polar_express_products_of_one_matrix_by_formula():
     """A spectral step of one m x n matrix (m <= n): five Polar Express steps, each
     ``A = X X^T`` (2 m^2 n), ``B = b A + c A^2`` (2 m^3) and ``a X + B X`` (2 m^2 n), all
-    bfloat16 on CUDA; the momentum ``lerp_`` reads momentum and gradient and writes momentum."""
+    bfloat16 on CUDA; the fused momentum stage reads momentum and gradient and writes momentum
+    and the map's input."""
     m, n = 64, 256
     w = torch.nn.Parameter(_meta(m, n))
     w.grad = torch.empty_like(w)
@@ -62,8 +63,10 @@ def test_polar_express_products_of_one_matrix_by_formula():
         )
         c = count_step(opt.step)
     assert c.flops_by_dtype() == {"bfloat16": 5 * (4 * m * m * n + 2 * m**3)}
-    lerp = _only(c, "lerp_")
-    assert lerp.written == 4 * m * n and lerp.read - 8 * m * n in (0, 4)  # (a 0-d weight tensor)
+    stage = _only(c, "momentum_stage")
+    assert stage.written == 8 * m * n and stage.read - 8 * m * n == 1  # (and its one finite flag)
+    flags = _only(c, "grad_flags")
+    assert flags.read == 4 * m * n + 4 and flags.written == 4  # the gradient; the skip counter
 
 
 def test_fused_adamw_reads_four_and_writes_three_tensors():

@@ -164,6 +164,11 @@ _FREE = VIEW_OPS | frozenset(
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_"})
 # mutable arguments (by position) an operator actually writes, where its schema marks more
 _WRITES = {"_fused_adamw_": (0, 2, 3, 4), "_fused_adam_": (0, 2, 3, 4)}
+# arguments an operator writes without reading them, by the arguments it was given
+_UNREAD: dict[str, Callable[[tuple], list]] = {
+    # equiopt::momentum_stage given a gradient of its own overwrites the scratch with it
+    "momentum_stage": lambda args: [args[1]] if args and args[0] is not None else [],
+}
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _SELF = os.path.abspath(__file__)
@@ -265,6 +270,8 @@ class RooflineCounter(TorchDispatchMode):
             targets = _tensors([args[i] for i in mutable]) + _tensors(kwargs.get("out"))
             skip = {_key(t) for t in _tensors(args[0])} if name in _OVERWRITE and args else set()
             skip |= {_key(t) for t in _tensors(kwargs.get("out"))}
+            if name in _UNREAD:
+                skip |= {_key(t) for t in _tensors(_UNREAD[name](args))}
             seen: dict[tuple, int] = {}
             for t in inputs:
                 k = _key(t)

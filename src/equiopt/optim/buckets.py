@@ -15,17 +15,21 @@ parameters they hold (``docs/step.md`` has the counts). It runs in three stages:
 - in, eager (:meth:`Part.take`): the gradients into a buffer made once (one ``stack``, or
   one foreach copy where the state is wider or the part flat; never into ``.grad``);
 - the core (:func:`bucket_core`, :func:`adamw_core`), on stacks alone, what
-  ``compile=`` compiles once per kind of bucket: the finite flags (a minimum and a maximum
-  per member), the skip counters, sanitising (one ``nan_to_num``), the momentum (one
-  ``lerp_``; Nesterov one more), the centring of quotient maps, the map on every work
+  ``compile=`` compiles once per kind of bucket: the finite flags and the skip counters
+  (``equiopt::grad_flags``), sanitising, the momentum and Nesterov's direction, written
+  into the part's place in the map's input (``equiopt::momentum_stage``; :mod:`.fused`;
+  a part whose work is a transpose of its stack or that is centred in place takes a
+  minimum and a maximum, a ``nan_to_num``, a ``lerp_`` and Nesterov's ``lerp`` instead),
+  the centring of quotient maps, the map on every work
   matrix of the bucket at once (its input written over the bucket's spent gradients), the
   guard of each matrix's update (its small factors checked and cleaned), and each part's
   update materialised once, into that buffer too, with the learning rate, the shape factor
   and the skip flags folded in (a part of one parameter adds its factored update straight
   into the weights' work views: no full-size update formed); the map's own working set is
   then all that a step allocates;
-- out, eager (:meth:`Part.finish`): the decay (one foreach multiply) and the update (one
-  foreach add) of the members.
+- out, eager (:meth:`Part.finish`): the decay and the update of the members, one
+  ``equiopt::decay_add_`` (a foreach multiply and a foreach add where the update is no
+  contiguous stack).
 
 Parameters that cannot be stacked this way (sharded or divided ones, ``lazy`` rows,
 multi-block layouts, ``nonfinite="raise"``) keep the per-parameter path of the engine.
@@ -50,6 +54,7 @@ from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT, _add_
 from .fields import POLAR_RULES
+from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
 from .rules import PRECENTRED, MapKey, factored_map, map_key, precentred, shape_factor
 
@@ -144,6 +149,9 @@ class Part:
         self._update_members: list[torch.Tensor] = []  # a matrix rule's update, in the scratch
         self.place: torch.Tensor  # a matrix rule's work matrices in the buffer (:meth:`use_scratch`)
         self.update_in_place = False
+        self._update_stack: torch.Tensor | None = None  # the update in the buffer, as a stack
+        # the decay and the update add in one operator where every weight is contiguous
+        self._fused_finish = not self.adamw and not flat and all(p.is_contiguous() for p in self.params)
 
     @property
     def spec(self) -> Spec:
@@ -209,6 +217,7 @@ class Part:
                 self.dtype == flat.dtype and stored.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             )
             self._update_members = self.members_of(stored) if self.update_in_place else []
+            self._update_stack = stored if self.update_in_place and stored.is_contiguous() else None
             self._spec = None
 
     def _stack(
@@ -296,6 +305,10 @@ class Part:
         if self.spec.single and not self.adamw:
             return
         wd = self.group["weight_decay"]
+        stack = self._update_stack if update is None else update
+        if self._fused_finish and stack is not None and stack.is_contiguous():
+            fused.decay_add_(self.params, stack, 1.0 - (lr * wd) * okl if wd else None)
+            return
         if wd:
             torch._foreach_mul_(self.params, list(torch.unbind(1.0 - (lr * wd) * okl, 0)))
         if self.adamw and update is None:
@@ -513,12 +526,21 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     return f, ok
 
 
-def _side_by_side(places: list[torch.Tensor], specs: tuple[Spec, ...], works: list[torch.Tensor]) -> None:
+def _side_by_side(
+    places: list[torch.Tensor], specs: tuple[Spec, ...], works: list[torch.Tensor], placed: list[bool]
+) -> None:
     """``torch.cat(works)`` without a new tensor: each part's work matrices into its place in
     the bucket's buffer (over its own spent gradients)."""
-    for place, spec, w in zip(places, specs, works):
-        if not (spec.nesterov and spec.work_is_view):  # else the direction is there already
+    for place, spec, w, there in zip(places, specs, works, placed):
+        if not (there or (spec.nesterov and spec.work_is_view)):  # else the direction is there already
             place.copy_(w)
+
+
+def _fused_prologue(key: MapKey, spec: Spec) -> bool:
+    """Whether a part's flags, sanitising, momentum and direction run as the fused operators
+    of :mod:`.fused`: a stack whose work matrices are the stack itself (the direction is then
+    written straight into the part's place in the map's input), not centred in place."""
+    return spec.work_is_view and not spec.flat and key.center != PRECENTRED
 
 
 def bucket_core(
@@ -556,8 +578,16 @@ def bucket_core(
     single-member part, the core applied its decay and update to ``weights[i]`` in place;
     the skip flags in the learning rates' dtype, and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
+    placed = [_fused_prologue(key, spec) for spec in specs]
     for i, spec in enumerate(specs):
-        grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
+        buf = momenta[i]
+        if placed[i]:
+            # flags, sanitising, momentum and direction in two fused operators: the direction
+            # lands in the part's scratch, which is its place in the map's input
+            ok, flags = fused.grad_flags(sources[i], counters[i], presents[i], spec.members)
+            grads = scratches[i]
+        else:
+            grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
         reported.append(flags)
         okf = ok.to(grads.dtype)
         okl = okf.to(lrs[i].dtype)
@@ -565,15 +595,18 @@ def bucket_core(
         weight = weights[i]
         if weight is not None and spec.weight_decay:
             weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
-        buf = momenta[i]
         # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
         # over G (in a fresh tensor where the work is a transpose, copied into the region below)
-        buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
-        if spec.nesterov:
-            together = region is not None and len(specs) > 1 and not spec.work_is_view
-            direction = torch.lerp(grads, buf, spec.beta) if together else grads.lerp_(buf, spec.beta)
+        if placed[i]:
+            fused.momentum_stage(sources[i] if spec.single else None, grads, buf, ok, spec.beta, spec.nesterov)
+            direction = grads
         else:
-            direction = buf
+            buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
+            if spec.nesterov:
+                together = region is not None and len(specs) > 1 and not spec.work_is_view
+                direction = torch.lerp(grads, buf, spec.beta) if together else grads.lerp_(buf, spec.beta)
+            else:
+                direction = buf
         work = spec.layout.stacked_to_work(direction)[0]  # type: ignore[union-attr]
         if key.center == PRECENTRED:
             # D <- Pi D in place (see the engine's _centre_in_place); a skipped member stays
@@ -591,7 +624,7 @@ def bucket_core(
         x = torch.cat(works)
     else:
         assert places is not None
-        _side_by_side(places, specs, works)
+        _side_by_side(places, specs, works, placed)
         x, works = region, places
     f = map_fn(key, eta, x)
     if seconds is not None:

@@ -1,0 +1,165 @@
+"""Triton kernels of the fused stages (:mod:`.ops`' CUDA implementations).
+
+Every kernel runs on a grid of (blocks of a member, members): the first axis may be as
+large as CUDA allows (a 151936 x 1024 embedding is 151,936 blocks of 1024), the second
+holds the ``B`` members of a stack. Each reads every element of its tensors once and
+writes each output element once. Arithmetic is float32 whatever the storage dtype, in the
+order of the eager stages (``torch.lerp``'s two-sided formula; a decay rounded to the
+weights' dtype before the update is added, as two foreach operators round). With
+``TRITON_INTERPRET=1`` set before this module is imported they run on CPU tensors
+(``tests/test_fused_kernels.py``).
+
+The stacks are read as contiguous ``(B, n)``; a gradient given as a strided tensor is made
+contiguous first. The weights of ``decay_add_`` are separate tensors: each member's is
+addressed from the first one's pointer by an element offset, kept per list of addresses
+(computed once, then read from the device: no transfer when a CUDA graph replays)."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from ..apply import GRAD_LIMIT
+
+__all__ = ["BLOCK", "finite_flags", "momentum_stage", "decay_add_"]
+
+#: Elements per program.
+BLOCK = 1024
+
+
+@triton.jit
+def _flags_kernel(src, bad, n, nblocks, limit, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    m = tl.program_id(1)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.load(src + m.to(tl.int64) * n + i, mask=mask, other=0.0).to(tl.float32)
+    out = (x != x) | (x < -limit) | (x > limit)  # NaN, or beyond the limit (infinities too)
+    tl.store(bad + m.to(tl.int64) * nblocks + b, tl.max(out.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _lerp(start, end, weight):
+    # torch.lerp: from the nearer end, with a fused multiply-add, as its CPU and CUDA kernels compute it
+    diff = end - start
+    return tl.where(tl.abs(weight) < 0.5, tl.fma(weight, diff, start), tl.fma(-diff, 1.0 - weight, end))
+
+
+@triton.jit
+def _lerp_scalar(start, end, weight, rest):
+    # torch.lerp with a scalar weight: ``rest`` is ``1 - weight``, rounded as float32 computes it
+    diff = end - start
+    return tl.where(tl.abs(weight) < 0.5, tl.fma(weight, diff, start), tl.fma(-diff, rest, end))
+
+
+@triton.jit
+def _momentum_kernel(src, scratch, mom, weights, n, beta, rest, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    m = tl.program_id(1)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    at = m.to(tl.int64) * n + i
+    g = tl.load(src + at, mask=mask, other=0.0).to(tl.float32)
+    g = tl.where((g - g) == 0.0, g, 0.0)  # NaN and Inf read as 0 (g - g is 0 exactly where g is finite)
+    g = g.to(scratch.dtype.element_ty).to(tl.float32)  # the sanitised gradient as stored in the buffer
+    old = tl.load(mom + at, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weights + m)
+    new = _lerp(old, g, w).to(mom.dtype.element_ty)
+    tl.store(mom + at, new, mask=mask)
+    if NESTEROV:
+        direction = _lerp_scalar(g, new.to(tl.float32), beta, rest)
+    else:
+        direction = new.to(tl.float32)
+    tl.store(scratch + at, direction.to(scratch.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decay_add_kernel(base, offsets, upd, factors, n, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    m = tl.program_id(1)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    where = base + tl.load(offsets + m) + i
+    w = tl.load(where, mask=mask, other=0.0)
+    if DECAY:
+        w = (w.to(tl.float32) * tl.load(factors + m)).to(base.dtype.element_ty)
+    u = tl.load(upd + m.to(tl.int64) * n + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(where, (w.to(tl.float32) + u).to(base.dtype.element_ty), mask=mask)
+
+
+def _grid(n: int, members: int) -> tuple[int, int]:
+    return (triton.cdiv(n, BLOCK), members)
+
+
+def finite_flags(source: torch.Tensor, members: int) -> torch.Tensor:
+    """``(members,)`` bool: each gradient of the stack ``source`` free of NaN and Inf and
+    within ``GRAD_LIMIT`` (one read of it)."""
+    x = source.reshape(members, -1).contiguous()
+    n = x.shape[1]
+    grid = _grid(n, members)
+    bad = torch.empty((members, grid[0]), dtype=torch.int32, device=x.device)
+    _flags_kernel[grid](x, bad, n, grid[0], GRAD_LIMIT, BLOCK=BLOCK)
+    return bad.amax(dim=1) == 0
+
+
+def momentum_stage(
+    source: torch.Tensor | None,
+    scratch: torch.Tensor,
+    momentum: torch.Tensor,
+    ok: torch.Tensor,
+    beta: float,
+    nesterov: bool,
+) -> None:
+    """:func:`.ops.momentum_stage` in one kernel (``scratch`` and ``momentum`` contiguous)."""
+    members = momentum.shape[0]
+    n = momentum.numel() // members
+    src = scratch if source is None else source.contiguous()
+    weights = ok.to(scratch.dtype) * (1.0 - beta)  # as the eager stage rounds them
+    _momentum_kernel[_grid(n, members)](
+        src, scratch, momentum, weights.float(), n, beta, _rest(beta), NESTEROV=nesterov, BLOCK=BLOCK
+    )
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _rest(beta: float) -> float:
+    """``1 - beta`` in float32 arithmetic (as a float32 kernel computes it from a float32 ``beta``)."""
+    return _float32(1.0 - _float32(beta))  # (exact in double, then rounded once)
+
+
+_OFFSETS: dict[tuple, torch.Tensor] = {}
+
+
+def _offsets(params: list[torch.Tensor]) -> torch.Tensor:
+    """Each member's element offset from the first one's address, on the device (kept)."""
+    key = (params[0].device, params[0].dtype, *(p.data_ptr() for p in params))
+    found = _OFFSETS.get(key)
+    if found is None:
+        size, first = params[0].element_size(), params[0].data_ptr()
+        found = _OFFSETS[key] = torch.tensor(
+            [(p.data_ptr() - first) // size for p in params], dtype=torch.int64, device=params[0].device
+        )
+    return found
+
+
+def decay_add_(params: list[torch.Tensor], update: torch.Tensor, factors: torch.Tensor | None) -> None:
+    """:func:`.ops.decay_add_` in one kernel (contiguous weights and update stack)."""
+    members = len(params)
+    n = params[0].numel()
+    upd = update.reshape(members, n)
+    if factors is not None:
+        factors = factors.to(params[0].dtype).float()  # the multiplier as a foreach multiply takes it
+    _decay_add_kernel[_grid(n, members)](
+        params[0],
+        _offsets(params),
+        upd,
+        factors if factors is not None else upd,
+        n,
+        DECAY=factors is not None,
+        BLOCK=BLOCK,
+    )

@@ -1,0 +1,119 @@
+"""The fused stages of a bucket's step as ``torch.library`` custom operators.
+
+Each operator reads each of its tensors once and writes each of its outputs once, so the
+roofline (:mod:`equiopt.roofline`), which charges an operator the bytes of its inputs and of
+what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one operator:
+
+- ``equiopt::grad_flags``: the finite flags of a stack of gradients (``(B,)`` bool: free of
+  NaN and Inf and within ``GRAD_LIMIT``, and present), the flags a step reports, and the
+  skip counters (one read of the gradients);
+- ``equiopt::momentum_stage``: the gradients sanitised (NaN and Inf read as 0), the
+  momentum EMA ``M <- M + ok (1 - beta) (G - M)`` and the direction, Nesterov's
+  ``G + beta (M - G)`` or the momentum itself, written into the part's place in the
+  bucket's buffer where the map reads it (one read of the gradients and the momentum, one
+  write of the momentum and the direction);
+- ``equiopt::decay_add_``: ``W <- f W + U`` for every member (``f = 1 - lr wd ok``, or no
+  decay), the update read from one stack (one read of weights and update, one write of
+  the weights).
+
+The CPU implementation of each is the eager code of :mod:`equiopt.optim.buckets` (results
+bitwise as before); CUDA's runs the Triton kernels of :mod:`.kernels`. None reads a tensor
+back to the host or allocates anything of a gradient's size, so a step keeps every
+guarantee of ``docs/step.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..apply import GRAD_LIMIT
+
+__all__ = ["grad_flags", "momentum_stage", "decay_add_"]
+
+
+@torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters",))
+def grad_flags(source: Tensor, counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+    """``(ok, reported)`` of ``members`` stacked gradients ``source``: ``ok`` is free of NaN
+    and Inf, every entry within ``GRAD_LIMIT`` and present (``present``: None where all are);
+    ``reported`` is True except for a present, non-finite gradient, counted in ``counters``."""
+    seen = source.reshape(members, -1)
+    # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
+    finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
+    return _combine(finite, counters, present)
+
+
+def _combine(finite: Tensor, counters: Tensor, present: Tensor | None) -> tuple[Tensor, Tensor]:
+    if present is not None:
+        bad = present & ~finite
+        ok, reported = finite & present, ~bad
+    else:
+        ok, bad, reported = finite, ~finite, finite.clone()  # (an operator's outputs may not alias)
+    counters.add_(bad)
+    return ok, reported
+
+
+@grad_flags.register_fake
+def _(source: Tensor, counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+    return source.new_empty((members,), dtype=torch.bool), source.new_empty((members,), dtype=torch.bool)
+
+
+@grad_flags.register_kernel("cuda")
+def _(source: Tensor, counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+    from . import kernels
+
+    return _combine(kernels.finite_flags(source, members), counters, present)
+
+
+@torch.library.custom_op("equiopt::momentum_stage", mutates_args=("scratch", "momentum"))
+def momentum_stage(
+    source: Tensor | None, scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool
+) -> None:
+    """The gradients (``source``, or ``scratch`` itself where None) sanitised, the momentum
+    EMA with weight ``ok (1 - beta)`` per member (a skipped member's momentum stays bit for
+    bit) and the direction into ``scratch``: ``lerp(G, M, beta)`` with ``nesterov``, else
+    ``M``. ``scratch`` and ``momentum`` are ``(B, ...)`` stacks of one shape."""
+    if source is not None:  # one gradient: copied and sanitised in one pass
+        torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(source.shape))
+    else:
+        torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
+    weight = ok.to(scratch.dtype) * (1.0 - beta)
+    momentum.lerp_(scratch, weight.view(-1, *([1] * (momentum.ndim - 1))))
+    if nesterov:
+        scratch.lerp_(momentum, beta)
+    else:
+        scratch.copy_(momentum)
+
+
+@momentum_stage.register_fake
+def _(source: Tensor | None, scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool) -> None:
+    return None
+
+
+@momentum_stage.register_kernel("cuda")
+def _(source: Tensor | None, scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool) -> None:
+    from . import kernels
+
+    kernels.momentum_stage(source, scratch, momentum, ok, beta, nesterov)
+
+
+@torch.library.custom_op("equiopt::decay_add_", mutates_args=("params",))
+def decay_add_(params: list[Tensor], update: Tensor, factors: Tensor | None) -> None:
+    """``params[k] <- factors[k] params[k] + update[k]`` (no multiply where ``factors`` is
+    None): the decay and the update add of a part's members, ``update`` their ``(B, ...)``
+    stack."""
+    if factors is not None:
+        torch._foreach_mul_(params, list(torch.unbind(factors, 0)))
+    torch._foreach_add_(params, list(update.unbind(0)))
+
+
+@decay_add_.register_fake
+def _(params: list[Tensor], update: Tensor, factors: Tensor | None) -> None:
+    return None
+
+
+@decay_add_.register_kernel("cuda")
+def _(params: list[Tensor], update: Tensor, factors: Tensor | None) -> None:
+    from . import kernels
+
+    kernels.decay_add_(params, update, factors)

@@ -1,0 +1,186 @@
+"""The fused stages' Triton kernels (equiopt.optim.fused.kernels), run on the CPU by Triton's
+interpreter (``TRITON_INTERPRET=1``) in float32, against the eager stages that are the
+operators' CPU implementations: the finite flags, the momentum stage (sanitising, EMA,
+Nesterov or not, one gradient of its own or a stack in the buffer) and the decay with the
+update add; then whole steps of a bucket of several parts, with NaN and Inf gradients,
+decay and Nesterov on and off, through the kernels and through the eager stages."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+# Triton's interpreter must be chosen before triton is first imported (its own library
+# functions are compiled then); on a CUDA machine the kernels run on the device instead
+INTERPRET = not torch.cuda.is_available() and ("triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1")
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="the fused stages' kernels are Triton kernels: pip install triton to run them")
+
+import equiopt.optim.buckets as buckets  # noqa: E402
+from equiopt.optim import EquivariantOptimizer  # noqa: E402
+from equiopt.optim.apply import GRAD_LIMIT  # noqa: E402
+from equiopt.optim.fused import kernels, ops  # noqa: E402
+
+# the interpreter computes in NumPy, which warns where a kernel takes inf - inf (to find the infinities)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+interpreted = pytest.mark.skipif(
+    not INTERPRET, reason="Triton's interpreter runs where no CUDA device is (and before triton is imported)"
+)
+N = 2 * kernels.BLOCK + 77  # three blocks per member, the last one partial
+
+
+def _gradients(members=5, n=N, seed=0):
+    """A stack of gradients: member 0 healthy, then NaN, +Inf, -Inf and an entry beyond
+    ``GRAD_LIMIT``, each in a late block."""
+    g = torch.randn(members, n, generator=torch.Generator().manual_seed(seed))
+    bad = [float("nan"), float("inf"), float("-inf"), 2 * GRAD_LIMIT]
+    for k, value in enumerate(bad[: members - 1]):
+        g[k + 1, n - 1 - 13 * k] = value
+    return g
+
+
+@interpreted
+@pytest.mark.parametrize("present", [None, [True, False, True, True, False]], ids=["all", "missing"])
+def test_finite_flags_kernel_equals_eager(present):
+    g = _gradients()
+    mask = None if present is None else torch.tensor(present)
+    eager_counters, counters = torch.zeros(5), torch.zeros(5)
+    ok, reported = ops.grad_flags(g, eager_counters, mask, 5)
+    flags = ops._combine(kernels.finite_flags(g, 5), counters, mask)
+    assert kernels.finite_flags(g, 5).tolist() == [True, False, False, False, False]
+    assert torch.equal(flags[0], ok) and torch.equal(flags[1], reported)
+    assert torch.equal(counters, eager_counters)
+
+
+@interpreted
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+@pytest.mark.parametrize("own", [False, True], ids=["in-buffer", "own-gradient"])
+def test_momentum_stage_kernel_equals_eager(nesterov, own):
+    members = 1 if own else 5
+    g = _gradients(members)
+    ok = torch.tensor([True, False, True, False, True][:members]) if not own else torch.tensor([True])
+    momentum = torch.randn(members, N, generator=torch.Generator().manual_seed(2))
+    results = []
+    for run in (ops.momentum_stage, kernels.momentum_stage):
+        m = momentum.clone()
+        scratch = torch.full_like(g, 7.0) if own else g.clone()
+        run(g if own else None, scratch, m, ok, 0.9, nesterov)
+        results.append((scratch, m))
+    (s_eager, m_eager), (s_kernel, m_kernel) = results
+    assert torch.isfinite(s_kernel).all() and torch.isfinite(m_kernel).all()
+    torch.testing.assert_close(m_kernel, m_eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(s_kernel, s_eager, rtol=1e-6, atol=1e-7)
+    skipped = ~ok
+    assert torch.equal(m_kernel[skipped], momentum[skipped])  # bit for bit
+
+
+@interpreted
+@pytest.mark.parametrize("decay", [True, False], ids=["decay", "no-decay"])
+def test_decay_add_kernel_equals_eager(decay):
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(40, 51, generator=gen) for _ in range(4)]  # separate tensors
+    update = torch.randn(4, 40, 51, generator=gen)
+    factors = torch.tensor([1.0, 1.0 - 0.02 * 0.1, 1.0, 0.5]) if decay else None
+    eager = [p.clone() for p in params]
+    ops.decay_add_(eager, update, factors)
+    kernels.decay_add_(params, update, factors)
+    for a, b in zip(params, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# a bucket of several parts with work matrices of 48 x 40 (1,920 entries, two blocks): stored
+# as is, split in heads, a one-member part (read from its own gradient), and transposed (the
+# eager stages, whose work is no view of the stack)
+PARTS = [("row", [(48, 40)] * 2), ("heads:48", [(96, 40)] * 2), ("row", [(48, 40)]), ("col", [(40, 48)] * 2)]
+
+
+def _steps(settings, through_kernels, steps=4):
+    groups = [
+        {
+            "params": [
+                torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(10 * k + j)))
+                for j, s in enumerate(shapes)
+            ],
+            "layout": layout,
+            **settings,
+        }
+        for k, (layout, shapes) in enumerate(PARTS)
+    ]
+    opt = EquivariantOptimizer(groups, lr=0.02, beta=0.9, method="exact", compile=False)
+    params = [p for g in groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(1)
+    calls = []
+    if through_kernels:
+
+        def flags(source, counters, present, members):
+            calls.append("grad_flags")
+            return ops._combine(kernels.finite_flags(source, members), counters, present)
+
+        def momentum(*args):
+            calls.append("momentum_stage")
+            kernels.momentum_stage(*args)
+
+        def decay_add(*args):
+            calls.append("decay_add_")
+            kernels.decay_add_(*args)
+
+        fused = types.SimpleNamespace(grad_flags=flags, momentum_stage=momentum, decay_add_=decay_add)
+    else:
+        fused = ops
+    saved = buckets.fused
+    buckets.fused = fused
+    try:
+        for step in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if step == 1:
+                params[1].grad[47, 39] = float("nan")  # stored as is
+                params[2].grad[0, 0] = float("inf")  # heads
+                params[4].grad[3, 5] = float("-inf")  # the one-member part
+            if step == 2:
+                params[0].grad[20, 1] = 4 * GRAD_LIMIT
+            opt.step()
+    finally:
+        buckets.fused = saved
+    return params, opt, calls
+
+
+@interpreted
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0], ids=["decay", "no-decay"])
+def test_a_bucket_steps_through_the_kernels_as_through_the_eager_stages(nesterov, weight_decay):
+    settings = {"rule": "spectral", "nesterov": nesterov, "weight_decay": weight_decay}
+    eager, eager_opt, _ = _steps(settings, False)
+    fused, opt, calls = _steps(settings, True)
+    assert [len(b.parts) for b in opt._buckets.matrix] == [4]
+    # every part but the transposed one takes the kernels, each step
+    assert calls.count("grad_flags") == calls.count("momentum_stage") == 3 * 4
+    assert calls.count("decay_add_") == 2 * 4  # the one-member part adds its own update
+    assert opt.nonfinite_steps == eager_opt.nonfinite_steps == 4
+    for a, b in zip(fused, eager):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for key in ("momentum_buffer", "nonfinite"):
+            torch.testing.assert_close(opt.state[a][key], eager_opt.state[b][key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the operators' CUDA implementations need a CUDA device")
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+def test_cuda_operators_equal_their_cpu_implementations(nesterov):
+    g = _gradients()
+    ok = torch.tensor([True, False, True, False, True])
+    momentum = torch.randn(5, N, generator=torch.Generator().manual_seed(2))
+    found = {}
+    for device in ("cpu", "cuda"):
+        counters = torch.zeros(5, device=device)
+        flags = ops.grad_flags(g.to(device), counters, None, 5)
+        m, scratch = momentum.to(device), g.to(device)
+        ops.momentum_stage(None, scratch, m, ok.to(device), 0.9, nesterov)
+        params = [t.clone() for t in momentum[:, :1000].to(device)]
+        ops.decay_add_(params, scratch[:, :1000].contiguous(), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0], device=device))
+        found[device] = [t.cpu() for t in (*flags, counters, m, scratch, *params)]
+    for a, b in zip(found["cuda"], found["cpu"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
