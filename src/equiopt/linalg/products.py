@@ -93,7 +93,11 @@ class Bfloat16ProductsInFloat32(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if func in _PRODUCTS and tensors and all(t.dtype == torch.bfloat16 and decides_like(t) == "cpu" for t in tensors):
+        if (
+            func in _PRODUCTS
+            and tensors
+            and all(t.dtype == torch.bfloat16 and decides_like(t) == "cpu" for t in tensors)
+        ):
             wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
             return func(*wide, **kwargs).bfloat16()
         return func(*args, **kwargs)
