@@ -222,17 +222,7 @@ def _stack_model(device: torch.device, shape: str | None = None, structure: int 
 
         return qwen3_structure(28, structure).to(device)
     if shape:
-        vocab, hidden = (int(v) for v in shape.lower().split("x"))
-        return models.build(
-            "qwen3",
-            "small",
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_hidden_layers=4,
-            intermediate_size=3 * hidden,
-            seed=0,
-            device=device,
-        )
+        return models.build_vocab_shaped(shape, device=device)
     if device.type == "cuda":
         return models.build("qwen3", "paper", device=device, seed=0)
     return models.build(

@@ -387,16 +387,7 @@ def meta_model(name: str = DEFAULT_MODEL) -> torch.nn.Module:
         family, size = name.split(":", 1)
         return models.build(family, size, device="meta")
     if "x" in name and all(part.isdigit() for part in name.lower().split("x")):
-        vocab, hidden = (int(v) for v in name.lower().split("x"))
-        return models.build(
-            "qwen3",
-            "small",
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_hidden_layers=4,
-            intermediate_size=3 * hidden,
-            device="meta",
-        )
+        return models.build_vocab_shaped(name, device="meta", seed=None)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(name)

@@ -59,10 +59,11 @@ can be requested (``model(..., output_router_logits=True)``) without changing
 the loss; set ``router_aux_loss_coef`` to train with the auxiliary loss.
 """
 
-from .build import FAMILIES, SIZES, build, config, count_parameters, init_weights
+from .build import FAMILIES, SIZES, build, build_vocab_shaped, config, count_parameters, init_weights
 from .presets import PAPER_PARAM_COUNTS, PARAM_COUNTS
 
 __all__ = [
+    "build_vocab_shaped",
     "FAMILIES",
     "SIZES",
     "PAPER_PARAM_COUNTS",

@@ -14,7 +14,7 @@ from torch import nn
 
 from .presets import FAMILY_SPECS, SIZES, Family
 
-__all__ = ["FAMILIES", "SIZES", "config", "build", "init_weights", "count_parameters"]
+__all__ = ["FAMILIES", "SIZES", "config", "build", "build_vocab_shaped", "init_weights", "count_parameters"]
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
 
@@ -261,3 +261,20 @@ def build(
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     """Number of (trainable) parameters, each shared tensor counted once; works on meta."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def build_vocab_shaped(shape: str, device: str | torch.device = "cpu", seed: int | None = 0) -> torch.nn.Module:
+    """A 4-layer Qwen3-style model whose vocabulary matrices are ``shape`` ("VOCABxHIDDEN", e.g.
+    ``"151936x1024"``) and whose MLP width is three times the hidden size: the benches' model
+    for a vocabulary-heavy step at a real vocabulary and width."""
+    vocab, hidden = (int(v) for v in shape.lower().split("x"))
+    return build(
+        "qwen3",
+        "small",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        intermediate_size=3 * hidden,
+        seed=seed,
+        device=device,
+    )
