@@ -145,8 +145,6 @@ def _rows_layout(
             return Heads(size), f"{experts} experts stacked as blocks of {size} rows"
         if ax == 1:
             return Compose(Heads(size), Col()), f"{experts} experts stacked as blocks of {size} rows, transposed"
-    if p.ndim == 2 and prod.batch_axis is None and len(prod.view_shape) == 2 and ax == 0 and block == 1:
-        return Row(), "rows = stored rows"
     return None, f"a {tuple(p.shape)} parameter used through a view {prod.view_shape} the layouts do not cover"
 
 
