@@ -19,7 +19,7 @@ On one CUDA device, in this order (each against a baseline run in the same proce
   H100's roofline (:mod:`equiopt.roofline`, CUDA's choices, the Gram precision ``bench
   --stack`` sets), and ``roofline_over_eager`` each one's estimate over its measured eager
   step: the roofline model checked whenever a GPU is lent;
-- ``cuda_tests``: ``{passed, failed}`` of ``tests/test_cuda.py`` and ``tests/test_buckets.py``.
+- ``cuda_tests``: ``{passed, failed, failing}`` (the failing tests' ids) of ``tests/test_cuda.py`` and ``tests/test_buckets.py``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,12 @@ def _tests(limit: float) -> dict:
     except subprocess.TimeoutExpired as err:
         text = str(err.stdout or "")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error)", text)}
-    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)}
+    failing = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)  # pytest's short summary, one line each
+    return {
+        "passed": counts.get("passed", 0),
+        "failed": counts.get("failed", 0) + counts.get("error", 0),
+        "failing": failing,
+    }
 
 
 def roofline_figures(recipes=RECIPES, gram_dtype: str = "float32") -> dict[str, float]:

@@ -65,4 +65,7 @@ with tarfile.open(target, "w:gz") as tar:
     if report.exists():
         tar.add(report)
 print(f"packed {len(runs)} finished runs" + (" and the report" if report.exists() else ""))
+for d in sorted(d for log in logs for d in log.glob("*") if d.is_dir() and d not in runs and (d / "log.jsonl").exists()):
+    tail = (d / "log.jsonl").read_text().strip().splitlines()[-2:]  # where an unfinished run stopped
+    print(f"unfinished {d}:", *tail, sep="\n  ")
 PY
