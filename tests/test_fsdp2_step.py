@@ -280,13 +280,17 @@ SHARDED_OPS = ("paper:qwen3:a-i", "normuon")
 def test_a_sharded_step_dispatches_a_few_operators_per_parameter(gloo):
     """The Qwen3-0.6B structure (11 parameters a layer) under FSDP2 on 2 ranks: each stage of
     the sharded parameters' step is one foreach operator or one batched call per group or
-    shape, so four more layers (44 parameters) add at most 12 operators a parameter, at most
-    5 of which run a kernel (the rest make views). One by one the stages cost about 45, 25
-    of them kernels: flags, sanitising, momentum, decay, guard and add per parameter."""
+    shape, and the owner exchange moves alike matrices as one stack, so four more layers (44
+    parameters) add a few views a parameter and, for a-i, a handful of kernels in all (an
+    owner's first stack of a shape; 28 and 56 layers take the same number); NorMuon's row
+    stage still runs per block. One by one the stages cost about 45 operators a parameter,
+    25 of them kernels: flags, sanitising, momentum, decay, guard and add per parameter."""
     counts = gloo(_count_ops, 2)[0]
+    bounds = {"paper:qwen3:a-i": (4, 0.25), "normuon": (8, 2)}  # per parameter: operators, kernels
     for recipe in SHARDED_OPS:
         grown = [b - a for a, b in zip(counts[(recipe, 4)], counts[(recipe, 8)])]
-        assert grown[0] <= 12 * 44 and grown[1] <= 5 * 44, (recipe, counts)
+        ops, kernels = bounds[recipe]
+        assert grown[0] <= ops * 44 and grown[1] <= kernels * 44, (recipe, counts)
 
 
 def test_unsupported_placements_fail_at_construction(tmp_path):

@@ -33,7 +33,16 @@ from .. import maps
 from ..distributed.placements import Sharding, mesh_group, row_range
 from ..layouts import Layout
 from .costs import mesh_cost_model
-from .owners import Pending, assign, map_cost, start_from_owners, start_row_share, start_share, start_to_owners
+from .owners import (
+    Pending,
+    assign,
+    map_cost,
+    stack_groups,
+    start_from_owners,
+    start_row_share,
+    start_share,
+    start_to_owners,
+)
 from .row_moments import block_row_stages
 from .rules import MapKey, factored_map, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
@@ -353,11 +362,19 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
         )
     )
 
-    def send(batch):
+    def alike(t: WholeTask) -> tuple:
+        # what the members of one stack share beyond their blocks: one map, layout and factor
+        return (id(t.group), t.key, t.layout, t.direction.dtype, tuple(t.direction.shape), t.second is None)
+
+    def grouping(batch) -> list[list[int]]:
+        members = [tasks[i] for i in batch.members]
+        return stack_groups(batch.blocks, batch.owners, batch.sources, [alike(t) for t in members])
+
+    def send(batch, groups):
         members = [tasks[i] for i in batch.members]
         pg = mesh_group(members[0].sharding.mesh, batch.plans[0].axes)
         return start_to_owners(
-            [t.direction for t in members], batch.blocks, batch.owners, batch.me, pg, overlap, batch.sources
+            [t.direction for t in members], batch.blocks, batch.owners, batch.me, pg, overlap, batch.sources, groups
         )
 
     def receive(members, pending):
@@ -386,30 +403,42 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
     # A window of two batches: the next batch's blocks travel to their owners while
     # this one's maps run, and its updates travel back while the next one's run;
     # every rank starts the same collectives in the same order.
-    incoming = send(batches[0]) if batches else None
+    groupings = [grouping(batch) for batch in batches]
+    incoming = send(batches[0], groupings[0]) if batches else None
     returning = None
     for k, batch in enumerate(batches):
-        members = [tasks[i] for i in batch.members]
+        members, groups = [tasks[i] for i in batch.members], groupings[k]
         pg = mesh_group(members[0].sharding.mesh, batch.plans[0].axes)
         arrived = incoming.wait()  # type: ignore[union-attr]  # started for every batch
-        incoming = send(batches[k + 1]) if k + 1 < len(batches) else None
-        # every work matrix this rank owns in the batch, mapped in one batched call per kind
-        works = {i: members[i].layout.to_work_list(full) for i, full in arrived.items()}
-        jobs = [(members[i].key, members[i].group["eta"], w) for i, ws in works.items() for w in ws]
+        incoming = send(batches[k + 1], groupings[k + 1]) if k + 1 < len(batches) else None
+        # every stack of work matrices this rank owns in the batch, mapped in one batched call per kind
+        works = {g: members[groups[g][0]].layout.stacked_to_work(stack) for g, stack in arrived.items()}
+        jobs = [
+            (members[groups[g][0]].key, members[groups[g][0]].group["eta"], w) for g, ws in works.items() for w in ws
+        ]
         mapped = iter(map_whole(jobs))
         updates = {}
-        for i, ws in works.items():
-            t, done = members[i], [next(mapped) for _ in ws]
+        for g, ws in works.items():
+            t, done = members[groups[g][0]], [next(mapped) for _ in ws]
             if t.second is not None:  # NorMuon: the bare polar factor (its factor is in coef)
-                updates[i] = t.layout.from_work(done)
+                updates[g] = t.layout.stacked_from_work(done)
             else:
-                updates[i] = t.layout.from_work([u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(done, ws)])
+                updates[g] = t.layout.stacked_from_work(
+                    [u * shape_factor(t.group, *w.shape[-2:]) for u, w in zip(done, ws)]
+                )
         if returning is not None:
             receive(*returning)
         returning = (
             members,
             start_from_owners(
-                updates, batch.blocks, batch.owners, batch.me, pg, like=members[0].direction, async_op=overlap
+                updates,
+                batch.blocks,
+                batch.owners,
+                batch.me,
+                pg,
+                like=members[0].direction,
+                async_op=overlap,
+                groups=groups,
             ),
         )
     if returning is not None:

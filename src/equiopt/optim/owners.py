@@ -35,6 +35,7 @@ __all__ = [
     "block_numel",
     "elements_sent",
     "Pending",
+    "stack_groups",
     "start_to_owners",
     "to_owners",
     "start_from_owners",
@@ -120,6 +121,28 @@ def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, like: to
     return work, list(torch.split(out, recv_sizes))
 
 
+def stack_groups(
+    blocks: Sequence[Sequence[Block]],
+    owners: Sequence[int],
+    sources: Sequence[Sequence[int]] | None,
+    alike: Sequence | None = None,
+) -> list[list[int]]:
+    """The tasks of one exchange as groups whose members travel and are mapped as one stack:
+    equal owner, sources, block shapes and places of the blocks in their joint block, and
+    equal ``alike[t]`` (the caller's own key: map settings, layout, dtype; None: every task
+    alone). Groups keep the tasks' order (first members ascending), so every rank forms
+    the same groups from the same global information."""
+    if alike is None:
+        return [[t] for t in range(len(blocks))]
+    found: dict[tuple, list[int]] = {}
+    for t, bl in enumerate(blocks):
+        joint = joint_block(bl)
+        places = tuple(tuple((a - j, b - j) for (a, b), (j, _) in zip(b_, joint)) for b_ in bl)
+        key = (owners[t], None if sources is None else tuple(sources[t]), places, alike[t])
+        found.setdefault(key, []).append(t)
+    return list(found.values())
+
+
 def start_to_owners(
     shards: Sequence[torch.Tensor],
     blocks: Sequence[Sequence[Block]],
@@ -128,23 +151,29 @@ def start_to_owners(
     group,
     async_op: bool = True,
     sources: Sequence[Sequence[int]] | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> Pending:
-    """Start :func:`to_owners`; ``wait()`` on the result gives its ``{task: tensor}``."""
+    """Start :func:`to_owners`; ``wait()`` on the result gives ``{g: stack}``: for each
+    group of ``groups`` (:func:`stack_groups`; default: every task alone) that this rank
+    owns, its members' joint blocks as one ``(len(group), *joint)`` tensor. A group's blocks
+    travel next to each other, so each source's share of it arrives as one piece."""
     n = len(blocks[0]) if blocks else 1
     like = shards[0]
+    groups = [[t] for t in range(len(blocks))] if groups is None else groups
     senders = [range(n) if sources is None else sources[t] for t in range(len(blocks))]
 
     def sent(t: int, s: int) -> int:
         return block_numel(blocks[t][s]) if s in senders[t] else 0
 
     send: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for t, shard in enumerate(shards):
-        if me in senders[t]:
-            send[owners[t]].append(shard.reshape(-1))
-    mine = [t for t in range(len(shards)) if owners[t] == me]
+    for g in groups:
+        for t in g:
+            if me in senders[t]:
+                send[owners[t]].append(shards[t].reshape(-1))
+    mine = [k for k, g in enumerate(groups) if owners[g[0]] == me]
     work, recv = _all_to_all(
         [torch.cat(s) if s else like.new_empty(0) for s in send],
-        [sum(sent(t, s) for t in mine) for s in range(n)],
+        [sum(sent(t, s) for k in mine for t in groups[k]) for s in range(n)],
         group,
         like,
         async_op,
@@ -152,14 +181,26 @@ def start_to_owners(
 
     def finish() -> dict[int, torch.Tensor]:
         out = {}
-        for t in mine:
-            joint = joint_block(blocks[t])
-            out[t] = like.new_empty(tuple(b - a for a, b in joint))
-        for s, flat in enumerate(recv):
-            for t, part in zip(mine, torch.split(flat, [sent(t, s) for t in mine])):
-                if s in senders[t]:
-                    block = blocks[t][s]
-                    out[t][_within(block, joint_block(blocks[t]))] = part.view(tuple(b - a for a, b in block))
+        offsets = [0] * n
+        for k in mine:
+            first, size = groups[k][0], len(groups[k])
+            joint = joint_block(blocks[first])
+            shape = tuple(b - a for a, b in joint)
+            pieces = []
+            for s in range(n):
+                if s in senders[first]:
+                    count = sent(first, s) * size
+                    block = blocks[first][s]
+                    piece = recv[s].narrow(0, offsets[s], count).view(size, *(b - a for a, b in block))
+                    pieces.append((block, piece))
+                    offsets[s] += count
+            if len(pieces) == 1 and pieces[0][0] == joint:
+                out[k] = pieces[0][1]  # one source holds it all: no copy
+                continue
+            stack = like.new_empty((size, *shape))
+            for block, piece in pieces:
+                stack[(slice(None),) + _within(block, joint)] = piece
+            out[k] = stack
         return out
 
     return Pending(work, finish)
@@ -181,7 +222,8 @@ def to_owners(
     tensors share one dtype. ``sources[t]``: the members that send (default: all); where
     several members hold the same block (replicas), one of them suffices.
     """
-    return start_to_owners(shards, blocks, owners, me, group, async_op=False, sources=sources).wait()
+    stacks = start_to_owners(shards, blocks, owners, me, group, async_op=False, sources=sources).wait()
+    return {t: stack[0] for t, stack in stacks.items()}
 
 
 def start_from_owners(
@@ -192,24 +234,32 @@ def start_from_owners(
     group,
     like: torch.Tensor,
     async_op: bool = True,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> Pending:
-    """Start :func:`from_owners`; ``wait()`` on the result gives its list of blocks."""
+    """Start :func:`from_owners` for ``updates`` given per owned group as ``(len(group),
+    *joint)`` stacks (``groups`` as :func:`start_to_owners` took them; default: every task
+    alone); ``wait()`` on the result gives this rank's block of every task's update."""
     n = len(blocks[0]) if blocks else 1
+    groups = [[t] for t in range(len(blocks))] if groups is None else groups
     mine = sorted(updates)
     send = []
     for s in range(n):
-        parts = [updates[t][_within(blocks[t][s], joint_block(blocks[t]))].reshape(-1) for t in mine]
+        parts = [
+            updates[k][(slice(None),) + _within(blocks[groups[k][0]][s], joint_block(blocks[groups[k][0]]))].reshape(-1)
+            for k in mine
+        ]
         send.append(torch.cat(parts) if parts else like.new_empty(0))
-    by_owner = [[t for t in range(len(blocks)) if owners[t] == q] for q in range(n)]
-    work, recv = _all_to_all(
-        send, [sum(block_numel(blocks[t][me]) for t in ts) for ts in by_owner], group, like, async_op
-    )
+    by_owner = [[g for g in groups if owners[g[0]] == q] for q in range(n)]
+    sizes = [[len(g) * block_numel(blocks[g[0]][me]) for g in gs] for gs in by_owner]
+    work, recv = _all_to_all(send, [sum(s) for s in sizes], group, like, async_op)
 
     def finish() -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(blocks)
-        for ts, flat in zip(by_owner, recv):
-            for t, part in zip(ts, torch.split(flat, [block_numel(blocks[t][me]) for t in ts])):
-                out[t] = part.view(tuple(b - a for a, b in blocks[t][me]))
+        for gs, sz, flat in zip(by_owner, sizes, recv):
+            for g, part in zip(gs, torch.split(flat, sz)):
+                shape = tuple(b - a for a, b in blocks[g[0]][me])
+                for t, u in zip(g, part.view(len(g), *shape).unbind(0)):  # a group's blocks: one view
+                    out[t] = u
         return out  # type: ignore[return-value]
 
     return Pending(work, finish)
@@ -225,7 +275,8 @@ def from_owners(
 ) -> list[torch.Tensor]:
     """The inverse of :func:`to_owners`: each owner's ``updates[t]`` (of the joint block)
     go back as blocks, one all-to-all; returns this rank's block of every task's update."""
-    return start_from_owners(updates, blocks, owners, me, group, like, async_op=False).wait()
+    stacks = {t: u.unsqueeze(0) for t, u in updates.items()}
+    return start_from_owners(stacks, blocks, owners, me, group, like, async_op=False).wait()
 
 
 def start_share(
