@@ -202,7 +202,7 @@ def _check_divided_inverses(world):
     reduced Grams are reduce-scattered, each rank inverts only its share (padded to equal
     shares, one matrix more than the ranks divide evenly), and the factors all-gathered;
     the bytes are those of the all-reduce they replace, up to the padding."""
-    import equiopt.maps as maps_module
+    import equiopt.maps.one_sided as maps_module  # the module whose maps call inv_sqrt
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
     from equiopt.optim.costs import CostModel

@@ -178,7 +178,7 @@ def _precision(shape, cuda, gram_dtype, dtype=torch.float32):
 
 
 def test_auto_takes_split_products_on_cuda_for_wide_matrices_only(monkeypatch):
-    monkeypatch.setattr(maps, "OUT_DTYPE_MM", True)
+    monkeypatch.setattr(maps.precision, "OUT_DTYPE_MM", True)
     big, small = (4096, maps.AUTO_SPLIT_MIN), (4096, maps.AUTO_SPLIT_MIN - 1)
     assert _precision(big, True, "auto") == "bfloat16x6"
     assert _precision(small, True, "auto") == "float32"
@@ -186,7 +186,7 @@ def test_auto_takes_split_products_on_cuda_for_wide_matrices_only(monkeypatch):
     assert _precision(big, True, "auto", torch.float64) == "float32"
     assert _precision(big, True, None) == "float32"
     assert _precision(big, False, "bfloat16x6") == "bfloat16x6"
-    monkeypatch.setattr(maps, "OUT_DTYPE_MM", False)  # no fast product: strict float32 is faster
+    monkeypatch.setattr(maps.precision, "OUT_DTYPE_MM", False)  # no fast product: strict float32 is faster
     assert _precision(big, True, "auto") == "float32"
     with pytest.raises(ValueError, match="unknown gram_dtype 'tf32'"):
         _precision(big, True, "tf32")

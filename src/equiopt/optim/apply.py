@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..maps import Factored, _gemm_, materialize, row_scaled_blocks
+from ..maps import Factored, gemm_, materialize, row_scaled_blocks
 
 INF_NORM = float("inf")
 
@@ -201,15 +201,15 @@ def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
         # the hybrid's unformed first stage: U = (row * x) @ right, a block of rows at a time
         right = f.right * coef
         for a, b, z in row_scaled_blocks(f.x, f.row):
-            if not _gemm_(pw[..., a:b, :], z, right):
+            if not gemm_(pw[..., a:b, :], z, right):
                 pw[..., a:b, :].add_(z @ right)
     elif f.row is not None:
         pw.addcmul_(f.x, f.row * coef)
     elif f.right is not None:
-        if not _gemm_(pw, f.x, f.right * coef):
+        if not gemm_(pw, f.x, f.right * coef):
             pw.add_(f.x @ (f.right * coef))
     elif f.left is not None:
-        if not _gemm_(pw, f.left * coef, f.x):
+        if not gemm_(pw, f.left * coef, f.x):
             pw.add_((f.left * coef) @ f.x)
     else:
         pw.addcmul_(f.x, coef)
