@@ -371,19 +371,26 @@ def graphed_vs_eager(model, params, grads, recipe, steps: int = 6) -> float:
 def ops(recipes) -> None:
     """(f) ATen operators per step of each recipe and of torch's optimizers on the Qwen3-0.6B
     structure (:mod:`equiopt.opcount`), at 28 and 56 layers, with each one's five commonest."""
-    from .opcount import fsdp2_ops_table, ops_table
+    from .opcount import ops_table, placed_ops_table
 
     print("(f) ATen operators per step, Qwen3-0.6B structure (transformers Qwen3ForCausalLM, tiny widths), CPU")
     print(f"{'optimizer':34s} {'28 layers':>10s} {'56 layers':>10s}  commonest (28 layers)")
+    alone = {}
     for label, counts in ops_table(recipes):
         common = ", ".join(f"{k} {v}" for k, v in counts[28].counts.most_common(5))
         print(f"{label:34s} {counts[28].total:10d} {counts[56].total:10d}  {common}")
-    print("\n(f) the same sharded by FSDP2 over 2 gloo processes (every parameter a DTensor), rank 0;")
-    print("    operators (of which kernels: all but views)")
-    print(f"{'optimizer':34s} {'28 layers':>16s} {'56 layers':>16s}")
-    for label, found in fsdp2_ops_table(recipes).items():
-        cells = [f"{found[n][0]:,} ({found[n][1]:,})" for n in (28, 56)]
-        print(f"{label:34s} {cells[0]:>16s} {cells[1]:>16s}")
+        alone[label] = counts[28].total
+    for placement, what in (
+        ("fsdp2", "sharded by FSDP2 over 2 gloo processes (every parameter a DTensor)"),
+        ("hsdp", "sharded by HSDP over 4 gloo processes (2 replicas of 2-rank shards)"),
+        ("ddp", "replicated over 2 gloo processes, the maps divided among them (divide_work=True)"),
+    ):
+        print(f"\n(f) the same {what}, rank 0;")
+        print("    operators (of which kernels: all but views), and operators over one process's at 28 layers")
+        print(f"{'optimizer':34s} {'28 layers':>16s} {'56 layers':>16s} {'/one process':>13s}")
+        for label, found in placed_ops_table(recipes, placement=placement).items():
+            cells = [f"{found[n][0]:,} ({found[n][1]:,})" for n in (28, 56)]
+            print(f"{label:34s} {cells[0]:>16s} {cells[1]:>16s} {found[28][0] / alone[label]:13.2f}")
 
 
 def roofline(

@@ -17,7 +17,18 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["VIEW_OPS", "OpCounter", "count_ops", "qwen3_structure", "ops_table", "fsdp2_step_ops", "fsdp2_ops_table"]
+__all__ = [
+    "VIEW_OPS",
+    "PLACEMENTS",
+    "OpCounter",
+    "count_ops",
+    "qwen3_structure",
+    "ops_table",
+    "placed_step_ops",
+    "placed_ops_table",
+    "fsdp2_step_ops",
+    "fsdp2_ops_table",
+]
 
 
 #: ATen operators that return a view of their input (no kernel runs).
@@ -146,23 +157,58 @@ def ops_table(recipes: list[str], layers: tuple[int, ...] = (28, 56)) -> list[tu
     return [(label, {n: ops_per_step(make, n) for n in layers}) for label, make in rows]
 
 
-def fsdp2_step_ops(recipe: str, layers: int = 28) -> OpCounter:
-    """Operators of one step of ``recipe`` on this rank, with :func:`qwen3_structure` sharded by
-    FSDP2 over the default process group (every parameter a DTensor: the sharded path)."""
+#: Placements :func:`placed_step_ops` counts, with the processes each takes.
+PLACEMENTS = {"fsdp2": 2, "ddp": 2, "hsdp": 4}
+
+
+def _placed(model: torch.nn.Module, placement: str) -> torch.nn.Module:
+    """``model`` placed over the default process group: ``fsdp2`` (blocks and root
+    ``fully_shard``-ed over all ranks), ``hsdp`` (the same on a 2-D mesh: replicas of 2-rank
+    shards), ``ddp`` (replicated; the optimizer divides its maps among the replicas)."""
+    import torch.distributed as dist
+
+    from .train.parallel import apply_fsdp2, fsdp2_api, transformer_blocks
+
+    world = dist.get_world_size()
+    if placement == "fsdp2":
+        return apply_fsdp2(model, torch.device("cpu"), world)
+    if placement == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard = fsdp2_api()[0]
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if placement == "ddp":
+        return model
+    raise ValueError(f"unknown placement {placement!r}; valid: {', '.join(PLACEMENTS)}")
+
+
+def placed_step_ops(recipe: str, layers: int = 28, placement: str = "fsdp2") -> OpCounter:
+    """Operators of one step of ``recipe`` on this rank, with :func:`qwen3_structure` placed
+    by ``placement`` (:data:`PLACEMENTS`) over the default process group: under FSDP2 and
+    HSDP every parameter is a DTensor, under DDP every one is replicated and the optimizer
+    divides its matrix maps among the ranks (``divide_work=True``)."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
+    from .distributed.placements import is_dtensor
     from .roles import build_optimizer
-    from .train.parallel import apply_fsdp2
 
-    model = apply_fsdp2(qwen3_structure(layers), torch.device("cpu"), dist.get_world_size())
+    model = _placed(qwen3_structure(layers), placement)
     gen = torch.Generator().manual_seed(0)
     grads = {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
-    opt = build_optimizer(model, recipe, compile=False)[0]
+    divide = True if placement == "ddp" else None
+    opt = build_optimizer(model, recipe, compile=False, divide_work=divide)[0]
+    if placement == "ddp" and not opt.divides_work:
+        raise RuntimeError(f"{recipe}: the optimizer divides no work over {dist.get_world_size()} ranks")
 
     def give():  # the gradients, outside the counted step
         for name, p in model.named_parameters():
-            p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements)  # type: ignore[attr-defined]
+            g = grads[name]
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if is_dtensor(p) else g.clone()  # type: ignore[attr-defined]
 
     for _ in range(2):  # the state exists before the counted step
         give()
@@ -173,7 +219,14 @@ def fsdp2_step_ops(recipe: str, layers: int = 28) -> OpCounter:
     return counter
 
 
-def _fsdp2_rank(rank: int, world: int, directory: str, recipes: list[str], layers: tuple[int, ...]) -> None:
+def fsdp2_step_ops(recipe: str, layers: int = 28) -> OpCounter:
+    """:func:`placed_step_ops` under FSDP2."""
+    return placed_step_ops(recipe, layers, "fsdp2")
+
+
+def _placed_rank(
+    rank: int, world: int, directory: str, recipes: list[str], layers: tuple[int, ...], placement: str
+) -> None:
     import json
     import os
 
@@ -186,7 +239,7 @@ def _fsdp2_rank(rank: int, world: int, directory: str, recipes: list[str], layer
         found = {}
         for r in recipes:
             for n in layers:
-                counter = fsdp2_step_ops(r, n)
+                counter = placed_step_ops(r, n, placement)
                 found[f"{r}@{n}"] = (counter.total, counter.launches)
         if rank == 0:
             with open(f"{directory}/ops.json", "w") as f:
@@ -196,16 +249,29 @@ def _fsdp2_rank(rank: int, world: int, directory: str, recipes: list[str], layer
         dist.destroy_process_group()
 
 
-def fsdp2_ops_table(
-    recipes: list[str], layers: tuple[int, ...] = (28, 56), world: int = 2
+def placed_ops_table(
+    recipes: list[str], layers: tuple[int, ...] = (28, 56), placement: str = "fsdp2"
 ) -> dict[str, dict[int, tuple[int, int]]]:
-    """``{recipe: {layers: (operators, kernel launches)}}`` of one step on rank 0 of ``world``
-    gloo processes (spawned here, a file rendezvous), the Qwen3-0.6B structure sharded by FSDP2."""
+    """``{recipe: {layers: (operators, kernel launches)}}`` of one step on rank 0 of the
+    gloo processes ``placement`` takes (:data:`PLACEMENTS`; spawned here, a file
+    rendezvous), the Qwen3-0.6B structure placed by :func:`placed_step_ops`."""
     import json
     import tempfile
 
+    world = PLACEMENTS[placement]
     with tempfile.TemporaryDirectory() as directory:
-        torch.multiprocessing.spawn(_fsdp2_rank, args=(world, directory, recipes, layers), nprocs=world, join=True)
+        torch.multiprocessing.spawn(
+            _placed_rank, args=(world, directory, recipes, layers, placement), nprocs=world, join=True
+        )
         with open(f"{directory}/ops.json") as f:
             found = json.load(f)
     return {r: {n: tuple(found[f"{r}@{n}"]) for n in layers} for r in recipes}  # type: ignore[misc]
+
+
+def fsdp2_ops_table(
+    recipes: list[str], layers: tuple[int, ...] = (28, 56), world: int = 2
+) -> dict[str, dict[int, tuple[int, int]]]:
+    """:func:`placed_ops_table` under FSDP2 (``world`` must be 2, as :data:`PLACEMENTS` has it)."""
+    if world != PLACEMENTS["fsdp2"]:
+        raise ValueError(f"fsdp2_ops_table counts on {PLACEMENTS['fsdp2']} processes, got world={world}")
+    return placed_ops_table(recipes, layers, "fsdp2")

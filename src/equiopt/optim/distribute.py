@@ -40,7 +40,6 @@ from .owners import (
     stack_groups,
     start_from_owners,
     start_row_share,
-    start_share,
     start_to_owners,
 )
 from .row_moments import block_row_stages
@@ -125,17 +124,16 @@ def map_batched(key: MapKey, eta, works: list[torch.Tensor], sums=None) -> list[
     if key.rule == "row" or len(works) == 1:
         return [_map(key, eta, w, sums) for w in works]
     shape = tuple(works[0].shape[-2:])
-    flat = [w.reshape(-1, *shape) for w in works]
+    flat = [w if w.dim() == 3 else w.reshape(-1, *shape) for w in works]  # (batch, m, n) as it is
     f = _map(key, eta, torch.cat(flat), sums)
     sizes = [x.shape[0] for x in flat]
     parts: list[Any] = [torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in f]
+
+    def back(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return t if w.dim() == 3 else t.reshape(*w.shape[:-2], *t.shape[-2:])
+
     return [
-        maps.Factored(
-            *[
-                None if t[i] is None else t[i].reshape(*w.shape[:-2], *t[i].shape[-2:])  # type: ignore[arg-type]
-                for t in parts
-            ]
-        )
+        maps.Factored(*[None if t[i] is None else back(t[i], w) for t in parts])  # type: ignore[arg-type]
         for i, w in enumerate(works)
     ]
 
@@ -447,64 +445,63 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
 
 def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, overlap: bool) -> None:
     """Matrix-product maps of replicated parameters divided among the replicas: each
-    work matrix is mapped on one owner rank and broadcast (:func:`.owners.start_share`);
-    every rank then adds the same updates, so the weights stay identical."""
+    parameter's work matrices are mapped on one owner rank and broadcast; every rank then
+    adds the same updates, so the weights stay identical.
+
+    Owners are given per parameter (longest first, :func:`.owners.assign`), in waves of
+    similar work: a wave's broadcasts travel while the next wave's maps run. An owner maps
+    its parameters of one map and matrix shape as one batch, and its batches, end to end,
+    are the buffer it broadcasts (one per owner and dtype in a wave): a parameter costs a
+    view or two, whatever its number of work matrices."""
     import torch.distributed as dist
 
     n, me = dist.get_world_size(pg), dist.get_rank(pg)
-    jobs: list[tuple[MapKey, Any, torch.Tensor]] = []  # (key, eta, matrix), every matrix of every bucket
-    counts = []  # matrices per bucket item, in order
-    for key, items in buckets:
-        for item in items:
-            mats = item.work.reshape(-1, *item.work.shape[-2:]).unbind(0)
-            jobs.extend((key, item.group["eta"], m) for m in mats)
-            counts.append(len(mats))
-    costs = [map_cost(m.shape) for _, _, m in jobs]
+    items = [(key, item) for key, its in buckets for item in its]
+    costs = [map_cost(item.work.shape) for _, item in items]
     owners = assign(costs, n)
-    # in waves of similar work (as the owner work of split parameters): a wave's
-    # broadcasts travel while the next wave's maps run
-    order = sorted(range(len(jobs)), key=lambda t: (-costs[t], t))
-    shared: list = [None] * len(jobs)
+    order = sorted(range(len(items)), key=lambda t: (-costs[t], t))
+    shared: list = [None] * len(items)
     pending = []
-    for w in range(min(WAVES, len(jobs))):
-        wave = sorted(order[w::WAVES])
-        mine = [t for t in wave if owners[t] == me]
-        results = dict(zip(mine, map_whole([jobs[t] for t in mine])))
-        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-        for t in wave:
-            by_dtype[jobs[t][2].dtype].append(t)
-        for ts in by_dtype.values():
-            pending.append(
-                (
-                    ts,
-                    start_share(
-                        {k: results[t] for k, t in enumerate(ts) if t in results},
-                        [jobs[t][2].shape for t in ts],
-                        [owners[t] for t in ts],
-                        me,
-                        pg,
-                        like=jobs[ts[0]][2],
-                        async_op=overlap,
-                    ),
-                )
-            )
-    for ts, wave_shared in pending:
-        for t, got in zip(ts, wave_shared.wait()):
-            shared[t] = got
-    start = 0
+    for w in range(min(WAVES, len(items))):
+        # per dtype and owner, the wave's parameters of one map and matrix shape next to each other
+        batches: dict[tuple, list[int]] = {}
+        for t in sorted(order[w::WAVES]):
+            key, item = items[t]
+            dtype = item.work.dtype
+            batches.setdefault((dtype, owners[t], key, item.group["eta"], tuple(item.work.shape[-2:])), []).append(t)
+        for dtype in dict.fromkeys(b[0] for b in batches):
+            for q in range(n):
+                runs = [(b, ts) for b, ts in batches.items() if b[0] == dtype and b[1] == q]
+                if not runs:
+                    continue
+                ts = [t for _, ts_ in runs for t in ts_]
+                sizes = [items[t][1].work.numel() for t in ts]
+                if q == me:
+                    mapped = []
+                    for (_, _, key, eta, shape), members in runs:
+                        works = [items[t][1].work for t in members]
+                        x = torch.cat([v.reshape(-1, *shape) for v in works]) if len(works) > 1 else works[0]
+                        mapped.extend(map_whole([(key, eta, x.reshape(-1, *shape))]))
+                    flat = torch.cat([u.reshape(-1) for u in mapped]) if len(mapped) > 1 else mapped[0].reshape(-1)
+                else:
+                    flat = items[ts[0]][1].work.new_empty(sum(sizes))
+                src = dist.get_global_rank(pg, q) if pg is not None else q
+                pending.append((ts, sizes, flat, dist.broadcast(flat, src=src, group=pg, async_op=overlap)))
+    for ts, sizes, flat, work in pending:
+        if work is not None:
+            work.wait()
+        for t, part in zip(ts, torch.split(flat, sizes)):
+            shared[t] = part.view(items[t][1].work.shape)
     triples = []
-    for key, items in buckets:
-        polar = []
-        for item, count in zip(items, counts):
-            u = torch.stack(shared[start : start + count]).view(item.work.shape)
-            start += count
-            polar.append(u)
-            if key.rule != "normuon":
-                triples.append((item.view, maps.Factored(u), item.coef))
+    start = 0
+    for key, its in buckets:
+        polar = shared[start : start + len(its)]
+        start += len(its)
         if key.rule == "normuon":  # every replica runs the row stages on the same polar factors
             x = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in polar])
-            triples.extend(_normuon_rows(key, items, x))
-        counts = counts[len(items) :]
+            triples.extend(_normuon_rows(key, its, x))
+        else:
+            triples.extend((item.view, maps.Factored(u), item.coef) for item, u in zip(its, polar))
     add(triples)
 
 

@@ -1124,8 +1124,9 @@ class EquivariantOptimizer(Optimizer):
     @staticmethod
     def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
         """The parameter's work matrices as views: the update is added to them in place
-        (every layout only reshapes, transposes and slices; checked when the group is built)."""
-        return layout.to_work_list(p.detach())
+        (every layout only reshapes, transposes and slices; checked when the group is built).
+        The step runs under ``no_grad``, where a parameter's views are written in place as is."""
+        return layout.to_work_list(p)
 
     def _adamw(self, group: dict, lr, params: list, states: list, okfs: list) -> None:
         """AdamW with bias correction and decoupled decay, with torch's foreach kernels (a

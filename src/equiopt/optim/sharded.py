@@ -54,8 +54,13 @@ __all__ = [
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor behind ``t`` (a view that aliases it), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    """This rank's tensor behind ``t``, or ``t`` itself: the DTensor's own local tensor, so
+    writes into it reach ``t`` and no operator is dispatched (``to_local()``'s alias where
+    a DTensor does not expose it)."""
+    if not is_dtensor(t):
+        return t
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
 
 
 class ShardSum:
