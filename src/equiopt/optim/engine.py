@@ -1012,15 +1012,29 @@ class EquivariantOptimizer(Optimizer):
                 w.add_((d * c).to(w.dtype))
             return
         key = map_key(group)
-        for j, p, st, okf, step, d, g, w in zip(live, params, states, okfs, steps, directions, grads, weights):
-            self._queue_map(group, key, step, j, p, st, okf, d, g, w, buckets, whole)
+        # each step size times its first work matrix's shape factor, in one operator (the
+        # factor of the usual case: a parameter whose work matrices share one shape)
+        factors = [
+            shape_factor(group, *group["layouts"][j].work_shapes(self._sharding(p).shape)[0][-2:])
+            for j, p in zip(live, params)
+        ]
+        scaled = torch._foreach_mul(steps, factors) if any(f != 1.0 for f in factors) else steps
+        for j, p, st, okf, step, d, g, w, first in zip(
+            live, params, states, okfs, steps, directions, grads, weights, zip(factors, scaled)
+        ):
+            self._queue_map(group, key, step, j, p, st, okf, d, g, w, buckets, whole, first)
 
-    def _queue_map(self, group, key, step, j, p, state, okf, direction, grad, w, buckets, whole) -> None:
+    def _queue_map(self, group, key, step, j, p, state, okf, direction, grad, w, buckets, whole, first) -> None:
         """Queue the map of one parameter's momentum ``direction`` (``w``: this rank's block
         of its weights) for :func:`.distribute.run`: in ``buckets`` (batched by settings,
         shape and mode; under ``divide_work`` the matrix-product maps of plain parameters are
-        divided among the replicas) or in ``whole`` (split work that needs whole matrices)."""
+        divided among the replicas) or in ``whole`` (split work that needs whole matrices).
+        ``first``: a shape factor and ``step`` times it, made for the whole group at once."""
         sharding = self._sharding(p)
+
+        def times(factor: float) -> torch.Tensor:
+            return first[1] if factor == first[0] else _times(step, factor)
+
         layout = group["layouts"][j]
         how = self.plan_of(group, layout, sharding, key)
         if group["lazy"]:
@@ -1030,7 +1044,7 @@ class EquivariantOptimizer(Optimizer):
             if key.rule == "normuon":  # the owner maps the polar factor, each rank its rows' stage
                 factor = shape_factor(group, *layout.work_shapes(sharding.shape)[0][-2:])
                 second = (local(state[ROW_MOMENT]), okf * (1.0 - group["beta2"]), sharding.block)
-                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, _times(step, factor), second))
+                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, times(factor), second))
             else:
                 whole.append(WholeTask(group, key, layout, sharding, how, p, direction, step))
             return
@@ -1057,7 +1071,7 @@ class EquivariantOptimizer(Optimizer):
                     WorkItem(
                         layout.to_work_list(direction)[0],
                         self._work_views(p, layout)[0],
-                        _times(step, shape_factor(group, *global_shapes[0][-2:])),
+                        times(shape_factor(group, *global_shapes[0][-2:])),
                         group,
                         sums,
                     )
@@ -1072,7 +1086,7 @@ class EquivariantOptimizer(Optimizer):
         ):
             if sums is None and w.numel() == 0:
                 continue  # an empty block of a stack of experts: nothing to map, nothing sent
-            coef = _times(step, shape_factor(group, *gshape[-2:]))
+            coef = times(shape_factor(group, *gshape[-2:]))
             if sums is not None:
                 # one bucket per (global shape, process groups): every rank forms the same buckets
                 groups = tuple(id(r.group) if r is not None else None for r in sums)

@@ -142,7 +142,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 numel = block_numel(block)
                 totals[3] += numel
                 dtype = optimizer._state_dtype(p)
-                item = torch.empty((), dtype=dtype).element_size()
+                item = dtype.itemsize
                 if group["rule"] in ("adamw", "torch_adamw"):
                     add(name, 0, ADAMW_FLOPS * numel, 2 * numel * item)
                     continue

@@ -359,7 +359,7 @@ def _busiest(tasks: list[tuple], members: list[int], arrangement: tuple, model: 
     blocks, joints, _, owners, sources = arrangement
     seconds = [0.0] * len(blocks[0]) if blocks else [0.0]
     for k, i in enumerate(members):
-        item = torch.empty((), dtype=tasks[i][3]).element_size()
+        item = tasks[i][3].itemsize  # (host arithmetic: no tensor made)
         for s in set(sources[k]) | {owners[k]}:
             seconds[s] += elements_sent(blocks[k], sources[k], owners[k], s) * item / model.bandwidth
         flops = sum(map_flops(tasks[i][5], w) for w in tasks[i][2].work_shapes(joints[k]))
