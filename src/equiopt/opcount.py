@@ -26,8 +26,6 @@ __all__ = [
     "ops_table",
     "placed_step_ops",
     "placed_ops_table",
-    "fsdp2_step_ops",
-    "fsdp2_ops_table",
 ]
 
 
@@ -219,11 +217,6 @@ def placed_step_ops(recipe: str, layers: int = 28, placement: str = "fsdp2") -> 
     return counter
 
 
-def fsdp2_step_ops(recipe: str, layers: int = 28) -> OpCounter:
-    """:func:`placed_step_ops` under FSDP2."""
-    return placed_step_ops(recipe, layers, "fsdp2")
-
-
 def _placed_rank(
     rank: int, world: int, directory: str, recipes: list[str], layers: tuple[int, ...], placement: str
 ) -> None:
@@ -266,12 +259,3 @@ def placed_ops_table(
         with open(f"{directory}/ops.json") as f:
             found = json.load(f)
     return {r: {n: tuple(found[f"{r}@{n}"]) for n in layers} for r in recipes}  # type: ignore[misc]
-
-
-def fsdp2_ops_table(
-    recipes: list[str], layers: tuple[int, ...] = (28, 56), world: int = 2
-) -> dict[str, dict[int, tuple[int, int]]]:
-    """:func:`placed_ops_table` under FSDP2 (``world`` must be 2, as :data:`PLACEMENTS` has it)."""
-    if world != PLACEMENTS["fsdp2"]:
-        raise ValueError(f"fsdp2_ops_table counts on {PLACEMENTS['fsdp2']} processes, got world={world}")
-    return placed_ops_table(recipes, layers, "fsdp2")

@@ -362,7 +362,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
 
     def alike(t: WholeTask) -> tuple:
         # what the members of one stack share beyond their blocks: one map, layout and factor
-        return (id(t.group), t.key, t.layout, t.direction.dtype, tuple(t.direction.shape), t.second is None)
+        return (id(t.group), t.key, t.layout, t.direction.dtype, t.second is None)
 
     def grouping(batch) -> list[list[int]]:
         members = [tasks[i] for i in batch.members]
@@ -468,7 +468,7 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
         for t in sorted(order[w::WAVES]):
             key, item = items[t]
             dtype = item.work.dtype
-            batches.setdefault((dtype, owners[t], key, item.group["eta"], tuple(item.work.shape[-2:])), []).append(t)
+            batches.setdefault((dtype, owners[t], key, tuple(item.work.shape[-2:])), []).append(t)
         for dtype in dict.fromkeys(b[0] for b in batches):
             for q in range(n):
                 runs = [(b, ts) for b, ts in batches.items() if b[0] == dtype and b[1] == q]
@@ -477,11 +477,13 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
                 ts = [t for _, ts_ in runs for t in ts_]
                 sizes = [items[t][1].work.numel() for t in ts]
                 if q == me:
-                    mapped = []
-                    for (_, _, key, eta, shape), members in runs:
-                        works = [items[t][1].work for t in members]
-                        x = torch.cat([v.reshape(-1, *shape) for v in works]) if len(works) > 1 else works[0]
-                        mapped.extend(map_whole([(key, eta, x.reshape(-1, *shape))]))
+                    jobs = []  # one per run: its parameters' work matrices as one (N, m, n) batch
+                    for (_, _, key, shape), members in runs:  # (the key names the eta rule: one per run)
+                        works = [items[t][1].work.reshape(-1, *shape) for t in members]
+                        jobs.append(
+                            (key, items[members[0]][1].group["eta"], torch.cat(works) if len(works) > 1 else works[0])
+                        )
+                    mapped = map_whole(jobs)
                     flat = torch.cat([u.reshape(-1) for u in mapped]) if len(mapped) > 1 else mapped[0].reshape(-1)
                 else:
                     flat = items[ts[0]][1].work.new_empty(sum(sizes))

@@ -159,7 +159,7 @@ def start_to_owners(
     travel next to each other, so each source's share of it arrives as one piece."""
     n = len(blocks[0]) if blocks else 1
     like = shards[0]
-    groups = [[t] for t in range(len(blocks))] if groups is None else groups
+    groups = stack_groups(blocks, owners, sources) if groups is None else groups
     senders = [range(n) if sources is None else sources[t] for t in range(len(blocks))]
 
     def sent(t: int, s: int) -> int:
@@ -240,7 +240,7 @@ def start_from_owners(
     *joint)`` stacks (``groups`` as :func:`start_to_owners` took them; default: every task
     alone); ``wait()`` on the result gives this rank's block of every task's update."""
     n = len(blocks[0]) if blocks else 1
-    groups = [[t] for t in range(len(blocks))] if groups is None else groups
+    groups = stack_groups(blocks, owners, None) if groups is None else groups
     mine = sorted(updates)
     send = []
     for s in range(n):
