@@ -19,10 +19,12 @@
 #   equiopt data prepare --corpus sotu --tokenizer bpe:data/bpe4096.json --out data/sotu-bpe4096 --val-fraction 1
 # and, with the device tool, carry = ["data/poetry-bpe4096-gpu", "data/sotu-bpe4096"].
 #
-# The runs train GPU_STUDY_JOBS at a time (default 6), each in its own process (`equiopt compare
-# --jobs`): one 42 M-parameter run leaves an H100 mostly idle, waiting on its Python process, so
+# The runs train GPU_STUDY_JOBS at a time (default 1), each in its own process (`equiopt compare
+# --jobs`): one 42 M-parameter run leaves the GPU mostly idle, waiting on its Python process, so
 # 6 side by side finished a run every 45 s on an H100, against 75 s one at a time (1.7x), each
-# training exactly as it would alone.
+# training exactly as it would alone. On an H200, twice, one of 6 side-by-side runs died with
+# "CUDA error: unspecified launch failure", which ends the whole chunk; one at a time the same
+# runs finished (results/gpu/README.md, commit 40a09c9), so 1 is the default.
 #
 # Usage: bash scripts/gpu_study.sh [seconds]   (default 420; GPU_STUDY_PROTOCOL picks another protocol)
 set -u
@@ -37,7 +39,7 @@ mkdir -p "$OUT"
   date -u
 } > "$OUT/gpu-study.txt" 2>&1
 timeout --signal=TERM --kill-after=20 "${1:-420}" \
-  python -m equiopt compare --protocol "$PROTOCOL" --report "$REPORT" --jobs "${GPU_STUDY_JOBS:-6}" >> "$OUT/gpu-study.txt" 2>&1
+  python -m equiopt compare --protocol "$PROTOCOL" --report "$REPORT" --jobs "${GPU_STUDY_JOBS:-1}" >> "$OUT/gpu-study.txt" 2>&1
 echo "compare exit $? (124 when the time limit ended the chunk)" >> "$OUT/gpu-study.txt"
 python - "$PROTOCOL" "$OUT/gpu-study-logs.tgz" "$REPORT" >> "$OUT/gpu-study.txt" 2>&1 <<'PY'
 import json, sys, tarfile
