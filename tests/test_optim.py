@@ -141,9 +141,9 @@ def test_per_parameter_layouts_and_batching_across_params(monkeypatch):
     calls = []
     real = engine.factored_map
 
-    def spy(key, eta, D):
+    def spy(key, eta, D, **kwargs):
         calls.append(tuple(D.shape))
-        return real(key, eta, D)
+        return real(key, eta, D, **kwargs)
 
     monkeypatch.setattr(engine, "factored_map", spy)
     up, down, other = make_params((16, 4), (4, 16), (16, 4), dtype=torch.float32)

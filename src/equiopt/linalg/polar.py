@@ -142,8 +142,10 @@ def polar(
     dtype: torch.dtype | None = None,
     restart_every: int = RESTART_EVERY,
     reducer=None,
+    narrow: bool = False,
 ) -> torch.Tensor:
-    """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype.
+    """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype
+    (``narrow``: in the iteration's, where that is narrower).
 
     ``dtype`` is the iteration's precision (default :func:`default_dtype`: bfloat16 for
     ``"newton_schulz_torch"`` and, where the device multiplies bfloat16 natively, for
@@ -164,9 +166,12 @@ def polar(
             sums over them. The ``n x n`` Gram is all-reduced once and once per restart
             (its trace gives the Frobenius norm), the iteration runs on it locally, and
             the result is this rank's rows of the polar factor of the whole matrix.
+        narrow: return the last iterate in the iteration's dtype, not cast back to ``X``'s:
+            a caller that reads it once (scaling it into a wider update) saves a pass.
 
     Returns:
-        ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape and dtype.
+        ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape (and dtype, unless
+        ``narrow``).
 
     Raises:
         ValueError: for an unknown method, ``steps < 1`` or fewer than two dimensions.
@@ -203,9 +208,8 @@ def polar(
         x = rounded(x / rounded(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp_min(TORCH_NORM_EPS))
     else:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
-        norm = torch.linalg.matrix_norm(wide, keepdim=True)
-        x = wide / (NORM_MARGIN * norm + NORM_FLOOR)
-        x = rounded(x.float()) if emulated else x.to(dtype)
+        scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
+        x = rounded((wide / scale).float()) if emulated else _scaled_cast(wide, scale, dtype)
     coeffs = _coefficients(
         "newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps
     )
@@ -228,7 +232,17 @@ def polar(
             else:
                 x = rounded(torch.baddbmm(x, h, x, beta=a))
         x = x.reshape(*lead, *x.shape[-2:])
-    return (x.mT if tall else x).to(out_dtype)
+    x = x.mT if tall else x
+    return x if narrow and x.dtype.itemsize <= out_dtype.itemsize else x.to(out_dtype)
+
+
+def _scaled_cast(wide: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(wide / scale).to(dtype)`` in one pass where ``dtype`` is narrower (the quotient
+    rounded in ``wide``'s dtype, then to ``dtype``, as the two operators round it)."""
+    if dtype == wide.dtype or torch.compiler.is_compiling():
+        return (wide / scale).to(dtype)
+    out = torch.empty(wide.shape, dtype=dtype, device=wide.device)
+    return torch.div(wide, scale, out=out)
 
 
 def _split_gram_iterate(x: torch.Tensor, coeffs, restart_every: int, dtype: torch.dtype, reducer) -> torch.Tensor:

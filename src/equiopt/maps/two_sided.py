@@ -17,6 +17,7 @@ def spectral(
     steps: int = 5,
     dtype: torch.dtype | None = None,
     reducer: RowReducer | None = None,
+    narrow: bool = False,
 ) -> torch.Tensor:
     """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
 
@@ -29,12 +30,14 @@ def spectral(
         dtype: the iteration's precision; None for the method's default.
         reducer: the :class:`RowReducer` of a tall ``D`` split by rows (``D`` is this rank's
             rows; ``method="gram_newton_schulz"`` only: the ``n x n`` Grams are summed).
+        narrow: keep the iteration's dtype where it is narrower than ``D``'s (see
+            :func:`equiopt.linalg.polar`).
 
     Returns:
-        The polar factor, of ``D``'s shape and dtype.
+        The polar factor, of ``D``'s shape and dtype (unless ``narrow``).
     """
     _check(D, "spectral")
-    return polar(D, method=method, steps=steps, dtype=dtype, reducer=reducer)
+    return polar(D, method=method, steps=steps, dtype=dtype, reducer=reducer, narrow=narrow)
 
 
 def _frobenius_rescale(o_sq: torch.Tensor, d: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:

@@ -99,9 +99,12 @@ def factored_map(
     D: torch.Tensor,
     reducer: maps.RowReducer | None = None,
     col_reducer: maps.RowReducer | None = None,
+    narrow: bool = False,
 ) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
-    of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype.
+    of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype
+    (``narrow``: Muon's polar factor in its iteration's dtype where that is narrower; the
+    caller widens it as it scales it, see :func:`equiopt.linalg.polar`).
 
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
@@ -121,7 +124,10 @@ def factored_map(
             )
         # normuon: the polar factor; its row stage, which reads and updates the optimizer's
         # state, is applied by the caller (maps.normuon_rows)
-        return maps.Factored(maps.spectral(D, method=method, steps=steps, dtype=polar_dtype, reducer=reducer))
+        narrow = narrow and rule == "spectral"
+        return maps.Factored(
+            maps.spectral(D, method=method, steps=steps, dtype=polar_dtype, reducer=reducer, narrow=narrow)
+        )
     # the settings the one-sided maps and the hybrids share
     common = dict(
         eps=eps,
