@@ -127,7 +127,9 @@ def test_checkpoint_write_is_atomic_under_a_crash(tmp_path, monkeypatch):
         save_checkpoint(tmp_path, 2, {"x": torch.zeros(3), "opt": {"m": torch.zeros(4)}}, {"step": 2})
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", real_write)
     # a crash after the data, before the rename: still the old checkpoint
-    monkeypatch.setattr("equiopt.train.checkpoint._fsync_dir", lambda path: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(
+        "equiopt.train.checkpoint.files._fsync_dir", lambda path: (_ for _ in ()).throw(KeyboardInterrupt())
+    )
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 3, {"x": torch.zeros(3), "opt": {"m": torch.zeros(4)}}, {"step": 3})
     monkeypatch.undo()
