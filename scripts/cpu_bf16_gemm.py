@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from equiopt.bench import _median_time
+from equiopt.bench import median_time
 
 REPEATS, CPU = 9, torch.device("cpu")
 
@@ -54,12 +54,12 @@ def main() -> None:
     xb = x.bfloat16()
     exact = xb.double().mT @ xb.double()
     print(f"Gram of {m} x {n}, {args.threads} thread(s), torch {torch.__version__}")
-    print(f"  float32 sgemm:              {1e3 * _median_time(lambda: x.mT @ x, REPEATS, CPU):7.1f} ms")
-    print(f"  bfloat16 (bfloat16 result): {1e3 * _median_time(lambda: xb.mT @ xb, REPEATS, CPU):7.1f} ms")
+    print(f"  float32 sgemm:              {1e3 * median_time(lambda: x.mT @ x, REPEATS, CPU):7.1f} ms")
+    print(f"  bfloat16 (bfloat16 result): {1e3 * median_time(lambda: xb.mT @ xb, REPEATS, CPU):7.1f} ms")
     try:
         torch.mm(xb.mT, xb, out_dtype=torch.float32)
         print(
-            f"  mm out_dtype float32:       {1e3 * _median_time(lambda: torch.mm(xb.mT, xb, out_dtype=torch.float32), REPEATS, CPU):7.1f} ms"
+            f"  mm out_dtype float32:       {1e3 * median_time(lambda: torch.mm(xb.mT, xb, out_dtype=torch.float32), REPEATS, CPU):7.1f} ms"
         )
     except (RuntimeError, TypeError, NotImplementedError):
         print("  mm out_dtype float32:       not available on this build")
@@ -70,7 +70,7 @@ def main() -> None:
     out = torch.empty(n, n)
     err = float((gram(xb, out).double() - exact).norm() / exact.norm())
     print(
-        f"  MKL gemm_bf16bf16f32:       {1e3 * _median_time(lambda: gram(xb, out), REPEATS, CPU):7.1f} ms (relative error {err:.1e})"
+        f"  MKL gemm_bf16bf16f32:       {1e3 * median_time(lambda: gram(xb, out), REPEATS, CPU):7.1f} ms (relative error {err:.1e})"
     )
 
 

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from equiopt import linalg
-from equiopt.bench import _median_time
+from equiopt.bench import median_time
 
 REPEATS, CPU = 5, torch.device("cpu")
 
@@ -32,9 +32,9 @@ def main() -> None:
         times = {}
         for label, native in (("torch's bfloat16 kernels", True), ("rounded float32 products", False)):
             polar_module.CPU_BFLOAT16 = native
-            times[label] = _median_time(lambda: linalg.polar(X, method, dtype=torch.bfloat16), REPEATS, CPU)
+            times[label] = median_time(lambda: linalg.polar(X, method, dtype=torch.bfloat16), REPEATS, CPU)
         polar_module.CPU_BFLOAT16 = hardware
-        times["float32"] = _median_time(lambda: linalg.polar(X, method, dtype=torch.float32), REPEATS, CPU)
+        times["float32"] = median_time(lambda: linalg.polar(X, method, dtype=torch.float32), REPEATS, CPU)
         print(f"  {method}: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in times.items()))
 
 

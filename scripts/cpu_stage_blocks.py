@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import equiopt.maps as maps
-from equiopt.bench import _median_time
+from equiopt.bench import median_time
 from equiopt.linalg.inv_sqrt import inv_sqrt
 from equiopt.maps import hybrids
 from equiopt.optim.apply import add_factored_
@@ -36,11 +36,11 @@ def main() -> None:
     def step():
         add_factored_(W, maps.hybrid_factored(D), coef)
 
-    blocked = _median_time(step, args.repeats, torch.device("cpu"))
+    blocked = median_time(step, args.repeats, torch.device("cpu"))
     unformed = hybrids.unformed_stage  # read by hybrid_factored from its own module
     hybrids.unformed_stage = lambda *a: False
     try:
-        formed = _median_time(step, args.repeats, torch.device("cpu"))
+        formed = median_time(step, args.repeats, torch.device("cpu"))
     finally:
         hybrids.unformed_stage = unformed
     print(
@@ -56,7 +56,7 @@ def main() -> None:
     }
     print(
         "parts: "
-        + ", ".join(f"{k} {1e3 * _median_time(f, args.repeats, torch.device('cpu')):.1f} ms" for k, f in parts.items())
+        + ", ".join(f"{k} {1e3 * median_time(f, args.repeats, torch.device('cpu')):.1f} ms" for k, f in parts.items())
     )
 
 

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from equiopt.bench import _stack_model, _time_steps
+from equiopt.bench import stack_model, time_steps
 from equiopt.roles import build_optimizer
 
 
@@ -24,12 +24,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    model = _stack_model(cpu, structure=args.structure) if args.structure else _stack_model(cpu)
+    model = stack_model(cpu, structure=args.structure) if args.structure else stack_model(cpu)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(1)
     grads = [1e-3 * torch.randn(p.shape, generator=gen) for p in params]
     opt, _ = build_optimizer(model, args.recipe, eager_state=True, compile=False)
-    ms = 1e3 * _time_steps(opt, params, grads, cpu, args.repeats)
+    ms = 1e3 * time_steps(opt, params, grads, cpu, args.repeats)
     print(f"{args.recipe}: {ms:.1f} ms per step ({args.threads} threads, torch {torch.__version__})")
 
 

@@ -51,11 +51,11 @@ def compiled(recipes: str) -> None:
     bucket's core, ``compile=True``) and the median of later ones, on Qwen3-0.6B."""
     import torch
 
-    from equiopt.bench import _median_time, _stack_model
+    from equiopt.bench import median_time, stack_model
     from equiopt.roles import build_optimizer
 
     device = torch.device("cuda")
-    model = _stack_model(device)
+    model = stack_model(device)
     for p in model.parameters():
         p.grad = 1e-3 * torch.randn_like(p)
     for recipe in recipes.split(","):
@@ -65,7 +65,7 @@ def compiled(recipes: str) -> None:
         opt.step()
         torch.cuda.synchronize()
         first = time.perf_counter() - start
-        ms = 1e3 * _median_time(opt.step, 20, device)
+        ms = 1e3 * median_time(opt.step, 20, device)
         print(json.dumps({"recipe": recipe, "compile_s": first, "ms": ms}), flush=True)
         del opt
 

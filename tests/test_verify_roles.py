@@ -368,7 +368,7 @@ def test_entry_modules_keep_their_import_paths():
     """roles.infer and roles.verify are the entry modules: the names other modules import
     from them are the ones in roles.inference and roles.checks."""
     from equiopt.roles import checks, infer, inference, verify
-    from equiopt.roles.infer import _CONVS, _input_embedding, _rule_table
+    from equiopt.roles.infer import _CONVS, input_embedding, rule_table
 
     assert infer.assign_roles is eo.roles.assign_roles and verify.verify_roles is eo.roles.verify_roles
     assert infer.RoleInferenceError is inference.errors.RoleInferenceError is eo.roles.RoleInferenceError
@@ -376,7 +376,7 @@ def test_entry_modules_keep_their_import_paths():
     assert (
         verify.RoleReport is checks.report.RoleReport and verify.DEFAULT_TOLERANCES is checks.report.DEFAULT_TOLERANCES
     )
-    assert _CONVS is inference.storage._CONVS and _input_embedding is inference.embeddings._input_embedding
-    assert _rule_table is inference.rules._rule_table
+    assert _CONVS is inference.storage._CONVS and input_embedding is inference.embeddings.input_embedding
+    assert rule_table is inference.rules.rule_table
     runner = object.__new__(verify._Runner)  # one method a kind, in the order of CHECK_KINDS
     assert tuple(runner.checks()) == CHECK_KINDS

@@ -117,7 +117,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn, repeats: int, device: torch.device) -> float:
+def median_time(fn, repeats: int, device: torch.device) -> float:
     """Median time of ``fn()`` over ``repeats`` calls, after one warm-up call (the device
     synchronised around each)."""
     fn()
@@ -131,11 +131,11 @@ def _median_time(fn, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _time_steps(opt, params, grads, device, repeats: int) -> float:
+def time_steps(opt, params, grads, device, repeats: int) -> float:
     """Median time of one ``opt.step()`` (after a warm-up step that creates the state)."""
     for p, g in zip(params, grads):
         p.grad = g
-    return _median_time(opt.step, repeats, device)
+    return median_time(opt.step, repeats, device)
 
 
 _PRODUCT_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
@@ -191,10 +191,10 @@ def speed(
         params = [torch.nn.Parameter(0.02 * torch.randn(shape, generator=g, device=device, dtype=dtype))]
         grads = [1e-3 * torch.randn(shape, generator=g, device=device, dtype=dtype)]
         kwargs = {"fused": True} if fused else {"foreach": True}
-        base = _time_steps(torch.optim.AdamW(params, lr=1e-3, **kwargs), params, grads, device, repeats)
+        base = time_steps(torch.optim.AdamW(params, lr=1e-3, **kwargs), params, grads, device, repeats)
         for rule in rules:
             opt = EquivariantOptimizer(params, lr=1e-3, layout=layout, compile=compile_step, **settings[rule])
-            t = _time_steps(opt, params, grads, device, repeats)
+            t = time_steps(opt, params, grads, device, repeats)
             label = f"{name} {tuple(shape)}" if shrink > 1 else name
             print(f"{label:36s} {rule:30s} {1e3 * t:9.2f} {1e3 * base:9.2f} {t / base:7.2f}")
             ratios[(name, rule)] = t / base
@@ -211,7 +211,7 @@ STACK_RECIPES = [
 ]
 
 
-def _stack_model(device: torch.device, shape: str | None = None, structure: int | None = None):
+def stack_model(device: torch.device, shape: str | None = None, structure: int | None = None):
     """The ``--stack`` model, or with ``shape`` ("VOCABxHIDDEN") a 4-layer Qwen3-style one of that
     size, or with ``structure`` (a width) Qwen3-0.6B's structure at that width (28 layers, 310
     parameters: deep and narrow, where per-parameter costs dominate)."""
@@ -279,7 +279,7 @@ def stack(
     from .optim import GraphedStep
     from .roles import build_optimizer
 
-    model = _stack_model(device, structure=structure)
+    model = stack_model(device, structure=structure)
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -291,11 +291,11 @@ def stack(
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    fb = _median_time(fwd_bwd, max(3, repeats // 2), device)
+    fb = median_time(fwd_bwd, max(3, repeats // 2), device)
     grads = [p.grad.detach().clone() for p in params]
     fused = device.type == "cuda"
     adamw = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
-    base = _time_steps(adamw, params, grads, device, repeats)
+    base = time_steps(adamw, params, grads, device, repeats)
     base_state = _state_mib(adamw)
     del adamw
     print(
@@ -313,7 +313,7 @@ def stack(
         opt, _ = build_optimizer(model, recipe, eager_state=True)
         if compile_step is not None:
             opt.compile = compile_step
-        t = _time_steps(opt, params, grads, device, repeats)
+        t = time_steps(opt, params, grads, device, repeats)
         peak = peak_extra_bytes(opt.step, device) / 2**20
         products = _product_ms(opt, device)
         print(
@@ -333,7 +333,7 @@ def stack(
             opt, _ = build_optimizer(model, recipe, eager_state=True, compile=False)
             for p, g in zip(params, grads):
                 p.grad = g
-            t = _median_time(GraphedStep(opt), repeats, device)
+            t = median_time(GraphedStep(opt), repeats, device)
             rel = graphed_vs_eager(model, params, grads, recipe)
             print(
                 f"{label + ' (CUDA graph)':32s} {1e3 * t:9.2f} {t / base:7.2f} {t / fb:9.3f}   graphed vs eager {rel:.1e}"
@@ -464,7 +464,7 @@ def _divided_worker(
         "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world
     )
     try:
-        model = _stack_model(device, shape)
+        model = stack_model(device, shape)
         params = [p for p in model.parameters() if p.requires_grad]
         gen = torch.Generator(device=device).manual_seed(1)
         grads = [1e-3 * torch.randn(p.shape, generator=gen, device=device) for p in params]
@@ -473,7 +473,7 @@ def _divided_worker(
             for divide in (False, True) if world > 1 else (False,):
                 opt, _ = build_optimizer(model, recipe, eager_state=True, divide_work=divide, compile=False)
                 dist.barrier()
-                results[(recipe, divide)] = _slowest(_time_steps(opt, params, grads, device, repeats), device)
+                results[(recipe, divide)] = _slowest(time_steps(opt, params, grads, device, repeats), device)
                 del opt
         _save_results(results, rank, out)
     finally:
@@ -512,7 +512,7 @@ def _overlap_worker(
     try:
         fully_shard = fsdp2_api()[0]
         cpu = torch.device("cpu")
-        model = _stack_model(cpu, shape)
+        model = stack_model(cpu, shape)
         for block in transformer_blocks(model):
             fully_shard(block)
         fully_shard(model)
@@ -536,7 +536,7 @@ def _overlap_worker(
             for overlap in (False, True):
                 opt.overlap = overlap
                 dist.barrier()
-                results[(recipe, overlap)] = _slowest(_time_steps(opt, params, grads, cpu, repeats), cpu)
+                results[(recipe, overlap)] = _slowest(time_steps(opt, params, grads, cpu, repeats), cpu)
             # time inside the (synchronous) collectives of one waited step: the communication to hide
             opt.overlap = False
             for name, fn in real.items():

@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 
 from ..optim import EquivariantOptimizer
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe, make_lr_lambda
-from ..recipes.schedules import _Multiplier
+from ..recipes.schedules import Multiplier
 from ..roles import assign_roles
 from ..roles.build import param_groups
 
@@ -209,7 +209,7 @@ class RecipeSchedule(TrainerCallback):
                 stacklevel=2,
             )
             return
-        if not all(isinstance(f, _Multiplier) for f in lr_scheduler.lr_lambdas):
+        if not all(isinstance(f, Multiplier) for f in lr_scheduler.lr_lambdas):
             total = state.max_steps if state.max_steps and state.max_steps > 0 else None
             lr_scheduler.lr_lambdas = [
                 make_lr_lambda(g.get("schedule"), total, f"param group {i} (role {g.get('role')!r})")

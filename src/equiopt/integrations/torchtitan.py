@@ -478,9 +478,9 @@ def equiopt_config(
     if overrides:
         rec.with_overrides(overrides)
     if rules:
-        from ..roles.inference.rules import _rule_table
+        from ..roles.inference.rules import rule_table
 
-        _rule_table(rules)
+        rule_table(rules)
     if param_groups is None:
         param_groups = [ParamGroupConfig(pattern=pattern, optimizer_name=OPTIMIZER_NAME)]
     elif not any(pg.optimizer_name == OPTIMIZER_NAME for pg in param_groups):

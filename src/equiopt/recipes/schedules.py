@@ -56,7 +56,7 @@ def _check_total(total_steps: Any) -> int | None:
     return int(total_steps)
 
 
-class _Multiplier:
+class Multiplier:
     """Base: equality and repr from the instance attributes."""
 
     def __eq__(self, other: object) -> bool:
@@ -70,7 +70,7 @@ class _Multiplier:
         return f"{type(self).__name__}({args})"
 
 
-class WarmupCosine(_Multiplier):
+class WarmupCosine(Multiplier):
     """Linear warmup ``(step + 1) / warmup_steps``, then half-cosine to 0 at ``total_steps``.
 
     Called with the scheduler's step counter it returns the lr multiplier in force for
@@ -107,7 +107,7 @@ class WarmupCosine(_Multiplier):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class StableDecay(_Multiplier):
+class StableDecay(Multiplier):
     """1 until ``floor(stable_fraction * total_steps)``, then linear to 0 at ``total_steps``.
 
     Called with the scheduler's step counter it returns the lr multiplier in force for
@@ -151,7 +151,7 @@ class StableDecay(_Multiplier):
         return (total - step) / (total - stable)
 
 
-class Constant(_Multiplier):
+class Constant(Multiplier):
     """Multiplier 1 at every step (the ``constant`` schedule; no parameters)."""
 
     def __call__(self, step: int) -> float:

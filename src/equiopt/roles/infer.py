@@ -52,18 +52,18 @@ from ..layouts import Col, Experts, Flatten, Row
 from .inference.attention import _AttentionRoles
 from .inference.context import _Decision
 from .inference.dims import ModelDims, model_dims
-from .inference.embeddings import _input_embedding as _input_embedding
+from .inference.embeddings import input_embedding as input_embedding
 from .inference.errors import RoleInferenceError, _nd_fix
 from .inference.mlp import _MlpRoles
 from .inference.model_check import _check_model, _unregistered_modules
 from .inference.names import _is_bias
-from .inference.rules import _rule_table
+from .inference.rules import rule_table
 from .inference.storage import _CONVS as _CONVS
 from .inference.storage import _conv, _storage
 from .table import RoleRow, RoleTable
 
 __all__ = ["assign_roles", "model_dims", "ModelDims", "RoleInferenceError"]
-# _rule_table, _input_embedding and _CONVS stay importable from here, where they were defined before
+# rule_table, input_embedding and _CONVS stay importable from here, where they were defined before
 
 
 def assign_roles(
@@ -119,7 +119,7 @@ def assign_roles(
     if gate_up not in ("split", "paired"):
         raise ValueError(f"gate_up must be 'split' or 'paired', got {gate_up!r}")
     _check_model(model)
-    table = _rule_table(rules)
+    table = rule_table(rules)
     ctx = _Context(model, dims, gate_up == "split", per_head)
     flow = _dataflow(model, gate_up == "split", per_head) if dataflow else None
     rows, notes = [], []

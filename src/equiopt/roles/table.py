@@ -117,7 +117,7 @@ class RoleTable(list):
             if reasons:
                 cells += [r.source, r.reason]
             lines.append(cells)
-        out = _columns(header, lines)
+        out = columns(header, lines)
         counts = {role: sum(r.param.numel() for r in rows) for role, rows in self.by_role().items() if rows}
         out.append("")
         out.append("parameters by role: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
@@ -139,7 +139,7 @@ def _merge(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _columns(header: list[str], rows: list[list]) -> list[str]:
+def columns(header: list[str], rows: list[list]) -> list[str]:
     """A text table: the header, a rule of dashes, then one line a row, columns aligned."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()

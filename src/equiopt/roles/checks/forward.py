@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..inference.embeddings import _input_embedding
+from ..inference.embeddings import input_embedding
 from ..table import RoleTable
 
 
@@ -34,7 +34,7 @@ def _vocab_size(model: nn.Module, table: RoleTable) -> int:
     for r in table:
         if r.role == "embedding" and r.layout is not None:
             return r.layout.work_shapes(r.shape, r.name)[0][-2]
-    emb = _input_embedding(model)
+    emb = input_embedding(model)
     if isinstance(emb, nn.Embedding):
         return emb.num_embeddings
     raise ValueError("cannot tell the vocabulary size: pass input_ids")

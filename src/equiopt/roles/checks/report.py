@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..table import _columns
+from ..table import columns
 from .paths import _compress
 
 CHECK_KINDS = ("neuron", "expert", "shift", "vocab", "conv")
@@ -116,7 +116,7 @@ class RoleReport(list):
         lines = [
             [c.kind, "ok" if c.passed else "FAIL", f"{c.max_change:.2e}", f"{c.tolerance:.2e}", c.where] for c in self
         ]
-        table = _columns(header, lines)
+        table = columns(header, lines)
         out = [head, *table[:2]]
         for c, line in zip(self, table[2:]):
             out.append(line)

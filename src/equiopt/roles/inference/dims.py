@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from .embeddings import _input_embedding
+from .embeddings import input_embedding
 from .names import _ATTN_CLASS
 
 
@@ -122,7 +122,7 @@ def _model_level_dims(model: nn.Module) -> ModelDims:
     config = _first_config(model)
     if config is not None:
         _from_config(dims, config)
-    emb = _input_embedding(model, dims.vocab)
+    emb = input_embedding(model, dims.vocab)
     if emb is not None and getattr(emb, "weight", None) is not None and emb.weight.ndim == 2:
         dims.vocab = dims.vocab or emb.weight.shape[0]
         dims.hidden = dims.hidden or emb.weight.shape[1]

@@ -36,7 +36,7 @@ def _embedding_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return owners
 
 
-def _input_embedding(model: nn.Module, vocab: int | None = None):
+def input_embedding(model: nn.Module, vocab: int | None = None):
     """The input embedding of ``model`` (the first one, when a wrapper holds several models)."""
     for _, owner in _embedding_owners(model):
         return _call(owner, "get_input_embeddings")
@@ -73,7 +73,7 @@ def _find_embeddings(model: nn.Module, dims_at: Callable[[str], ModelDims]) -> _
     tied = False
     owners = _embedding_owners(model) or [("", model)]
     for owner_name, owner in owners:
-        emb = _call(owner, "get_input_embeddings") or _input_embedding(owner, dims_at(owner_name).vocab)
+        emb = _call(owner, "get_input_embeddings") or input_embedding(owner, dims_at(owner_name).vocab)
         out = _output_embedding(owner, dims_at(owner_name))
         for module, found in ((emb, embeddings), (out, lm_heads)):
             w = getattr(module, "weight", None) if module is not None else None

@@ -20,7 +20,9 @@ class _RoleRule(NamedTuple):
     layout: Layout | None
 
 
-def _rule_table(rules) -> list[_RoleRule]:
+def rule_table(rules) -> list[_RoleRule]:
+    """``rules`` (a mapping or pairs of a pattern and a role, or None) as the ordered table
+    the role inference matches names against."""
     if rules is None:
         return []
     items = rules.items() if isinstance(rules, Mapping) else rules
