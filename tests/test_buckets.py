@@ -101,6 +101,30 @@ def test_a_bucket_of_several_parts_steps_as_the_per_parameter_path(settings):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("settings", PART_RULES[:3], ids=["nesterov", "ema", "centred"])
+def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings):
+    """Parts stored as their work matrices, transposed (``col``) or split in heads, plain or
+    centred in place: each part's flags are one ``equiopt::grad_flags`` and its sanitising,
+    momentum and direction one ``equiopt::momentum_stage``; no part reduces, sanitises or
+    interpolates its gradients with operators of its own."""
+    from equiopt.roofline import count_step
+
+    params, opt = _run_parts(settings, "skip", steps=1)
+    (bucket,) = opt._buckets.matrix
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    counter = count_step(opt.step, warmup=0)
+    prologue = ("optim.stages.bucket_core", "optim.stages._gradients")  # (the guard sanitises updates)
+    names = [o.name for o in counter.ops if o.stage in prologue]
+    assert names.count("grad_flags") == names.count("momentum_stage") == len(bucket.parts) == 3, names
+    for unfused in ("amin", "amax", "nan_to_num", "nan_to_num_", "lerp", "lerp_"):
+        assert unfused not in names, (unfused, names)
+    bucketed, _ = _run_parts(settings, "skip", steps=3)
+    single, _ = _run_parts(settings, "raise", steps=3)
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("settings", PART_RULES[:2], ids=["nesterov", "ema"])
 def test_a_step_holds_no_more_than_its_map_does(settings):
     """The map's input (the parts' work matrices side by side) and each part's update are

@@ -16,10 +16,10 @@ parameters they hold (``docs/step.md`` has the counts). It runs in three stages:
   one foreach copy where the state is wider or the part flat; never into ``.grad``);
 - the core (:func:`bucket_core`, :func:`adamw_core`), on stacks alone, what
   ``compile=`` compiles once per kind of bucket: the finite flags and the skip counters
-  (``equiopt::grad_flags``), sanitising, the momentum and Nesterov's direction, written
-  into the part's place in the map's input (``equiopt::momentum_stage``; :mod:`.fused`;
-  a part whose work is a transpose of its stack or that is centred in place takes a
-  minimum and a maximum, a ``nan_to_num``, a ``lerp_`` and Nesterov's ``lerp`` instead),
+  (``equiopt::grad_flags``), sanitising, the momentum and Nesterov's direction
+  (``equiopt::momentum_stage``; :mod:`.fused`), written into the part's place in the
+  map's input (a part whose work is a transpose of its stack copies it there; a centred
+  one is centred in place first),
   the centring of quotient maps, the map on every work
   matrix of the bucket at once (its input written over the bucket's spent gradients), the
   guard of each matrix's update (its small factors checked and cleaned), and each part's
@@ -46,17 +46,18 @@ import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .. import maps
 from ..layouts import Layout
-from .apply import GRAD_LIMIT, _add_
+from .apply import GRAD_LIMIT
 from .fields import POLAR_RULES
 from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
-from .rules import PRECENTRED, MapKey, factored_map, map_key, precentred, shape_factor
+from .rules import MapKey, factored_map, map_key, precentred, shape_factor
+from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
     "Part",
@@ -331,29 +332,6 @@ class Part:
         return (self.stacks["momentum_buffer"], self.stacks["nonfinite"], *extra)
 
 
-class Spec(NamedTuple):
-    """What a part's core computes with besides its tensors: the constants of its compiled code."""
-
-    layout: Layout | None
-    members: int
-    shape: tuple[int, ...]
-    work_shape: tuple[int, ...]
-    per_member: int
-    factor: float
-    beta: float
-    nesterov: bool
-    weight_decay: float
-    single: bool  # one member in the state's dtype: read from its gradient, its update added in place
-    dtype: torch.dtype
-    flat: bool
-    numel: int
-    betas: tuple[float, float]
-    adam_eps: float
-    beta2: float = 0.0  # NorMuon's row second-moment EMA
-    work_is_view: bool = True  # a stack's work tensor is the stack itself, reshaped (no transpose)
-    update_in_place: bool = False  # the update is added from the part's place in the buffer
-
-
 def _work_is_view(layout: Layout, shape: tuple[int, ...]) -> bool:
     """Whether a contiguous stack's work tensor is the stack itself reshaped: the same memory
     in the same order (a layout that splits heads along rows), not a transposed view."""
@@ -363,59 +341,6 @@ def _work_is_view(layout: Layout, shape: tuple[int, ...]) -> bool:
         return False
     work = works[0]
     return work.is_contiguous() and work.storage_offset() == 0 and (work is stack or work._base is stack)
-
-
-def _lead(spec: Spec, t: torch.Tensor, ndim: int, sizes: torch.Tensor | None = None) -> torch.Tensor:
-    """``(B,)`` ``t`` (one value per member) spread over a stack of ``ndim`` dimensions: a
-    broadcasting view, or for a flat part each value repeated over its member's entries."""
-    if spec.flat:
-        return torch.repeat_interleave(t, sizes, output_size=spec.numel)  # type: ignore[arg-type]
-    return t.view(-1, *([1] * (ndim - 1)))
-
-
-def _gradients(
-    spec: Spec,
-    source: torch.Tensor,
-    scratch: torch.Tensor,
-    present: torch.Tensor | None,
-    finite: torch.Tensor | None,
-    counters: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sanitised gradients (in ``scratch``: NaN and Inf set to 0), the finite flags (``(B,)``
-    bool: free of NaN and Inf, every entry within ``GRAD_LIMIT``, present) and the flags a step
-    reports (True for a member without a gradient); skips counted in ``counters``."""
-    if finite is None:
-        seen = source.reshape(spec.members, -1)
-        # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
-        finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
-    if present is not None:
-        bad = present & ~finite
-        ok, reported = finite & present, ~bad
-    else:
-        ok, bad, reported = finite, ~finite, finite
-    counters.add_(bad)
-    if spec.single:  # copied and sanitised in one pass
-        torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(source.shape))
-    else:
-        torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
-    return scratch, ok, reported
-
-
-def _pieces(f: maps.Factored, take: Callable[[torch.Tensor], torch.Tensor]) -> maps.Factored:
-    """``f`` with ``take`` applied to each of its tensors (a view of some of its matrices)."""
-    return maps.Factored(take(f.x), *[None if t is None else take(t) for t in f[1:]])
-
-
-def _scaled(f: maps.Factored, c: torch.Tensor) -> maps.Factored:
-    """``f`` for ``c * U`` (``c``: ``(N, 1, 1)``), the scale folded into its smallest factor."""
-    shift = None if f.shift is None else f.shift * c
-    if f.row is not None:
-        return f._replace(row=f.row * c, shift=shift)
-    if f.right is not None:
-        return f._replace(right=f.right * c, shift=shift)
-    if f.left is not None:
-        return f._replace(left=f.left * c, shift=shift)
-    return f._replace(x=f.x * c, shift=shift)
 
 
 class Bucket:
@@ -500,229 +425,6 @@ def make_buckets(
             mkey = precentred(mkey)  # the part centres its direction in place
         matrix[(mkey, part.work_shape[-2:], part.device, sdtype)].append(part)
     return Buckets([Bucket(k[0], parts) for k, parts in matrix.items()], adamw)
-
-
-def _finite(t: torch.Tensor) -> torch.Tensor:
-    """``t.isfinite()`` in two operators (``t - t`` is 0 exactly where ``t`` is finite)."""
-    return (t - t) == 0
-
-
-def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
-    """``f`` (a batch of ``N`` updates) with its non-finite entries zeroed, and each update's
-    finite flag (``(N,)`` bool), read from its small factors, or from the update itself when
-    it is given whole (then cleaned in place: it is always a fresh tensor). The batched
-    form of :func:`~.apply._guarded`."""
-    names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
-    checked = [getattr(f, k) for k in names] or [f.x]
-    ok: Any = None
-    for t in checked:
-        flag = _finite(t.sum(dim=(-2, -1)))  # a sum carries any NaN or Inf (one pass)
-        ok = flag if ok is None else ok & flag
-    if names:
-        if f.low is not None:
-            torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
-        return f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0) for k in names}), ok
-    torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
-    return f, ok
-
-
-def _side_by_side(
-    places: list[torch.Tensor], specs: tuple[Spec, ...], works: list[torch.Tensor], placed: list[bool]
-) -> None:
-    """``torch.cat(works)`` without a new tensor: each part's work matrices into its place in
-    the bucket's buffer (over its own spent gradients)."""
-    for place, spec, w, there in zip(places, specs, works, placed):
-        if not (there or (spec.nesterov and spec.work_is_view)):  # else the direction is there already
-            place.copy_(w)
-
-
-def _fused_prologue(key: MapKey, spec: Spec) -> bool:
-    """Whether a part's flags, sanitising, momentum and direction run as the fused operators
-    of :mod:`.fused`: a stack whose work matrices are the stack itself (the direction is then
-    written straight into the part's place in the map's input), not centred in place."""
-    return spec.work_is_view and not spec.flat and key.center != PRECENTRED
-
-
-def bucket_core(
-    key: MapKey,
-    eta: Any,
-    specs: tuple[Spec, ...],
-    sources: list[torch.Tensor],
-    scratches: list[torch.Tensor],
-    presents: list[torch.Tensor | None],
-    momenta: list[torch.Tensor],
-    counters: list[torch.Tensor],
-    lrs: list[torch.Tensor],
-    weights: list[torch.Tensor | None],
-    skips: torch.Tensor,
-    map_fn: Callable[..., maps.Factored],
-    seconds: list[torch.Tensor] | None = None,
-    region: torch.Tensor | None = None,
-    places: list[torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
-    """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
-    once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
-    momentum (and centring), the map (``map_fn``, :func:`~.rules.factored_map`) on every work
-    matrix at once (``normuon``: then each part's row stage, :func:`~equiopt.maps.normuon_rows`,
-    on its stacked row second moments ``seconds``, a skipped member's left as they were), the
-    guard of each matrix's update (refusals counted in ``skips``), and each part's update with
-    its learning rate, shape factor and skip flags folded in.
-
-    ``region``: the bucket's gradient buffer as work matrices, ``places`` each part's
-    (its ``scratches`` entry) in it. Once a part's momentum has taken its gradients, the
-    map's input (the parts' work matrices side by side) is written there, and after the
-    map each part's update: a step allocates no copy of the bucket besides the map's own.
-
-    Returns, per part: the update as a ``(B, *shape)`` stack to add, or None where it is
-    in the part's scratch (its :meth:`Part.finish` adds it from there) or, for a
-    single-member part, the core applied its decay and update to ``weights[i]`` in place;
-    the skip flags in the learning rates' dtype, and the flags the step reports."""
-    works, coefs, okls, reported, weights2 = [], [], [], [], []
-    placed = [_fused_prologue(key, spec) for spec in specs]
-    for i, spec in enumerate(specs):
-        buf = momenta[i]
-        if placed[i]:
-            # flags, sanitising, momentum and direction in two fused operators: the direction
-            # lands in the part's scratch, which is its place in the map's input
-            ok, flags = fused.grad_flags(sources[i], counters[i], presents[i], spec.members)
-            grads = scratches[i]
-        else:
-            grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
-        reported.append(flags)
-        okf = ok.to(grads.dtype)
-        okl = okf.to(lrs[i].dtype)
-        okls.append(okl)
-        weight = weights[i]
-        if weight is not None and spec.weight_decay:
-            weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
-        # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
-        # over G (in a fresh tensor where the work is a transpose, copied into the region below)
-        if placed[i]:
-            fused.momentum_stage(sources[i] if spec.single else None, grads, buf, ok, spec.beta, spec.nesterov)
-            direction = grads
-        else:
-            buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
-            if spec.nesterov:
-                together = region is not None and len(specs) > 1 and not spec.work_is_view
-                direction = torch.lerp(grads, buf, spec.beta) if together else grads.lerp_(buf, spec.beta)
-            else:
-                direction = buf
-        work = spec.layout.stacked_to_work(direction)[0]  # type: ignore[union-attr]
-        if key.center == PRECENTRED:
-            # D <- Pi D in place (see the engine's _centre_in_place); a skipped member stays
-            work.sub_(work.mean(dim=-2, keepdim=True).mul_(_lead(spec, okf, work.ndim)))
-        works.append(work.reshape(-1, *spec.work_shape[-2:]))
-        coef = (lrs[i] * -spec.factor) * okl
-        coefs.append(coef.repeat_interleave(spec.per_member) if spec.per_member > 1 else coef)
-        if seconds is not None:
-            w2 = okf * (1.0 - spec.beta2)
-            weights2.append((w2.repeat_interleave(spec.per_member) if spec.per_member > 1 else w2).view(-1, 1, 1))
-    del direction, work  # (the loop's last: a transposed Nesterov direction is freed once placed)
-    if len(works) == 1:
-        x = works[0]
-    elif region is None:
-        x = torch.cat(works)
-    else:
-        assert places is not None
-        _side_by_side(places, specs, works, placed)
-        x, works = region, places
-    # Muon's polar factor stays in its iteration's dtype: the guard reads it and each part's
-    # update widens it as it scales it (one pass fewer over the bucket than a cast back)
-    narrow = key.rule == "spectral"
-    f = map_fn(key, eta, x, narrow=True) if narrow else map_fn(key, eta, x)
-    cdtype = x.dtype if narrow else f.x.dtype  # (the scale in the dtype the update is formed in)
-    if seconds is not None:
-        # NorMuon's row stage, part by part on its own state (views of the stacks)
-        rows: list[torch.Tensor] = []
-        at2 = 0
-        for spec, w, second, w2 in zip(specs, works, seconds, weights2):
-            n = w.shape[0]
-            v = second.view(n, spec.work_shape[-2], 1)
-            scales = maps.normuon_rows(f.x.narrow(0, at2, n), v, w2, key.eps).row
-            assert scales is not None
-            rows.append(scales)
-            at2 += n
-        f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
-    f, ok = guard(f)
-    coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
-    skips.add_((~ok & (coef != 0)).sum())
-    coef = coef * ok
-    updates: list[torch.Tensor | None] = []
-    at = 0
-    for i, (spec, w, weight) in enumerate(zip(specs, works, weights)):
-        n = w.shape[0]
-        piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
-        c = coef.narrow(0, at, n).to(cdtype).view(-1, 1, 1)
-        at += n
-        if weight is not None:
-            # one parameter: the factored update goes straight into its work views
-            view = spec.layout.to_work_list(weight.detach())[0]  # type: ignore[union-attr]
-            lead = view.shape[:-2]
-            _add_(
-                view,
-                _pieces(piece, lambda t: t.view(*lead, *t.shape[-2:])),
-                c.view(*lead, 1, 1) if lead else c.view(()),
-            )
-            updates.append(None)
-            continue
-        if places is not None and spec.update_in_place:
-            # into the part's place, whose gradients and map input are spent (every piece of
-            # ``f`` read here is this part's own: the parts before it wrote only their places)
-            out = places[i]
-            if piece.row is None and piece.left is None and piece.right is None and piece.shift is None:
-                if torch.compiler.is_compiling():  # (functionalised ``out=`` wants matching strides)
-                    out.copy_(piece.x * c)
-                else:
-                    torch.mul(piece.x, c, out=out)
-            else:
-                out.copy_(maps.materialize(_scaled(piece, c)))
-            updates.append(None)
-            continue
-        u = maps.materialize(_scaled(piece, c))
-        if u.dtype != spec.dtype:
-            u = u.to(spec.dtype)
-        updates.append(spec.layout.stacked_from_work([u.view(spec.members, *spec.work_shape)]))  # type: ignore[union-attr]
-    return updates, okls, reported
-
-
-def adamw_core(
-    spec: Spec,
-    source: torch.Tensor,
-    scratch: torch.Tensor,
-    present: torch.Tensor | None,
-    finite: torch.Tensor | None,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    steps: torch.Tensor,
-    counters: torch.Tensor,
-    lr: torch.Tensor,
-    sizes: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """AdamW with bias correction on a part's stacked moments (the engine's ``adamw`` rule;
-    see :func:`~.apply.adamw_`): a skipped member keeps its step count and moments. Leaves
-    ``m / denominator``'s denominator in ``scratch`` for the eager ``addcdiv`` (or returns the
-    update where the parameters' dtype differs from the state's), with the skip flags in the
-    learning rate's dtype and the reported flags."""
-    b1, b2 = spec.betas
-    grads, ok, reported = _gradients(spec, source, scratch, present, finite, counters)
-    okf = ok.to(grads.dtype)
-    steps.add_(okf)
-    exp_avg.lerp_(grads, _lead(spec, okf * (1.0 - b1), exp_avg.ndim, sizes))
-    # a skipped gradient may hold entries whose square overflows: squares are capped
-    sq = torch.mul(grads, grads, out=grads).clamp_(max=torch.finfo(grads.dtype).max)
-    exp_avg_sq.lerp_(sq, _lead(spec, okf * (1.0 - b2), exp_avg_sq.ndim, sizes))
-    denom = torch.sqrt(exp_avg_sq, out=sq)
-    counts = steps.clamp(min=1.0).to(exp_avg.dtype)
-    bc1 = 1.0 - torch.pow(b1, counts)
-    c = torch.sqrt(1.0 - torch.pow(b2, counts))
-    # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)):
-    # a skipped step divides by 0 (m / inf = 0)
-    denom.add_(_lead(spec, c * spec.adam_eps, denom.ndim, sizes))
-    okl = okf.to(lr.dtype)
-    size = (okl * -lr) * c.to(lr.dtype) / bc1.to(lr.dtype)
-    denom.div_(_lead(spec, size.to(denom.dtype), denom.ndim, sizes))
-    update = None if spec.dtype == exp_avg.dtype else torch.div(exp_avg, denom).to(spec.dtype)
-    return update, okl, reported
 
 
 class Cores:

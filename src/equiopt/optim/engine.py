@@ -1,67 +1,36 @@
-"""One ``torch.optim.Optimizer`` for every symmetry-compatible rule (Algorithms 1 and 2).
+"""One ``torch.optim.Optimizer`` for every symmetry-compatible rule (Algorithms 1 and 2):
+the class, its settings and its step's order. The jobs live beside it:
 
-Per parameter and step, with gradient ``G``:
-
-    M <- beta M + (1 - beta) G                      (EMA momentum; Nesterov: D = beta M + (1 - beta) G, else D = M)
-    U <- layout.from_work(map(layout.to_work(D)))   (the group's rule on the work matrices)
-    W <- (1 - lr wd) W - lr s U                     (decoupled weight decay; s = lr_scale factor)
-
-Work matrices from all parameters (of all groups) whose map settings and shapes agree
-are concatenated and mapped in one batched call, then split back exactly.
+- :mod:`.param_groups`: a group validated and made ready (layouts, placements, process groups);
+- :mod:`.state_entries`: a parameter's state, made at its first step;
+- :mod:`.state_io`: loading a state dict, all or nothing;
+- :mod:`.stacking` and :mod:`.buckets`: the parameters stepped together on stacked state;
+- :mod:`.per_parameter` and :mod:`.distribute`: every other parameter, each on its placement's plan.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from .. import maps
-from ..distributed.placements import Sharding, describe_sharding, is_dtensor, mesh_group
-from ..layouts import Layout, parse_layout
-from . import distribute
-from .apply import (
-    GRAD_LIMIT,
-    adamw_,
-    add_factored_,
-    add_updates_,
-    decays_,
-    finite_flags,
-    momenta_,
-    sanitize_all,
-)
+from ..distributed.placements import Sharding, describe_sharding
+from ..layouts import Layout
+from . import distribute, per_parameter
 from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
-from .costs import mesh_cost_model, replica_division, resolve_cost_model
-from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
-from .distribute import LOCAL as LOCAL_MODE
-from .fields import ELEMENTWISE_RULES, MATRIX_RULES, PEER_RULES, POLAR_RULES, default
-from .peers import build_peer, check_peer_param, step_peer
-from .row_moments import (
-    ROW_MOMENT,
-    row_moment_block,
-    row_moment_placements,
-    row_moment_shape,
-    row_moment_views,
-    stage_axes,
-)
-from .rules import MapKey, map_key, precentred, reducible, shape_factor, validate_group
-from .sharded import LOCAL, Plan, ShardSum, global_flags, local, plan, reducers
-from .validate import check_hyperparameters, is_default, names_of, saved_param_names
-
-
-def _check_views(p: torch.Tensor, layout: Layout, name: str) -> None:
-    """The step writes updates through the work views of a parameter, so they must alias it."""
-    if p.device.type == "meta" or not isinstance(p, torch.Tensor) or type(p.data) is not torch.Tensor:
-        return
-    base = p.untyped_storage().data_ptr()
-    if any(v.untyped_storage().data_ptr() != base for v in layout.to_work_list(p.detach(), name=name)):
-        raise ValueError(
-            f"parameter {name!r}: layout {layout!r} copies the tensor; it must only reshape, transpose or slice"
-        )
+from .costs import mesh_cost_model, resolve_cost_model
+from .errors import NonFiniteGradientError, UnsupportedTensorError
+from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
+from .param_groups import COMPLEX_RULES, check_gradients, prepare_group
+from .peers import step_peers
+from .rules import MapKey, map_key
+from .sharded import LOCAL, Plan, plan
+from .stacking import stackable
+from .state_entries import init_state, state_dtype
+from .state_io import load_state_dict
+from .validate import check_hyperparameters, is_default
 
 
 def _replica_group(divide_work):
@@ -91,48 +60,6 @@ def _host_side(fn):
         return torch._dynamo.disable(fn, reason=_HOST_SIDE)
     except TypeError:  # torch < 2.7: no reason
         return torch._dynamo.disable(fn)
-
-
-class NonFiniteGradientError(FloatingPointError, ValueError):
-    """Raised for a NaN/Inf gradient when a group's ``nonfinite="raise"``."""
-
-
-class UnsupportedTensorError(ValueError, RuntimeError):
-    """A parameter or gradient a rule cannot step: a complex parameter of a matrix rule, a
-    sparse gradient. A :class:`RuntimeError`, as torch's own optimizers raise for these,
-    and a :class:`ValueError`, as every other check of a parameter here."""
-
-
-#: Rules that step complex parameters, as torch's AdamW and SGD do: as their real views
-#: (``torch.view_as_real``), every operation being element-wise.
-COMPLEX_RULES = ("adamw", "sgd", "torch_adamw")
-
-#: torch's optimizer flags that would change what a step computes; this optimizer does not
-#: offer them, so a param group asking for one is refused rather than silently ignored.
-_UNOFFERED_FLAGS = {
-    "maximize": "minimise the negated loss instead",
-    "differentiable": "the step runs under torch.no_grad and is not differentiable",
-}
-
-
-def _times(step: torch.Tensor, factor: float) -> torch.Tensor:
-    """A step size ``-lr * ok`` times a shape factor (no operator when the factor is 1)."""
-    return step if factor == 1.0 else step * factor
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor's real view (a trailing dimension of 2), any other tensor as it is."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _check_flags(group: dict, where: str) -> None:
-    """Refuse torch's ``maximize=True`` and ``differentiable=True`` in a param group, by name."""
-    for flag, instead in _UNOFFERED_FLAGS.items():
-        if group.get(flag):
-            raise ValueError(
-                f"{where}, field {flag!r}: EquivariantOptimizer does not offer {flag}=True ({instead}); "
-                f"leave it out or set it to False"
-            )
 
 
 class EquivariantOptimizer(Optimizer):
@@ -390,7 +317,7 @@ class EquivariantOptimizer(Optimizer):
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
         try:
-            self._prepare_group(group, index)
+            prepare_group(self, group, index)
         except Exception:
             del self.param_groups[index]  # a refused group leaves the optimizer as it was
             raise
@@ -399,106 +326,12 @@ class EquivariantOptimizer(Optimizer):
                 self._init_state(p, group)
             self._refresh_buckets()  # the state exists: stack it now
 
-    def _prepare_group(self, group: dict, index: int) -> None:
-        where = f"param_groups[{index}]"
-        validate_group(group, where)
-        _check_flags(group, where)
-        params = group["params"]
-        group["names"] = names = names_of(group, where)  # param_names, else places; not saved
-        per_param = group.get("layouts")
-        if per_param is not None and len(per_param) != len(params):
-            raise ValueError(f"{where}: 'layouts' has {len(per_param)} entries for {len(params)} parameters")
-        layouts = []
-        rule = group["rule"]
-        for j, p in enumerate(params):
-            if p.is_complex():
-                if rule not in COMPLEX_RULES:
-                    raise UnsupportedTensorError(
-                        f"rule {rule!r} does not support complex parameters: parameter {names[j]!r} has dtype "
-                        f"{p.dtype} (its maps act on real matrices); give it rule 'adamw' or 'sgd', which step "
-                        "complex parameters as their real views, or optimise its real and imaginary parts"
-                    )
-                if group["lazy"]:
-                    raise ValueError(f"parameter {names[j]!r} has dtype {p.dtype}: lazy=True needs real parameters")
-            elif not p.is_floating_point():
-                raise ValueError(
-                    f"parameter {names[j]!r} has dtype {p.dtype}: EquivariantOptimizer steps floating-point "
-                    "tensors (float64, float32, bfloat16, float16; complex ones with rule 'adamw' or 'sgd'), "
-                    "not integer or boolean ones"
-                )
-            # unsupported placements (Partial, non-contiguous splits) fail here, by name
-            sharding = self._shardings[id(p)] = describe_sharding(p, names[j])
-            spec = group["layout"] if per_param is None or per_param[j] is None else per_param[j]
-            try:
-                layout = parse_layout(spec)
-            except ValueError as err:
-                raise ValueError(f"parameter {names[j]!r}: {err}") from None
-            if group["rule"] in PEER_RULES:
-                check_peer_param(group["rule"], p, names[j], sharding.kind == "sharded" and sharding.is_sharded)
-            if group["rule"] in MATRIX_RULES:
-                if p.ndim < 2 and layout.ndim != p.ndim:
-                    raise ValueError(
-                        f"parameter {names[j]!r} has shape {tuple(p.shape)}: rule {group['rule']!r} needs a matrix "
-                        f"(it only supports parameters of 2 or more dimensions, or a flat one with layout "
-                        "'unflatten:ROWS'); give vectors and scalars rule 'adamw' or 'sgd'"
-                    )
-                layout.check(tuple(p.shape), names[j])
-                _check_views(p, layout, names[j])
-                how = self.plan_of(group, layout, sharding)
-                if rule == "normuon" and sharding.kind == "sharded":
-                    if how.how == "owner":  # the groups of its row stage's sums
-                        for axes in stage_axes(layout, sharding):
-                            if axes:
-                                mesh_group(sharding.mesh, axes)
-                self._make_groups(how, sharding)
-            layouts.append(layout)
-        group["layouts"] = layouts
-
     # ------------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
-        state = self.state[p]
-        if state or group["rule"] in PEER_RULES:  # a peer's torch optimizer makes its own
-            if state and group["rule"] == "normuon" and ROW_MOMENT not in state:
-                self._row_moment(p, group, state)  # state of another rule: its rows start at zero
-            return state
-        dtype = self._state_dtype(p)
-        zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        if group["rule"] == "adamw":
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = zeros()
-            state["exp_avg_sq"] = zeros()
-        else:
-            state["momentum_buffer"] = zeros()
-            if group["rule"] == "normuon":
-                self._row_moment(p, group, state)
-        state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        return state
-
-    def _row_moment(self, p: torch.Tensor, group: dict, state: dict) -> None:
-        """NorMuon's row second moments of ``p``, zeros: one per row of each work matrix."""
-        j = next(k for k, q in enumerate(group["params"]) if q is p)
-        layout, dtype = group["layouts"][j], self._state_dtype(p)
-        shape = row_moment_shape(layout, tuple(p.shape))
-        if not is_dtensor(p):
-            state[ROW_MOMENT] = torch.zeros(shape, dtype=dtype, device=p.device)
-            return
-        from torch.distributed.tensor import DTensor
-
-        placements = row_moment_placements(p.placements, layout, tuple(p.shape))  # type: ignore[attr-defined]
-        mine = row_moment_block(layout, tuple(p.shape), self._sharding(p).block)
-        stride = torch.empty(shape, device="meta").stride()
-        zeros = torch.zeros(mine, dtype=dtype, device=local(p).device)
-        mesh = p.device_mesh  # type: ignore[attr-defined]
-        state[ROW_MOMENT] = DTensor.from_local(zeros, mesh, placements, shape=torch.Size(shape), stride=stride)
+        return init_state(self, p, group)
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        """The dtype of ``p``'s momentum and moments: ``state_dtype``, or float32 (float64 for
-        float64 parameters); for a complex parameter the complex dtype of that precision."""
-        wide = p.dtype in (torch.float64, torch.complex128)
-        dtype = self.state_dtype or (torch.float64 if wide else torch.float32)
-        if p.is_complex():
-            return torch.complex128 if dtype == torch.float64 else torch.complex64
-        return dtype
+        return state_dtype(self, p)
 
     @property
     def divides_work(self) -> bool:
@@ -521,28 +354,6 @@ class EquivariantOptimizer(Optimizer):
         added to the weights (a last guard: no gradient within ``GRAD_LIMIT`` has produced
         one in the property tests). Reading it reads the device counter back."""
         return int(self._update_skips.detach().cpu()) if self._update_skips is not None else 0
-
-    def _add(self, triples: list[tuple[torch.Tensor, maps.Factored, torch.Tensor]]) -> None:
-        """Add work matrices' updates to their weights (guarded) and count the refused ones:
-        ``(view, update, coef)`` triples. Whole updates of the views' dtype go in together
-        (:func:`~.apply.add_updates_`), factored ones one by one (:func:`~.apply.add_factored_`)."""
-        flags = []
-        whole: dict[tuple, list] = defaultdict(list)
-        for view, f, coef in triples:
-            if f.row is None and f.left is None and f.right is None and f.shift is None and f.low is None:
-                if view.dtype == f.x.dtype:
-                    whole[(view.device, view.dtype, coef.dtype)].append((view, f.x, coef))
-                    continue
-            flags.append(add_factored_(view, f, coef).reshape(1))
-        for same in whole.values():
-            if len(same) == 1:
-                flags.append(add_factored_(same[0][0], maps.Factored(same[0][1]), same[0][2]).reshape(1))
-            else:
-                flags.append(add_updates_(*(list(t) for t in zip(*same))))
-        if flags:
-            skips = self._skip_counter()
-            ok = flags[0] if len(flags) == 1 else torch.cat([f.to(skips.device) for f in flags])
-            skips.add_(ok.logical_not().sum().to(skips.device, torch.float32))
 
     @property
     def last_nonfinite(self) -> list[str]:
@@ -592,116 +403,10 @@ class EquivariantOptimizer(Optimizer):
         Raises:
             ValueError: a group, layout or state tensor that does not fit, naming it.
         """
-        sd = dict(state_dict)
-        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            changed = hook(self, sd)
-            if changed is not None:
-                sd = dict(changed)
-        sd.pop("nonfinite_steps", None)  # older format: a host counter, now per parameter in state
-        skips = sd.pop("nonfinite_updates", None)
-        groups = [dict(g) for g in sd["param_groups"]]
-        if len(groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        ids, params = [], []
-        owner_rule: dict[int, tuple] = {}
-        for index, (group, own) in enumerate(zip(groups, self.param_groups)):
-            where = f"param_groups[{index}]"
-            if len(group["params"]) != len(own["params"]):
-                raise ValueError(
-                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
-                )
-            for key, value in own.items():
-                if key not in ("params", "names", "param_names"):
-                    group.setdefault(key, value)  # a state_dict from before a setting existed: keep this one's
-            validate_group(group, where)
-            _check_flags(group, where)
-            saved_names = saved_param_names(group)  # (and an earlier version's names)
-            if "param_names" in own:
-                group["param_names"] = list(own["param_names"])  # this optimizer's names describe its parameters
-                group["names"] = own["names"]
-            elif not is_default(own["names"]) or not saved_names or len(saved_names) != len(own["params"]):
-                group.pop("param_names", None)  # named by ``names``, or the saved names do not fit
-                group["names"] = own["names"]
-            else:
-                group["param_names"], group["names"] = saved_names, list(saved_names)
-            layouts = []
-            for j, (spec, p) in enumerate(zip(group["layouts"], own["params"])):
-                name = group["names"][j]
-                if p.is_complex() and group["rule"] not in COMPLEX_RULES:
-                    raise UnsupportedTensorError(
-                        f"{where}: rule {group['rule']!r} does not support complex parameters: parameter "
-                        f"{name!r} has dtype {p.dtype}"
-                    )
-                try:
-                    layout = parse_layout(spec)
-                    if group["rule"] in MATRIX_RULES:
-                        layout.check(tuple(p.shape), name)
-                except ValueError as err:
-                    raise ValueError(f"{where}: {err}") from None
-                layouts.append(layout)
-            group["layouts"] = layouts
-            ids.extend(group["params"])
-            params.extend(own["params"])
-            owner_rule.update({id(p): (group["rule"], lay) for p, lay in zip(own["params"], layouts)})
-        saved = dict(sd["state"])
-        for i, p in zip(ids, params):
-            entry = saved.get(i)
-            if not entry:
-                continue
-            entry = saved[i] = dict(entry)
-            for key, value in entry.items():
-                if key in ("momentum_buffer", "exp_avg", "exp_avg_sq") and torch.is_tensor(value):
-                    if tuple(value.shape) != tuple(p.shape):
-                        raise ValueError(
-                            f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
-                            f"the parameter {tuple(p.shape)}"
-                        )
-                if key == ROW_MOMENT and torch.is_tensor(value) and owner_rule[id(p)][0] == "normuon":
-                    want = row_moment_shape(owner_rule[id(p)][1], tuple(p.shape))
-                    if tuple(value.shape) != want and not is_dtensor(value) and value.numel() == math.prod(want):
-                        entry[key] = value.reshape(want)  # the flat format of an earlier version
-                    elif tuple(value.shape) != want:
-                        raise ValueError(
-                            f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
-                            f"its work matrices' rows {want}"
-                        )
-            if "step" in entry and not torch.is_tensor(entry["step"]):
-                entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)  # older format
-        # everything checked: from here on nothing refuses
-        sd["param_groups"], sd["state"] = groups, saved
-        if skips is not None:
-            device = next((p.device for g in self.param_groups for p in g["params"]), skips.device)
-            self._update_skips = skips.detach().to(device=device, dtype=torch.float32, copy=True)
-        self._buckets, self._eligible = None, {}
-        hooks = self._optimizer_load_state_dict_pre_hooks
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # they ran above
-        try:
-            super().load_state_dict(sd)
-        finally:
-            self._optimizer_load_state_dict_pre_hooks = hooks
-        # torch casts floating state to each parameter's dtype; keep the saved dtypes
-        # (float32 moments of bfloat16 parameters) so a round trip is exact, and keep
-        # the counters on the parameter's device so the step never mixes devices.
-        for i, p in zip(ids, params):
-            for key, value in saved.get(i, {}).items():
-                if torch.is_tensor(value) and value.is_floating_point():
-                    self.state[p][key] = value.to(device=p.device, dtype=value.dtype, copy=True)
-            state = self.state.get(p)  # (no empty entry for a parameter without state)
-            if state and "nonfinite" not in state:
-                state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        self._refresh_buckets()  # stack the loaded state now
+        load_state_dict(self, state_dict, super().load_state_dict)
 
     # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
-    _CACHES = (
-        "_compiled_step",
-        "_lr_cache",
-        "_last_flags",
-        "_shardings",
-        "_plans",
-        "_peers",
-        "_buckets",
-        "_eligible",
-    )
+    _CACHES = tuple("_compiled_step _lr_cache _last_flags _shardings _plans _peers _buckets _eligible".split())
 
     def __getstate__(self) -> dict:
         """torch's state (defaults, state, param groups) and this optimizer's own settings,
@@ -770,40 +475,7 @@ class EquivariantOptimizer(Optimizer):
         return self._update_skips
 
     def _stackable(self, group: dict) -> list[int]:
-        """Positions of ``group``'s parameters whose state a bucket may stack (see
-        :mod:`.buckets`): plain tensors of the matrix rules (one work tensor each, not
-        ``lazy``; not the matrix-product maps that ``divide_work`` divides among replicas)
-        and of ``adamw``, when the group skips non-finite gradients; each once it has state
-        or a gradient."""
-        settings = (group["rule"], group["nonfinite"], group["lazy"], len(group["params"]))
-        cached = self._eligible.get(id(group))
-        if cached is None or cached[0] != settings:
-            cached = self._eligible[id(group)] = (settings, self._eligible_members(group))
-        params = group["params"]
-        return [j for j in cached[1] if params[j].grad is not None or self.state.get(params[j])]
-
-    def _eligible_members(self, group: dict) -> list[int]:
-        rule = group["rule"]
-        if (
-            (self._replicas is not None and rule in DIVIDED_RULES)  # divided among replicas: distribute.run
-            or group["nonfinite"] != "skip"
-            or group["lazy"]
-            or (rule not in MATRIX_RULES and rule != "adamw")
-        ):
-            return []
-        out = []
-        for j, p in enumerate(group["params"]):
-            if (
-                p.numel() == 0
-                or p.is_complex()  # stepped as its real view, on the per-parameter path
-                or self._sharding(p).kind != "local"
-                or type(p.data) is not torch.Tensor
-            ):
-                continue
-            if rule != "adamw" and group["layouts"][j].num_blocks != 1:
-                continue
-            out.append(j)
-        return out
+        return stackable(self, group)
 
     @_host_side
     def _refresh_buckets(self) -> None:
@@ -825,30 +497,11 @@ class EquivariantOptimizer(Optimizer):
 
     @_host_side
     def _check_gradients(self) -> None:
-        """Refuse sparse gradients, by rule and parameter name, before anything is stepped
-        (torch's optimizers raise a RuntimeError for those they do not support)."""
-        for group in self.param_groups:
-            for j, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is not None and grad.layout != torch.strided:
-                    raise UnsupportedTensorError(
-                        f"rule {group['rule']!r} does not support sparse gradients: parameter "
-                        f"{group['names'][j]!r} has a gradient of layout {grad.layout}; make it dense "
-                        "(p.grad = p.grad.to_dense(), or nn.Embedding(sparse=False))"
-                    )
+        check_gradients(self.param_groups)
 
     @_host_side
     def _step_peers(self) -> None:
-        """Step the groups of the peer rules with torch's own optimizers (eager, see :mod:`.peers`)."""
-        for index, group in enumerate(self.param_groups):
-            if group["rule"] not in PEER_RULES:
-                continue
-            key = (group["rule"], tuple(id(p) for p in group["params"]))
-            cached = self._peers.get(index)
-            if cached is None or cached[0] != key:
-                cached = self._peers[index] = (key, build_peer(group))
-            inner = cached[1]
-            step_peer(inner, group, self.state)
+        step_peers(self.param_groups, self._peers, self.state)
 
     def _resolve_compile(self) -> Any:
         """The ``torch.compile`` backend of the step, or None for eager."""
@@ -896,8 +549,6 @@ class EquivariantOptimizer(Optimizer):
         ``cores`` each bucket's tensor work runs compiled (:class:`~.buckets.Cores`); the
         parameters outside buckets step eagerly."""
         last_flags: list[tuple[list[str], torch.Tensor]] = []
-        buckets: dict[BucketKey, list[WorkItem]] = defaultdict(list)
-        whole: list[WholeTask] = []
         stacked = self._buckets
         covered: set[int] = set()
         if stacked is not None:
@@ -906,51 +557,7 @@ class EquivariantOptimizer(Optimizer):
                 run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map, cores)
             for part in stacked.adamw:
                 run_adamw(part, lrs[part.index], last_flags, cores)
-        for group, lr in zip(self.param_groups, lrs):
-            live = [j for j, p in enumerate(group["params"]) if p.grad is not None and id(p) not in covered]
-            if not live or group["rule"] in PEER_RULES:
-                continue
-            params = [group["params"][j] for j in live]
-            names = [group["names"][j] for j in live]
-            flags = finite_flags([_real(local(p.grad)) for p in params])
-            flags = global_flags(flags, [self._sharding(p) for p in params])
-            if group["nonfinite"] == "raise":
-                self._raise_nonfinite(flags, names)
-            last_flags.append((names, flags))
-            states = [self._init_state(p, group) for p in params]
-            okfs = self._ok_floats(flags, params)
-            torch._foreach_add_(
-                [st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0)
-            )
-            if group["rule"] == "adamw":
-                self._adamw(group, lr, params, states, okfs[0])
-                continue
-            self._matrix_steps(group, lr, live, params, states, okfs[0], buckets, whole)
-        distribute.run(
-            buckets, whole, self._add, replicas=self._replicas, overlap=self.overlap, cost_model=self.cost_model
-        )
-        return last_flags
-
-    @staticmethod
-    def _raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:
-        """``nonfinite="raise"``: the one policy that reads back (one host sync per group)."""
-        bad = [name for name, ok in zip(names, flags.cpu().tolist()) if not ok]
-        if bad:
-            raise NonFiniteGradientError(
-                f"non-finite gradient (NaN, Inf, or entries beyond +-{GRAD_LIMIT:.3g}) in "
-                f"{', '.join(repr(b) for b in bad)}"
-            )
-
-    def _ok_floats(self, flags: torch.Tensor, params: list[torch.Tensor]):
-        """Per parameter, its finite flag as a 0-d tensor in its state dtype (for step
-        sizes) and in float32 (for the counters)."""
-        ok32 = flags.to(torch.float32)
-        wide = [self._state_dtype(p) in (torch.float64, torch.complex128) for p in params]
-        narrow = list(ok32.unbind(0))
-        if not any(wide):
-            return narrow, narrow
-        ok64 = flags.to(torch.float64).unbind(0)
-        return [ok64[k] if w else narrow[k] for k, w in enumerate(wide)], narrow
+        return last_flags + per_parameter.step(self, lrs, covered)
 
     def _sharding(self, p: torch.Tensor) -> Sharding:
         found = self._shardings.get(id(p))
@@ -972,196 +579,6 @@ class EquivariantOptimizer(Optimizer):
                 key, layout, sharding, mesh_cost_model(self.cost_model, sharding.mesh)
             )
         return found
-
-    @staticmethod
-    def _make_groups(how: Plan, sharding: Sharding) -> None:
-        """Create, at construction and in the same order on every rank, the process groups
-        a parameter's step will use (products of mesh axes are made by a collective call)."""
-        if sharding.kind != "sharded" or not sharding.is_sharded:
-            return
-        mesh_group(sharding.mesh, sharding.split_axes)
-        within = tuple(a for a in how.axes if a not in how.replicas)  # owner work that replicas repeat
-        for axes in (how.row_sum_axes, how.cols) if how.how == "reduce" else (how.axes, within):
-            if axes:
-                mesh_group(sharding.mesh, axes)
-
-    def _matrix_steps(self, group, lr, live, params, states, okfs, buckets, whole) -> None:
-        """Momentum and decay of the parameters of ``group`` that no bucket holds (each
-        stage one foreach operator over all of them; on a DTensor, of this rank's block:
-        ``p``, its gradient and state are DTensors, their local tensors are stepped), then
-        each one's map queued (:meth:`_queue_map`)."""
-        bufs = [_real(local(st["momentum_buffer"])) for st in states]
-        grads = sanitize_all([_real(local(p.grad)) for p in params], [b.dtype for b in bufs])
-        directions = momenta_(bufs, grads, okfs, group["beta"], group["nesterov"])
-        weights = [_real(local(p)) for p in params]
-        decays_(weights, lr, group["weight_decay"], okfs)
-        steps = torch._foreach_mul(okfs, -lr)  # -lr, or 0 where skipped
-        if group["rule"] == "sgd":
-            if group["lazy"]:
-                directions = [
-                    self._lazy_rows(
-                        d,
-                        g,
-                        group["layouts"][j],
-                        self.plan_of(group, group["layouts"][j], self._sharding(p)),
-                        group["names"][j],
-                    )
-                    for j, p, d, g in zip(live, params, directions, grads)
-                ]
-            for w, d, c in zip(weights, directions, steps):
-                w.add_((d * c).to(w.dtype))
-            return
-        key = map_key(group)
-        # each step size times its first work matrix's shape factor, in one operator (the
-        # factor of the usual case: a parameter whose work matrices share one shape)
-        factors = [
-            shape_factor(group, *group["layouts"][j].work_shapes(self._sharding(p).shape)[0][-2:])
-            for j, p in zip(live, params)
-        ]
-        scaled = torch._foreach_mul(steps, factors) if any(f != 1.0 for f in factors) else steps
-        for j, p, st, okf, step, d, g, w, first in zip(
-            live, params, states, okfs, steps, directions, grads, weights, zip(factors, scaled)
-        ):
-            self._queue_map(group, key, step, j, p, st, okf, d, g, w, buckets, whole, first)
-
-    def _queue_map(self, group, key, step, j, p, state, okf, direction, grad, w, buckets, whole, first) -> None:
-        """Queue the map of one parameter's momentum ``direction`` (``w``: this rank's block
-        of its weights) for :func:`.distribute.run`: in ``buckets`` (batched by settings,
-        shape and mode; under ``divide_work`` the matrix-product maps of plain parameters are
-        divided among the replicas) or in ``whole`` (split work that needs whole matrices).
-        ``first``: a shape factor and ``step`` times it, made for the whole group at once."""
-        sharding = self._sharding(p)
-
-        def times(factor: float) -> torch.Tensor:
-            return first[1] if factor == first[0] else _times(step, factor)
-
-        layout = group["layouts"][j]
-        how = self.plan_of(group, layout, sharding, key)
-        if group["lazy"]:
-            direction = self._lazy_rows(direction, grad, layout, how, group["names"][j])
-        p = w
-        if how.how == "owner":
-            if key.rule == "normuon":  # the owner maps the polar factor, each rank its rows' stage
-                factor = shape_factor(group, *layout.work_shapes(sharding.shape)[0][-2:])
-                second = (local(state[ROW_MOMENT]), okf * (1.0 - group["beta2"]), sharding.block)
-                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, times(factor), second))
-            else:
-                whole.append(WholeTask(group, key, layout, sharding, how, p, direction, step))
-            return
-        if how.how == "local" and group["center"] and key.rule not in POLAR_RULES:
-            key = self._centre_in_place(direction, layout, okf, key)
-        global_shapes = layout.work_shapes(sharding.shape)
-        sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
-        divide = self._replicas is not None and sharding.kind == "local" and key.rule in DIVIDED_RULES
-        division = None
-        if divide and reducible(key, *global_shapes[0][-2:]) and len(global_shapes) == 1:
-            import torch.distributed as dist
-
-            part = (dist.get_rank(self._replicas), dist.get_world_size(self._replicas))
-            division = replica_division(
-                resolve_cost_model(self.cost_model, p.device.type), key, global_shapes[0], part[1], self.overlap
-            )
-        if division in ("gram", "rows"):
-            # a Gram map of a replicated matrix: each replica sums a slice of the rows, the
-            # d x d sums are all-reduced, every replica finishes the map on all rows
-            sums, divide = (ShardSum(self._replicas, global_shapes[0][-2], part, divide=True), None), False
-            if division == "rows":
-                # cheaper still: each replica maps its rows completely into its weights and broadcasts them
-                buckets[BucketKey(key, tuple(global_shapes[0][-2:]), ROWS, (id(self._replicas),))].append(
-                    WorkItem(
-                        layout.to_work_list(direction)[0],
-                        self._work_views(p, layout)[0],
-                        times(shape_factor(group, *global_shapes[0][-2:])),
-                        group,
-                        sums,
-                    )
-                )
-                return
-        seconds: list = [None] * len(global_shapes)
-        if key.rule == "normuon":
-            weight = okf * (1.0 - group["beta2"])
-            seconds = [(v, weight) for v in row_moment_views(layout, tuple(p.shape), local(state[ROW_MOMENT]))]
-        for w, pw, gshape, second in zip(
-            layout.to_work_list(direction), self._work_views(p, layout), global_shapes, seconds
-        ):
-            if sums is None and w.numel() == 0:
-                continue  # an empty block of a stack of experts: nothing to map, nothing sent
-            coef = times(shape_factor(group, *gshape[-2:]))
-            if sums is not None:
-                # one bucket per (global shape, process groups): every rank forms the same buckets
-                groups = tuple(id(r.group) if r is not None else None for r in sums)
-                buckets[BucketKey(key, tuple(gshape[-2:]), REDUCE, groups)].append(WorkItem(w, pw, coef, group, sums))
-            else:
-                buckets[BucketKey(key, tuple(w.shape[-2:]), DIVIDED if divide else LOCAL_MODE)].append(
-                    WorkItem(w, pw, coef, group, second=second)
-                )
-
-    @staticmethod
-    def _lazy_rows(direction: torch.Tensor, grad: torch.Tensor, layout: Layout, how: Plan, name: str) -> torch.Tensor:
-        """A copy of the direction whose work-matrix rows are zero where this step's gradient
-        row is zero (``lazy``): those rows get no update from any matrix map.
-
-        An embedding's gradient is nonzero only in the rows of the batch's tokens. Row
-        normalisation (RowNormM, HybridPolarGradM) gives every nonzero momentum row a step of
-        the same size, so without this a token keeps moving by a full step in the direction
-        of its last gradients on every step after it was last seen, for as long as its
-        momentum decays (normalisation undoes the decay); the share of such rows grows with
-        the vocabulary. The mask is a function of the gradient's row norms, so it commutes
-        with row permutations and with orthogonal maps of the columns (the LPRO group).
-        """
-        if how.cols:
-            # this rank holds only some entries of a work row: its gradient cannot tell
-            raise ValueError(
-                f"parameter {name!r}: lazy=True needs whole work rows on every rank, but its "
-                f"placements split the work matrices' columns (layout {layout!r}); shard the "
-                "rows instead (layout 'row' with Shard(0))"
-            )
-        out = direction.clone()
-        for w, g in zip(layout.to_work_list(out), layout.to_work_list(grad)):
-            w.mul_(g.ne(0).any(dim=-1, keepdim=True))
-        return out
-
-    @staticmethod
-    def _centre_in_place(direction: torch.Tensor, layout: Layout, okf: torch.Tensor, key: MapKey) -> MapKey:
-        """Centre the direction's work matrices in place (``D <- Pi D``) and return the key
-        of maps that take them as already centred.
-
-        A centred map sees only ``Pi D`` and ``Pi`` is linear, so it commutes with the
-        momentum average: storing ``Pi M`` instead of ``M`` leaves every update unchanged
-        (up to rounding) and spares the map a full-size centred copy (for an LM head the
-        size of the vocabulary matrix). A skipped parameter (``okf = 0``) is left as is.
-        """
-        for w in layout.to_work_list(direction):
-            w.sub_(w.mean(dim=-2, keepdim=True).mul_(okf))
-        return precentred(key)
-
-    @staticmethod
-    def _work_views(p: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-        """The parameter's work matrices as views: the update is added to them in place
-        (every layout only reshapes, transposes and slices; checked when the group is built).
-        The step runs under ``no_grad``, where a parameter's views are written in place as is."""
-        return layout.to_work_list(p)
-
-    def _adamw(self, group: dict, lr, params: list, states: list, okfs: list) -> None:
-        """AdamW with bias correction and decoupled decay, with torch's foreach kernels (a
-        complex parameter, its gradient and moments as their real views)."""
-        buckets: dict[tuple, list] = defaultdict(list)
-        for k, (p, st) in enumerate(zip(params, states)):
-            w, m, v = _real(local(p)), _real(local(st["exp_avg"])), _real(local(st["exp_avg_sq"]))
-            buckets[(w.dtype, w.device, m.dtype)].append((w, (m, v, st["step"]), okfs[k], _real(local(p.grad))))
-        for (_, _, s_dtype), items in buckets.items():
-            adamw_(
-                [w for w, _, _, _ in items],
-                sanitize_all([g for _, _, _, g in items], [s_dtype] * len(items)),
-                [m for _, (m, _, _), _, _ in items],
-                [v for _, (_, v, _), _, _ in items],
-                [step for _, (_, _, step), _, _ in items],
-                [okf.to(s_dtype) for _, _, okf, _ in items],
-                lr,
-                group["betas"],
-                group["adam_eps"],
-                group["weight_decay"],
-            )
 
 
 __all__ = [

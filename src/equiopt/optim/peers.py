@@ -104,3 +104,17 @@ def step_peer(inner: torch.optim.Optimizer, group: dict, state) -> None:
             inner.step()
     else:
         inner.step()
+
+
+def step_peers(param_groups: list[dict], cache: dict, state) -> None:
+    """Step the groups of the peer rules with torch's own optimizers (eager), each built once
+    and kept in ``cache`` by group position, rule and parameters."""
+    for index, group in enumerate(param_groups):
+        if group["rule"] not in PEER_RULES:
+            continue
+        key = (group["rule"], tuple(id(p) for p in group["params"]))
+        cached = cache.get(index)
+        if cached is None or cached[0] != key:
+            cached = cache[index] = (key, build_peer(group))
+        inner = cached[1]
+        step_peer(inner, group, state)

@@ -1,0 +1,54 @@
+"""Which parameters a bucket may hold (:mod:`.buckets`): plain local tensors of the matrix
+rules with one work tensor each, not ``lazy``, not divided among replicas, and of
+``adamw``, in groups that skip non-finite gradients; everything else takes the
+per-parameter step (:mod:`.per_parameter`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .distribute import DIVIDED_RULES
+from .fields import MATRIX_RULES
+
+if TYPE_CHECKING:
+    from .engine import EquivariantOptimizer
+
+
+def stackable(opt: EquivariantOptimizer, group: dict) -> list[int]:
+    """Positions of ``group``'s parameters whose state a bucket may stack (see
+    :mod:`.buckets`): plain tensors of the matrix rules (one work tensor each, not
+    ``lazy``; not the matrix-product maps that ``divide_work`` divides among replicas)
+    and of ``adamw``, when the group skips non-finite gradients; each once it has state
+    or a gradient."""
+    settings = (group["rule"], group["nonfinite"], group["lazy"], len(group["params"]))
+    cached = opt._eligible.get(id(group))
+    if cached is None or cached[0] != settings:
+        cached = opt._eligible[id(group)] = (settings, eligible_members(opt, group))
+    params = group["params"]
+    return [j for j in cached[1] if params[j].grad is not None or opt.state.get(params[j])]
+
+
+def eligible_members(opt: EquivariantOptimizer, group: dict) -> list[int]:
+    rule = group["rule"]
+    if (
+        (opt._replicas is not None and rule in DIVIDED_RULES)  # divided among replicas: distribute.run
+        or group["nonfinite"] != "skip"
+        or group["lazy"]
+        or (rule not in MATRIX_RULES and rule != "adamw")
+    ):
+        return []
+    out = []
+    for j, p in enumerate(group["params"]):
+        if (
+            p.numel() == 0
+            or p.is_complex()  # stepped as its real view, on the per-parameter path
+            or opt._sharding(p).kind != "local"
+            or type(p.data) is not torch.Tensor
+        ):
+            continue
+        if rule != "adamw" and group["layouts"][j].num_blocks != 1:
+            continue
+        out.append(j)
+    return out
