@@ -20,6 +20,7 @@ if INTERPRET:
 pytest.importorskip("triton", reason="the fused stages' kernels are Triton kernels: pip install triton to run them")
 
 import equiopt.optim.buckets as buckets  # noqa: E402
+import equiopt.optim.stages as stages  # noqa: E402
 from equiopt.optim import EquivariantOptimizer  # noqa: E402
 from equiopt.optim.apply import GRAD_LIMIT  # noqa: E402
 from equiopt.optim.fused import kernels, ops  # noqa: E402
@@ -92,8 +93,8 @@ def test_decay_add_kernel_equals_eager(decay):
 
 
 # a bucket of several parts with work matrices of 48 x 40 (1,920 entries, two blocks): stored
-# as is, split in heads, a one-member part (read from its own gradient), and transposed (the
-# eager stages, whose work is no view of the stack)
+# as is, split in heads, a one-member part (read from its own gradient), and transposed (its
+# direction copied into its place after the kernels)
 PARTS = [("row", [(48, 40)] * 2), ("heads:48", [(96, 40)] * 2), ("row", [(48, 40)]), ("col", [(40, 48)] * 2)]
 
 
@@ -130,8 +131,8 @@ def _steps(settings, through_kernels, steps=4):
         fused = types.SimpleNamespace(grad_flags=flags, momentum_stage=momentum, decay_add_=decay_add)
     else:
         fused = ops
-    saved = buckets.fused
-    buckets.fused = fused
+    saved = buckets.fused, stages.fused
+    buckets.fused = stages.fused = fused
     try:
         for step in range(steps):
             for p in params:
@@ -144,7 +145,7 @@ def _steps(settings, through_kernels, steps=4):
                 params[0].grad[20, 1] = 4 * GRAD_LIMIT
             opt.step()
     finally:
-        buckets.fused = saved
+        buckets.fused, stages.fused = saved
     return params, opt, calls
 
 
@@ -156,8 +157,8 @@ def test_a_bucket_steps_through_the_kernels_as_through_the_eager_stages(nesterov
     eager, eager_opt, _ = _steps(settings, False)
     fused, opt, calls = _steps(settings, True)
     assert [len(b.parts) for b in opt._buckets.matrix] == [4]
-    # every part but the transposed one takes the kernels, each step
-    assert calls.count("grad_flags") == calls.count("momentum_stage") == 3 * 4
+    # every part takes the kernels, each step (the transposed one copies its direction after)
+    assert calls.count("grad_flags") == calls.count("momentum_stage") == 4 * 4
     assert calls.count("decay_add_") == 2 * 4  # the one-member part adds its own update
     assert opt.nonfinite_steps == eager_opt.nonfinite_steps == 4
     for a, b in zip(fused, eager):
