@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import files as on_disk
 from .collectives import _barrier, _broadcast_object, _dist_state, _gather_object
 from .dcp_metadata import _read_metadata
 from .errors import CheckpointError, CheckpointWarning
@@ -209,14 +210,14 @@ def save_checkpoint(
             if p.is_file() and p.name not in files and p.name != MANIFEST:
                 files[p.name] = _hash_file(p)
         _write_manifest(partial, files)
-        files._fsync_dir(partial)  # (looked up in its module when called, where a test may replace it)
+        on_disk._fsync_dir(partial)  # (looked up in its module when called, where a test may replace it)
         old = None
         if final.exists():  # the same step saved again (a run resumed from an earlier one)
             old = directory / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(partial, final)
-        files._fsync_dir(directory)
+        on_disk._fsync_dir(directory)
         atomic_write_bytes(directory / POINTER, lambda f: f.write(final.name.encode()))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
