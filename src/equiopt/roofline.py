@@ -127,10 +127,8 @@ H100 = Machine(
 )
 
 #: The same H100 with the rates its own measurements imply (results/gpu, commit bbb07aa,
-#: eager): fused AdamW moved its 17.5 GB in 8.33 ms (2.1 TB/s); a-i's bfloat16 products
-#: (4.85 T FLOP) took 8.86 ms (550 TFLOP/s) and b-ii's out-of-place float32 products (3.18 T
-#: FLOP) 67.0 ms (47.5 TFLOP/s). With them the counted steps land within 7 % of the
-#: measured eager ones (results/roofline/README.md).
+#: eager: fused AdamW's bytes, a-i's bfloat16 and b-ii's float32 products over their measured
+#: times); results/roofline/README.md has the figures and how close the counted steps come.
 H100_MEASURED = Machine(
     name="H100 SXM 80GB (measured)",
     bfloat16_flops=550e12,
@@ -163,7 +161,12 @@ _FREE = VIEW_OPS | frozenset(
 # operators whose first argument is written and not read
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_"})
 # mutable arguments (by position) an operator actually writes, where its schema marks more
-_WRITES = {"_fused_adamw_": (0, 2, 3, 4), "_fused_adam_": (0, 2, 3, 4)}
+_WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
+    "_fused_adamw_": (0, 2, 3, 4),
+    "_fused_adam_": (0, 2, 3, 4),
+    # equiopt::momentum_stage without a direction writes the momentum alone
+    "momentum_stage": lambda args: (1, 2) if len(args) < 7 or args[6] else (2,),
+}
 # arguments an operator writes without reading them, by the arguments it was given
 _UNREAD: dict[str, Callable[[tuple], list]] = {
     # equiopt::momentum_stage given a gradient of its own overwrites the scratch with it
@@ -266,7 +269,8 @@ class RooflineCounter(TorchDispatchMode):
             mutable = [
                 i for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write and i < len(args)
             ]
-            mutable = list(_WRITES.get(name, mutable))
+            writes = _WRITES.get(name, mutable)
+            mutable = list(writes(args) if callable(writes) else writes)
             targets = _tensors([args[i] for i in mutable]) + _tensors(kwargs.get("out"))
             skip = {_key(t) for t in _tensors(args[0])} if name in _OVERWRITE and args else set()
             skip |= {_key(t) for t in _tensors(kwargs.get("out"))}

@@ -67,9 +67,8 @@ RESTART_EVERY = 2
 
 def _cpu_multiplies_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (oneDNN's bfloat16 kernels:
-    AVX-512 with BF16 or AMX). Elsewhere torch emulates them, one matrix at a time: a batch
-    of 84 products of 128 x 128 by 128 x 384 takes 390 ms in bfloat16 and 16 ms in float32
-    on an AVX2 processor (two threads)."""
+    AVX-512 with BF16 or AMX). Elsewhere torch emulates them, one matrix at a time, many
+    times slower than its float32 products (results/engine.md has the figures)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -83,8 +82,8 @@ CPU_BFLOAT16 = _cpu_multiplies_bfloat16()
 def emulates_bfloat16(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a bfloat16 iteration on ``device`` runs its products as float32 products of
     the bfloat16 operands, each rounded to bfloat16: on CPUs without bfloat16 hardware
-    (:data:`CPU_BFLOAT16` False), where torch's bfloat16 kernels are up to 24x slower than its
-    float32 ones. The arithmetic is bfloat16 hardware's: a product of two bfloat16 values is
+    (:data:`CPU_BFLOAT16` False), where torch's bfloat16 kernels are many times slower than its
+    float32 ones (results/engine.md). The arithmetic is bfloat16 hardware's: a product of two bfloat16 values is
     exact in float32, the sums accumulate in float32 and the result is rounded once; only
     the order of the sums may differ, as between any two BLAS libraries."""
     return dtype == torch.bfloat16 and decides_like(device) == "cpu" and not CPU_BFLOAT16
@@ -120,7 +119,7 @@ def default_dtype(method: str, device: torch.device) -> torch.dtype:
     ``"newton_schulz_torch"`` (``torch.optim.Muon``'s own precision, everywhere); for
     ``"polar_express"`` and ``"newton_schulz"`` bfloat16 where the device multiplies it
     natively (any device but a CPU, and CPUs with bfloat16 hardware, :data:`CPU_BFLOAT16`),
-    float32 on other CPUs, where it is both faster (24x on an AVX2 processor) and exact to
+    float32 on other CPUs, where it is both faster (results/engine.md) and exact to
     float32's rounding instead of bfloat16's."""
     if method == "gram_newton_schulz":
         return torch.float32

@@ -86,7 +86,7 @@ class Bfloat16ProductsInFloat32(TorchDispatchMode):
     """Inside it, a matrix product (``mm``, ``bmm``, ``addmm``, ``baddbmm``) whose tensors are
     all bfloat16 on the CPU runs as the float32 product of the same values, rounded once to
     bfloat16: what bfloat16 hardware computes (exact products, float32 sums), at float32's
-    speed on a CPU without it, where torch's own bfloat16 kernels are up to 24x slower. Used
+    speed on a CPU without it, where torch's own bfloat16 kernels are many times slower. Used
     around code that is not ours (``torch.optim.Muon``'s bfloat16 iteration); equiopt's
     own iterations do the same explicitly (:func:`equiopt.linalg.polar.emulates_bfloat16`)."""
 

@@ -11,7 +11,7 @@ hand a param group to torch's optimizer classes, unchanged:
     ``torch.optim.Muon`` (torch >= 2.9; its quintic Newton-Schulz iteration in bfloat16,
     whose products on a CPU without bfloat16 hardware run as float32 products rounded to
     bfloat16, :func:`equiopt.linalg.polar.bfloat16_products`: the same
-    arithmetic, up to 24x faster there)
+    arithmetic, many times faster there)
     with the group's ``lr``, ``beta`` (momentum), ``nesterov``, ``steps`` (``ns_steps``),
     ``weight_decay`` and ``lr_scale`` (``"spectral"``: torch's ``"original"``,
     ``sqrt(max(1, rows/cols))``; ``"match_adamw"``: its ``"match_rms_adamw"``). It steps

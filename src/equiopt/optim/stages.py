@@ -203,9 +203,11 @@ def bucket_core(
                 # a transposed direction goes into the bucket's buffer over this part's own
                 # gradients: it is made apart first
                 source, out = sources[i] if spec.single else grads, torch.empty_like(grads)
-            fused.momentum_stage(source, out, buf, ok, spec.beta, spec.nesterov)
-            # without Nesterov the direction is the momentum (a precentred one is stored centred)
-            direction = out if placed[i] or spec.nesterov else buf
+            # without Nesterov the direction is the momentum (a precentred one is stored centred):
+            # the map reads it there unless it must be in the part's place beside other parts
+            written = spec.nesterov or (placed[i] and len(specs) > 1)
+            fused.momentum_stage(source, out, buf, ok, spec.beta, spec.nesterov, written)
+            direction = out if written else buf
         else:
             buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
             if spec.nesterov:

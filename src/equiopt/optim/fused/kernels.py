@@ -56,7 +56,9 @@ def _lerp_scalar(start, end, weight, rest):
 
 
 @triton.jit
-def _momentum_kernel(src, scratch, mom, weights, n, beta, rest, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+def _momentum_kernel(
+    src, scratch, mom, weights, n, beta, rest, NESTEROV: tl.constexpr, DIRECTION: tl.constexpr, BLOCK: tl.constexpr
+):
     b = tl.program_id(0)
     m = tl.program_id(1)
     i = b * BLOCK + tl.arange(0, BLOCK)
@@ -69,11 +71,12 @@ def _momentum_kernel(src, scratch, mom, weights, n, beta, rest, NESTEROV: tl.con
     w = tl.load(weights + m)
     new = _lerp(old, g, w).to(mom.dtype.element_ty)
     tl.store(mom + at, new, mask=mask)
-    if NESTEROV:
-        direction = _lerp_scalar(g, new.to(tl.float32), beta, rest)
-    else:
-        direction = new.to(tl.float32)
-    tl.store(scratch + at, direction.to(scratch.dtype.element_ty), mask=mask)
+    if DIRECTION:
+        if NESTEROV:
+            direction = _lerp_scalar(g, new.to(tl.float32), beta, rest)
+        else:
+            direction = new.to(tl.float32)
+        tl.store(scratch + at, direction.to(scratch.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -112,6 +115,7 @@ def momentum_stage(
     ok: torch.Tensor,
     beta: float,
     nesterov: bool,
+    direction: bool = True,
 ) -> None:
     """:func:`.ops.momentum_stage` in one kernel (``scratch`` and ``momentum`` contiguous)."""
     members = momentum.shape[0]
@@ -119,7 +123,16 @@ def momentum_stage(
     src = scratch if source is None else source.contiguous()
     weights = ok.to(scratch.dtype) * (1.0 - beta)  # as the eager stage rounds them
     _momentum_kernel[_grid(n, members)](
-        src, scratch, momentum, weights.float(), n, beta, _rest(beta), NESTEROV=nesterov, BLOCK=BLOCK
+        src,
+        scratch,
+        momentum,
+        weights.float(),
+        n,
+        beta,
+        _rest(beta),
+        NESTEROV=nesterov,
+        DIRECTION=direction,
+        BLOCK=BLOCK,
     )
 
 

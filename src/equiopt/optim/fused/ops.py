@@ -11,7 +11,7 @@ what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one 
   momentum EMA ``M <- M + ok (1 - beta) (G - M)`` and the direction, Nesterov's
   ``G + beta (M - G)`` or the momentum itself, written into the part's place in the
   bucket's buffer where the map reads it (one read of the gradients and the momentum, one
-  write of the momentum and the direction);
+  write of the momentum and the direction; no direction where the map reads the momentum);
 - ``equiopt::decay_add_``: ``W <- f W + U`` for every member (``f = 1 - lr wd ok``, or no
   decay), the update read from one stack (one read of weights and update, one write of
   the weights).
@@ -67,18 +67,29 @@ def _(source: Tensor, counters: Tensor, present: Tensor | None, members: int) ->
 
 @torch.library.custom_op("equiopt::momentum_stage", mutates_args=("scratch", "momentum"))
 def momentum_stage(
-    source: Tensor | None, scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool
+    source: Tensor | None,
+    scratch: Tensor,
+    momentum: Tensor,
+    ok: Tensor,
+    beta: float,
+    nesterov: bool,
+    direction: bool = True,
 ) -> None:
     """The gradients (``source``, or ``scratch`` itself where None) sanitised, the momentum
     EMA with weight ``ok (1 - beta)`` per member (a skipped member's momentum stays bit for
     bit) and the direction into ``scratch``: ``lerp(G, M, beta)`` with ``nesterov``, else
-    ``M``. ``scratch`` and ``momentum`` are ``(B, ...)`` stacks of one shape."""
+    ``M``. ``scratch`` and ``momentum`` are ``(B, ...)`` stacks of one shape. Without
+    ``direction`` (where the caller reads the momentum itself) nothing is kept in ``scratch``:
+    the kernel neither writes it nor, given ``source``, reads it; here it serves as the
+    sanitised gradients' workspace."""
     if source is not None:  # one gradient: copied and sanitised in one pass
         torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(source.shape))
     else:
         torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
     weight = ok.to(scratch.dtype) * (1.0 - beta)
     momentum.lerp_(scratch, weight.view(-1, *([1] * (momentum.ndim - 1))))
+    if not direction:
+        return
     if nesterov:
         scratch.lerp_(momentum, beta)
     else:
@@ -86,15 +97,31 @@ def momentum_stage(
 
 
 @momentum_stage.register_fake
-def _(source: Tensor | None, scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool) -> None:
+def _(
+    source: Tensor | None,
+    scratch: Tensor,
+    momentum: Tensor,
+    ok: Tensor,
+    beta: float,
+    nesterov: bool,
+    direction: bool = True,
+) -> None:
     return None
 
 
 @momentum_stage.register_kernel("cuda")
-def _(source: Tensor | None, scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool) -> None:
+def _(
+    source: Tensor | None,
+    scratch: Tensor,
+    momentum: Tensor,
+    ok: Tensor,
+    beta: float,
+    nesterov: bool,
+    direction: bool = True,
+) -> None:
     from . import kernels
 
-    kernels.momentum_stage(source, scratch, momentum, ok, beta, nesterov)
+    kernels.momentum_stage(source, scratch, momentum, ok, beta, nesterov, direction)
 
 
 @torch.library.custom_op("equiopt::decay_add_", mutates_args=("params",))
