@@ -321,9 +321,9 @@ def _mean_band(ax, series: list, label_of, **style) -> None:
 
 
 def _curves(study: str, dirs: list[Path]) -> Path:
-    from equiopt.study.plots import _mpl, read_run
+    from equiopt.study.plots import matplotlib_api, read_run
 
-    Figure = _mpl()[0]
+    Figure = matplotlib_api()[0]
     keys = CURVES[_source(study)]
     runs = [read_run(d) for d in dirs]
     by_arm: dict[str, list] = {}
@@ -389,7 +389,7 @@ def _glance(study: str) -> Path | None:
     band min..max), and each claim's paired difference (arm minus baseline: the seeds as dots,
     the mean with its 95 % interval) coloured by its verdict. None for a study without a
     finished protocol report."""
-    from equiopt.study.plots import _mpl, read_run
+    from equiopt.study.plots import matplotlib_api, read_run
 
     report = OUT / study / GLANCE_REPORTS.get(study, "protocol-report.json")
     if not report.exists():
@@ -399,7 +399,7 @@ def _glance(study: str) -> Path | None:
     for pair in data["paired"]:
         arms.setdefault(pair["label"], pair["paths"])
         arms.setdefault(pair["baseline"], pair["baseline_paths"])
-    Figure = _mpl()[0]
+    Figure = matplotlib_api()[0]
     fig = Figure(figsize=(11, 3.6))
     curves, claims = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.25]})
     for arm, paths in arms.items():
@@ -466,7 +466,7 @@ python scripts/cpu_study.py report""",
 def _sweep_arms(study: str):
     """The study's lr sweep read back from its run directories (``<arm>/lrx<m>-s<seed>``):
     each arm's own grid, tuned on seed 0."""
-    from equiopt.study.paired import SweepArm, _base_lrs
+    from equiopt.study.paired import SweepArm, base_lrs
     from equiopt.train.config import load_config
 
     family, names = STUDIES[study]
@@ -477,7 +477,7 @@ def _sweep_arms(study: str):
         arm = SweepArm(
             cfg.run.name,
             str((OUT / study / "configs" / f"{name}.toml").relative_to(ROOT)),
-            _base_lrs(cfg, roles),
+            base_lrs(cfg, roles),
             tune_seeds=[0],
             eval_seeds=[0, 1, 2],  # seed 0 both chose and judged: the report's first line says so
         )
@@ -514,7 +514,7 @@ def rewrite_protocol_report(rel: str) -> Path | None:
     Raises:
         RuntimeError: a run the protocol needs has not finished (nothing is trained).
     """
-    from equiopt.cli import _baseline_label, _parse_sets, _toml_value
+    from equiopt.cli import baseline_label, parse_sets, toml_value
     from equiopt.study.paired import sweep, sweep_report
     from equiopt.study.protocol import load_protocol
 
@@ -527,7 +527,7 @@ def rewrite_protocol_report(rel: str) -> Path | None:
     command = (
         found.group(1) if found else f"equiopt compare --protocol {protocol.path} --report {report.relative_to(ROOT)}"
     )
-    sets = _parse_sets([f"{k}={_toml_value(v)}" for k, v in protocol.sets.items()])
+    sets = parse_sets([f"{k}={toml_value(v)}" for k, v in protocol.sets.items()])
     arms = sweep(
         protocol.configs,
         protocol.multipliers,
@@ -539,7 +539,7 @@ def rewrite_protocol_report(rel: str) -> Path | None:
         tune_seeds=protocol.tune_seeds,
         metric=protocol.metric,
     )
-    baseline = _baseline_label(protocol.baseline, protocol.configs, arms)
+    baseline = baseline_label(protocol.baseline, protocol.configs, arms)
     sweep_report(arms, baseline, protocol.metric, out=report.relative_to(ROOT), command=command, protocol=protocol)
     return report
 

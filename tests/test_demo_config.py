@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from equiopt.demos import pretrain
-from equiopt.study.paired import _base_lrs
+from equiopt.study.paired import base_lrs
 from equiopt.study.protocol import load_protocol
 from equiopt.train.config import load_config
 
@@ -27,6 +27,6 @@ def test_demo_arm_is_the_study_arm_at_its_chosen_multiplier(arm, tmp_path):
     # the sweep's run at multiplier m sets each swept role's lr to m x its base lr
     proto = load_protocol(STUDY / "protocol.toml")
     assert mult in proto.multipliers[str(Path(pretrain.STUDY) / "configs" / f"{config}.toml")]
-    for role, lr in _base_lrs(study, proto.roles).items():
+    for role, lr in base_lrs(study, proto.roles).items():
         assert demo.optim.overrides[role]["lr"] == lr * mult
     assert pretrain.SEED in proto.eval_seeds and pretrain.SEED not in proto.tune_seeds

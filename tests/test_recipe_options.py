@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import equiopt as eo
-from equiopt.cli import _parse_sets, main
+from equiopt.cli import main, parse_sets
 from equiopt.recipes import FIELDS, RULE_FIELDS, get_recipe, loads_recipe_toml
 from equiopt.recipes.schema import ENGINE_KEYS
 from equiopt.train.config import ConfigError, from_dict, load_config
@@ -103,11 +103,11 @@ def _config(tmp_path, **data):
 
 def test_engine_options_from_the_command_line(tmp_path):
     path = _config(tmp_path)
-    sets = _parse_sets(["optim.overrides.attention.polar_dtype=float32", "optim.overrides.*.nonfinite=raise"])
+    sets = parse_sets(["optim.overrides.attention.polar_dtype=float32", "optim.overrides.*.nonfinite=raise"])
     cfg = load_config(path, sets)
     assert cfg.optim.overrides == {"attention": {"polar_dtype": "float32"}, "*": {"nonfinite": "raise"}}
     with pytest.raises(ConfigError, match=r"\[optim\].*'attention', field 'polar_dtype'"):
-        load_config(path, _parse_sets(["optim.overrides.attention.polar_dtype=int8"]))
+        load_config(path, parse_sets(["optim.overrides.attention.polar_dtype=int8"]))
     with pytest.raises(ConfigError, match=r"optim\.recipe is not a table"):
         load_config(path, {"optim.recipe.x": 1})
 

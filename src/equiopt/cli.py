@@ -68,7 +68,7 @@ def _check_replicas(model) -> int:
     return 1 if differ else 0
 
 
-def _parse_sets(items: list[str]) -> dict:
+def parse_sets(items: list[str]) -> dict:
     """``section.field=value`` overrides; values are parsed as TOML scalars when they can be."""
     from .train.config import tomllib
 
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return data_main(rest) or 0
     elif args.command == "train":
-        _run_configs([args.config], _parse_sets(args.set), resume=args.resume, resume_from=args.resume_from)
+        _run_configs([args.config], parse_sets(args.set), resume=args.resume, resume_from=args.resume_from)
     elif args.command == "compare":
         return _compare(args, argv)
     elif args.command == "plot":
@@ -396,7 +396,7 @@ def _compare(args, argv) -> int:
     from .study.paired import sweep, sweep_report
     from .study.runpool import RunFailed
 
-    sets = _parse_sets(args.set)
+    sets = parse_sets(args.set)
     command = "equiopt " + " ".join(sys.argv[1:] if argv is None else argv)
     protocol = None
     if args.protocol:
@@ -416,7 +416,7 @@ def _compare(args, argv) -> int:
             raise SystemExit(f"equiopt compare: {err}") from None
         args.configs, args.baseline, args.metric = protocol.configs, protocol.baseline, protocol.metric
         args.seeds = protocol.eval_seeds
-        sets = {**_parse_sets([f"{k}={_toml_value(v)}" for k, v in protocol.sets.items()]), **sets}
+        sets = {**parse_sets([f"{k}={toml_value(v)}" for k, v in protocol.sets.items()]), **sets}
         protocol = _guarded(protocol, sets)
         if protocol.hidden is not None:
             return _compare_two(args, sets, command, protocol)
@@ -459,7 +459,7 @@ def _compare(args, argv) -> int:
             )
             if held:
                 raise ValueError("held, no evaluation runs:\n- " + "\n- ".join(held.values()))
-            baseline = _baseline_label(args.baseline, args.configs, arms)
+            baseline = baseline_label(args.baseline, args.configs, arms)
             print(sweep_report(arms, baseline, args.metric, out=args.report, command=command, protocol=protocol))
         except (ValueError, RunFailed) as err:
             raise SystemExit(f"equiopt compare: {err}") from None
@@ -539,7 +539,7 @@ def _compare_two(args, sets, command, protocol) -> int:
     if held:
         print("\n".join(extra))
         raise SystemExit("equiopt compare: held, no evaluation runs:\n- " + "\n- ".join(held))
-    baseline = _baseline_label(protocol.baseline, protocol.configs, arms)
+    baseline = baseline_label(protocol.baseline, protocol.configs, arms)
     pairs = [(c.arm, c.baseline or baseline) for c in protocol.claims]
     extra += gap_lines(arms, pairs, protocol.eval_seeds, protocol.metric)
     sweeps = [a.sweep_arm(protocol.tune_seeds, protocol.eval_seeds) for a in arms]
@@ -552,10 +552,11 @@ def _compare_two(args, sets, command, protocol) -> int:
     return 0
 
 
-def _toml_value(value) -> str:
-    from ._tomlw import toml_value
+def toml_value(value) -> str:
+    """``value`` written as a TOML value (what ``--set section.field=VALUE`` reads back)."""
+    from ._tomlw import toml_value as written
 
-    return toml_value(value)
+    return written(value)
 
 
 def _compare_fixed(args, sets, command, protocol, overlap) -> int:
@@ -637,7 +638,8 @@ def _labels_by_config(configs, rows, out_dirs, n_seeds) -> list[str]:
     return out
 
 
-def _baseline_label(baseline: str, configs, arms) -> str:
+def baseline_label(baseline: str, configs, arms) -> str:
+    """The label of the arm whose config is ``baseline``; ``baseline`` itself where none is (a label)."""
     for config, arm in zip(configs, arms):
         if baseline == config:
             return arm.label

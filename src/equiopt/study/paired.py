@@ -382,7 +382,7 @@ def seed_split(
     return tuning, evaluation, overlap
 
 
-def _base_lrs(cfg, roles: Sequence[str] | None) -> dict[str, float]:
+def base_lrs(cfg, roles: Sequence[str] | None) -> dict[str, float]:
     from ..recipes import ROLES, get_recipe
 
     recipe = get_recipe(cfg.optim.recipe)
@@ -469,7 +469,7 @@ def sweep(
     arms, bases = [], []
     for path in configs:
         base_cfg = load_config(path, sets or {})
-        base = _base_lrs(base_cfg, roles)
+        base = base_lrs(base_cfg, roles)
         arms.append(SweepArm(base_cfg.run.name, str(path), base, tune_seeds=list(tuning), eval_seeds=list(seeds)))
         bases.append(base_cfg)
     waiting = {i: 0 for i in range(len(arms))}  # tuning runs not yet finished, per arm
@@ -567,9 +567,9 @@ def _figure(
 ) -> list[Path]:
     """``<stem>.png`` (the sweep) and ``<stem>-paired.png`` in ``out`` (named after the report, so
     reports written to one directory keep their own figures)."""
-    from .plots import _mpl
+    from .plots import matplotlib_api
 
-    Figure = _mpl()[0]
+    Figure = matplotlib_api()[0]
     paths = []
     fig = Figure(figsize=(6.5, 4.5))
     ax = fig.subplots()

@@ -291,7 +291,7 @@ def read_runs(paths: Iterable[str | Path]) -> list[Run]:
 
 
 # ----------------------------------------------------------------------------- plotting
-def _mpl():
+def matplotlib_api():
     """Import matplotlib's object-oriented API, or fail with the install hint."""
     try:
         import matplotlib  # noqa: F401
@@ -326,7 +326,7 @@ class _Style:
     """Shared axes decoration: x axis in tokens (or steps), grid, legends."""
 
     def __init__(self, runs: Sequence[Run], x: str, log_x: bool):
-        Figure, self.Line2D, FuncFormatter = _mpl()
+        Figure, self.Line2D, FuncFormatter = matplotlib_api()
         self.Figure = Figure
         self.formatter = FuncFormatter(_si)
         self.x, self.log_x = x, log_x
@@ -575,7 +575,7 @@ def plot_runs(
         raise ValueError(f"x must be 'tokens' or 'step', got {x!r}")
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth must be in [0, 1), got {smooth}")
-    _mpl()
+    matplotlib_api()
     runs = as_runs(run_dirs, "plot")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .compare_table import HIGHER_IS_BETTER
-from .paired import RunProgress, SweepArm, _base_lrs, _done, _final, seed_split
+from .paired import RunProgress, SweepArm, _done, _final, base_lrs, seed_split
 from .stats import paired_interval
 
 __all__ = ["TwoFactorArm", "sweep_two", "hidden_lines", "gap_lines", "val_series"]
@@ -123,8 +123,8 @@ def sweep_two(
             TwoFactorArm(
                 cfg.run.name,
                 str(path),
-                _base_lrs(cfg, first_roles),
-                _base_lrs(cfg, hidden_roles),
+                base_lrs(cfg, first_roles),
+                base_lrs(cfg, hidden_roles),
                 first,
                 sorted(float(h) for h in hidden_grids[str(path)]),
                 first[(len(first) - 1) // 2],
