@@ -181,7 +181,10 @@ def bucket_core(
     out: torch.Tensor | None = None
     for i, spec in enumerate(specs):
         buf = momenta[i]
-        if not spec.flat:
+        # (a part centred in place keeps the eager operators: Inductor misorders the fused
+        # momentum stage's write of the momentum and the centring's in-place update after it)
+        fused_in = not spec.flat and key.center != PRECENTRED
+        if fused_in:
             # flags, sanitising, momentum and direction in two fused operators (the direction
             # lands in the part's scratch, which is its place in the map's input where ``placed``)
             ok, flags = fused.grad_flags(sources[i], counters[i], presents[i], spec.members)
@@ -197,7 +200,7 @@ def bucket_core(
             weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
         # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
         # over G (in a fresh tensor where the work is a transpose, copied into the region below)
-        if not spec.flat:
+        if fused_in:
             source, out = sources[i] if spec.single else None, grads
             if spec.nesterov and not spec.work_is_view and region is not None and len(specs) > 1:
                 # a transposed direction goes into the bucket's buffer over this part's own
