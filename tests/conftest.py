@@ -21,6 +21,12 @@ from _launch import run_gloo, run_torchrun
 
 LAUNCHERS = {"gloo", "torchrun"}  # the fixtures that start processes: their tests are ``distributed``
 
+# Without a CUDA device the fused stages' Triton kernels run under Triton's interpreter
+# (tests/test_fused_kernels.py). It is chosen when triton is first imported, which any test
+# that compiles may do first: so here, before every test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _asks_for_soak(markexpr):
     """Whether ``-m`` names ``soak`` positively: the expression holds for a test marked only
