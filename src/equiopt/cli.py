@@ -109,6 +109,7 @@ def _run_configs(
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank done with the group before it goes (see check_replicas above)
         dist.destroy_process_group()
     return out_dirs
 
