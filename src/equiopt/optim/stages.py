@@ -178,7 +178,7 @@ def bucket_core(
     the skip flags in the learning rates' dtype, and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
     placed = [_placed_directly(key, spec) for spec in specs]
-    out: torch.Tensor | None = None
+    target: torch.Tensor | None = None
     for i, spec in enumerate(specs):
         buf = momenta[i]
         # (a part centred in place keeps the eager operators: Inductor misorders the fused
@@ -199,23 +199,22 @@ def bucket_core(
         if weight is not None and spec.weight_decay:
             weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
         # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
-        # over G (in a fresh tensor where the work is a transpose, copied into the region below)
+        # over G. A transposed one beside other parts goes into the bucket's buffer over this
+        # part's own gradients: it is made apart first, in a fresh tensor copied there below.
+        apart = spec.nesterov and not spec.work_is_view and region is not None and len(specs) > 1
         if fused_in:
-            source, out = sources[i] if spec.single else None, grads
-            if spec.nesterov and not spec.work_is_view and region is not None and len(specs) > 1:
-                # a transposed direction goes into the bucket's buffer over this part's own
-                # gradients: it is made apart first
-                source, out = sources[i] if spec.single else grads, torch.empty_like(grads)
-            # without Nesterov the direction is the momentum (a precentred one is stored centred):
-            # the map reads it there unless it must be in the part's place beside other parts
+            source, target = sources[i] if spec.single else None, grads
+            if apart:
+                source, target = sources[i] if spec.single else grads, torch.empty_like(grads)
+            # without Nesterov the direction is the momentum: the map reads it there unless it
+            # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1)
-            fused.momentum_stage(source, out, buf, ok, spec.beta, spec.nesterov, written)
-            direction = out if written else buf
+            fused.momentum_stage(source, target, buf, ok, spec.beta, spec.nesterov, written)
+            direction = target if written else buf
         else:
             buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
             if spec.nesterov:
-                together = region is not None and len(specs) > 1 and not spec.work_is_view
-                direction = torch.lerp(grads, buf, spec.beta) if together else grads.lerp_(buf, spec.beta)
+                direction = torch.lerp(grads, buf, spec.beta) if apart else grads.lerp_(buf, spec.beta)
             else:
                 direction = buf
         work = spec.layout.stacked_to_work(direction)[0]  # type: ignore[union-attr]
@@ -228,7 +227,7 @@ def bucket_core(
         if seconds is not None:
             w2 = okf * (1.0 - spec.beta2)
             weights2.append((w2.repeat_interleave(spec.per_member) if spec.per_member > 1 else w2).view(-1, 1, 1))
-    del direction, work, out  # (the loop's last: a transposed Nesterov direction is freed once placed)
+    del direction, work, target  # (the loop's last: a transposed Nesterov direction is freed once placed)
     if len(works) == 1:
         x = works[0]
     elif region is None:
