@@ -63,6 +63,11 @@ NORM_FLOOR = 1e-7
 TORCH_NORM_EPS = 1e-7
 # ``"gram_newton_schulz"``: steps between recomputing the iterate and its Gram.
 RESTART_EVERY = 2
+# The quintic iterations run over a batch in chunks of at most this many bytes of iterate:
+# a step holds the result and one chunk's iterates (the iterate, its successor, two Grams),
+# not two iterates of the whole batch. A chunk this size keeps every product far longer
+# than its launch (a 1024-wide chunk is over 100 GFLOP a product).
+CHUNK_BYTES = 128 * 2**20
 
 
 def _cpu_multiplies_bfloat16() -> bool:
@@ -202,42 +207,78 @@ def polar(
     # bfloat16 values held in float32, each result rounded to bfloat16 as a bfloat16 kernel would
     emulated = method != "gram_newton_schulz" and emulates_bfloat16(dtype, X.device)
     rounded = _to_bfloat16_values if emulated else _unchanged
-    if method == "newton_schulz_torch":
-        x = rounded(x.float()) if emulated else x.to(dtype)
-        x = rounded(x / rounded(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp_min(TORCH_NORM_EPS))
-    else:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
-        scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
-        x = rounded((wide / scale).float()) if emulated else _scaled_cast(wide, scale, dtype)
     coeffs = _coefficients(
         "newton_schulz" if method in ("newton_schulz", "newton_schulz_torch") else "polar_express", steps
     )
-    if method == "gram_newton_schulz":
-        x = _gram_iterate(x, coeffs, restart_every)
+    if method == "newton_schulz_torch":
+        x = rounded(x.float()) if emulated else x.to(dtype)
+        x = rounded(x / rounded(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp_min(TORCH_NORM_EPS))
+        x = _iterate(x.reshape(-1, *x.shape[-2:]), None, coeffs, dtype, x.dtype, rounded).reshape(x.shape)
     else:
-        lead = x.shape[:-2]
-        x = x.reshape(-1, *x.shape[-2:])
-        # In float32 and wider ``a`` joins the small factor: ``(a I + b G + c G^2) x`` is one
-        # product, with no pass over ``x`` to scale it. In bfloat16 the diagonal sum would be
-        # rounded before it multiplies ``x``, so ``a x`` stays a term of its own there.
-        fold = torch.finfo(dtype).bits >= 32
-        for a, b, c in coeffs:
-            # x <- a x + (b G + c G^2) x with G = x x^T, as two fused multiply-adds
-            g = rounded(torch.bmm(x, x.mT))
-            h = rounded(torch.baddbmm(g, g, g, beta=b, alpha=c))
-            if fold:
-                h.diagonal(dim1=-2, dim2=-1).add_(a)
-                x = torch.bmm(h, x)
-            else:
-                x = rounded(torch.baddbmm(x, h, x, beta=a))
-        x = x.reshape(*lead, *x.shape[-2:])
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
+        scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
+        if method == "gram_newton_schulz":
+            x = _gram_iterate(_scaled_cast(wide, scale, dtype), coeffs, restart_every)
+        else:
+            flat = (-1, *wide.shape[-2:])
+            held = torch.float32 if emulated else dtype
+            x = _iterate(wide.reshape(flat), scale.reshape(-1, 1, 1), coeffs, dtype, held, rounded)
+            x = x.reshape(wide.shape)
     x = x.mT if tall else x
     return x if narrow and x.dtype.itemsize <= out_dtype.itemsize else x.to(out_dtype)
 
 
-def _scaled_cast(wide: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _chunks(batch: int, matrix_bytes: int) -> list[slice]:
+    """Slices of a batch of ``batch`` matrices of ``matrix_bytes`` each, at most
+    :data:`CHUNK_BYTES` a slice (at least one matrix)."""
+    size = max(1, min(batch, CHUNK_BYTES // max(matrix_bytes, 1)))
+    count = -(-batch // size)
+    size = -(-batch // count)  # slices of equal size, the last one shorter
+    return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
+
+
+def _iterate(
+    x: torch.Tensor, scale: torch.Tensor | None, coeffs, dtype: torch.dtype, held: torch.dtype, rounded
+) -> torch.Tensor:
+    """The quintic iteration on the matrices ``x`` (``(batch, m, n)``, ``m <= n``), one
+    chunk of the batch at a time (:func:`_chunks`), each chunk's last iterate written into
+    its slice of the result: the step holds the result and one chunk's iterates, not the
+    whole batch's twice. ``scale``: ``x`` is the wide input, each matrix divided by its
+    entry of ``scale`` and cast to ``dtype`` a chunk at a time (None: ``x`` is the
+    normalised iterate already). ``dtype``: the iteration's precision; ``held``: the dtype
+    its values are held in (float32 where bfloat16 is emulated, ``rounded`` then rounds)."""
+    parts = _chunks(x.shape[0], x[0].numel() * held.itemsize)
+    # one chunk: its last iterate is the result (no buffer held from the start)
+    out = torch.empty(x.shape, dtype=held, device=x.device) if len(parts) > 1 else None
+    # In float32 and wider ``a`` joins the small factor: ``(a I + b G + c G^2) x`` is one
+    # product, with no pass over ``x`` to scale it. In bfloat16 the diagonal sum would be
+    # rounded before it multiplies ``x``, so ``a x`` stays a term of its own there.
+    fold = torch.finfo(dtype).bits >= 32
+    last = len(coeffs) - 1
+    for part in parts:
+        y = x[part] if scale is None else _scaled_cast(x[part], scale[part], dtype, rounded)
+        for k, (a, b, c) in enumerate(coeffs):
+            # y <- a y + (b G + c G^2) y with G = y y^T, as two fused multiply-adds
+            into = {"out": out[part]} if k == last and out is not None else {}
+            g = rounded(torch.bmm(y, y.mT))
+            h = rounded(torch.baddbmm(g, g, g, beta=b, alpha=c))
+            if fold:
+                h.diagonal(dim1=-2, dim2=-1).add_(a)
+                y = torch.bmm(h, y, **into)
+            else:
+                y = torch.baddbmm(y, h, y, beta=a, **into)
+            if rounded is not _unchanged:
+                y = y.copy_(rounded(y)) if into else rounded(y)
+    return y if out is None else out
+
+
+def _scaled_cast(wide: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rounded=None) -> torch.Tensor:
     """``(wide / scale).to(dtype)`` in one pass where ``dtype`` is narrower (the quotient
-    rounded in ``wide``'s dtype, then to ``dtype``, as the two operators round it)."""
+    rounded in ``wide``'s dtype, then to ``dtype``, as the two operators round it);
+    ``rounded``: a bfloat16 iteration emulated in float32 (:func:`emulates_bfloat16`), the
+    quotient rounded to bfloat16 values."""
+    if rounded is not None and rounded is not _unchanged:
+        return rounded((wide / scale).float())
     if dtype == wide.dtype or torch.compiler.is_compiling():
         return (wide / scale).to(dtype)
     out = torch.empty(wide.shape, dtype=dtype, device=wide.device)

@@ -1,0 +1,68 @@
+"""The quintic polar iterations run a batch a chunk at a time (``polar.CHUNK_BYTES``): the
+same factor bit for bit as the whole batch at once, while a step holds the result and one
+chunk's iterates, not two iterates of the whole batch."""
+
+import importlib
+
+import pytest
+import torch
+
+from equiopt.linalg import polar
+from equiopt.linalg.device_choices import decide_as
+from equiopt.roofline import RooflineCounter
+
+polar_module = importlib.import_module("equiopt.linalg.polar")  # the package exports the function
+
+
+@pytest.mark.parametrize("batch,cap", [(1, 1), (5, 1), (5, 2), (7, 3), (4, 4), (6, 100)])
+def test_chunks_cover_the_batch_in_slices_of_equal_size_within_the_cap(batch, cap):
+    matrix = 1000
+    old = polar_module.CHUNK_BYTES
+    try:
+        polar_module.CHUNK_BYTES = cap * matrix
+        parts = polar_module._chunks(batch, matrix)
+    finally:
+        polar_module.CHUNK_BYTES = old
+    covered = [i for p in parts for i in range(batch)[p]]
+    assert covered == list(range(batch))
+    sizes = [p.stop - p.start for p in parts]
+    assert all(s <= max(cap, 1) for s in sizes)
+    assert len(parts) == -(-batch // max(cap, 1))
+    assert max(sizes) - min(sizes) <= max(sizes) - sizes[-1] <= len(parts)
+
+
+@pytest.mark.parametrize("method", ["polar_express", "newton_schulz", "newton_schulz_torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(5, 12, 20), (2, 3, 20, 12)], ids=["wide", "tall"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_chunked_batch_equals_the_whole_batch_bit_for_bit(monkeypatch, method, dtype, shape, device):
+    X = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    with decide_as(device):
+        whole = polar(X, method=method, dtype=dtype, narrow=True)
+        matrix = 12 * 20 * whole.element_size()
+        monkeypatch.setattr(polar_module, "CHUNK_BYTES", 2 * matrix)  # slices of 2 (or 3) matrices
+        chunked = polar(X, method=method, dtype=dtype, narrow=True)
+    assert chunked.dtype == whole.dtype and chunked.shape == X.shape
+    assert torch.equal(chunked, whole)
+    assert torch.isfinite(whole).all()
+
+
+def test_the_iteration_holds_the_result_and_one_chunks_iterates(monkeypatch):
+    # 32 matrices of 256 x 1024 on the meta device, iterated in bfloat16 as on CUDA
+    batch, m, n = 32, 256, 1024
+    X = torch.empty(batch, m, n, device="meta")
+    iterate, gram = batch * m * n * 2, batch * m * m * 2
+
+    def peak(cap: int) -> int:
+        monkeypatch.setattr(polar_module, "CHUNK_BYTES", cap)
+        with decide_as("cuda"), RooflineCounter() as counter:
+            polar(X, dtype=torch.bfloat16, narrow=True)
+        return counter.peak_bytes
+
+    # the whole batch at once: the normalised input, its successor and the two Grams
+    small = 4096  # the norms
+    whole = 2 * iterate + 2 * gram
+    assert whole <= peak(iterate) <= whole + small
+    # in quarters: the result, a quarter's input and successor, a quarter's Grams
+    quarters = iterate + whole // 4
+    assert quarters <= peak(iterate // 4) <= quarters + small
