@@ -20,7 +20,7 @@ def test_chunks_cover_the_batch_in_slices_of_equal_size_within_the_cap(batch, ca
     old = polar_module.CHUNK_BYTES
     try:
         polar_module.CHUNK_BYTES = cap * matrix
-        parts = polar_module._chunks(batch, matrix)
+        parts = polar_module.chunks(batch, matrix)
     finally:
         polar_module.CHUNK_BYTES = old
     covered = [i for p in parts for i in range(batch)[p]]
@@ -59,10 +59,10 @@ def test_the_iteration_holds_the_result_and_one_chunks_iterates(monkeypatch):
             polar(X, dtype=torch.bfloat16, narrow=True)
         return counter.peak_bytes
 
-    # the whole batch at once: the normalised input, its successor and the two Grams
     small = 4096  # the norms
-    whole = 2 * iterate + 2 * gram
+    # the whole batch at once: the normalised input, its successor and a Gram
+    whole = 2 * iterate + gram
     assert whole <= peak(iterate) <= whole + small
-    # in quarters: the result, a quarter's input and successor, a quarter's Grams
-    quarters = iterate + whole // 4
+    # in quarters: the result, a spare quarter the iterates alternate with, a quarter's two Grams
+    quarters = iterate + (iterate + 2 * gram) // 4
     assert quarters <= peak(iterate // 4) <= quarters + small

@@ -136,8 +136,10 @@ def test_roofline_counts_the_direct_route_as_its_flops():
     with decide_as("cuda"), RooflineCounter() as c:
         maps.right_spectral(x, alpha=1.0, route="auto", gram_dtype="auto")
     flops = c.flops_by_dtype()
-    assert set(flops) == {"bfloat16"}
+    assert set(flops) == {"bfloat16", "float32"}
     assert flops["bfloat16"] == maps.route_flops(3072, 1024, 5, "direct", "bfloat16x6", torch.bfloat16)["bfloat16"]
+    # and nu = tr(U^T D), one float32 dot product over the matrix
+    assert flops["float32"] == 2 * 3072 * 1024
 
 
 @pytest.mark.parametrize(

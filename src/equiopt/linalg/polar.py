@@ -147,6 +147,8 @@ def polar(
     restart_every: int = RESTART_EVERY,
     reducer=None,
     narrow: bool = False,
+    out: torch.Tensor | None = None,
+    row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype
     (``narrow``: in the iteration's, where that is narrower).
@@ -172,6 +174,10 @@ def polar(
             the result is this rank's rows of the polar factor of the whole matrix.
         narrow: return the last iterate in the iteration's dtype, not cast back to ``X``'s:
             a caller that reads it once (scaling it into a wider update) saves a pass.
+        out: the place of the narrow result, made by :func:`empty_factor` (the quintic
+            iterations write their last iterate there); implies ``narrow``.
+        row: ``(..., m, 1)`` factors: the polar factor of ``Diag(row) X``, which the quintic
+            iterations form a chunk at a time as they normalise it (never whole).
 
     Returns:
         ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape (and dtype, unless
@@ -187,6 +193,19 @@ def polar(
     if steps < 1 and method != "exact":
         raise ValueError(f"steps must be >= 1, got {steps}")
     out_dtype = X.dtype
+    if row is not None and method not in ("polar_express", "newton_schulz"):
+        X, row = X * row, None
+    if out is not None:
+        want = _factor_dtype(X, method, dtype)
+        tall = X.shape[-2] > X.shape[-1]
+        if out.shape != X.shape or out.dtype != want or not (out.mT if tall else out).is_contiguous():
+            raise ValueError(
+                f"polar's out must be laid out as empty_factor makes it: {want} of shape {tuple(X.shape)}"
+                f"{', the transpose of a contiguous tensor' if tall else ', contiguous'}; "
+                f"got {out.dtype} of shape {tuple(out.shape)}, strides {out.stride()}"
+            )
+        if method in ("exact", "gram_newton_schulz") or reducer is not None:
+            return out.copy_(polar(X, method, steps, dtype, restart_every, reducer, narrow=True))
     if method == "exact":
         u, sv, vh = torch.linalg.svd(X.to(torch.float64), full_matrices=False)
         # Singular values below the numerical rank threshold of the input's precision
@@ -213,22 +232,55 @@ def polar(
     if method == "newton_schulz_torch":
         x = rounded(x.float()) if emulated else x.to(dtype)
         x = rounded(x / rounded(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp_min(TORCH_NORM_EPS))
-        x = _iterate(x.reshape(-1, *x.shape[-2:]), None, coeffs, dtype, x.dtype, rounded).reshape(x.shape)
+        place = None if out is None else (out.mT if tall else out).reshape(-1, *x.shape[-2:])
+        x = _iterate(x.reshape(-1, *x.shape[-2:]), None, coeffs, dtype, x.dtype, rounded, place).reshape(x.shape)
     else:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
-        scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
+        if row is None:
+            scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
+        else:
+            # ||Diag(r) X||_F from X's row norms; the division by scale / r scales the rows
+            r = (row.mT if tall else row).to(wide.dtype)
+            norms = torch.linalg.vector_norm(wide, dim=-2 if tall else -1, keepdim=True)
+            fro = (norms * r).square().sum(dim=(-2, -1), keepdim=True).sqrt()
+            scale = (NORM_MARGIN * fro + NORM_FLOOR) / r
         if method == "gram_newton_schulz":
             x = _gram_iterate(_scaled_cast(wide, scale, dtype), coeffs, restart_every)
         else:
             flat = (-1, *wide.shape[-2:])
             held = torch.float32 if emulated else dtype
-            x = _iterate(wide.reshape(flat), scale.reshape(-1, 1, 1), coeffs, dtype, held, rounded)
+            place = None if out is None else (out.mT if tall else out).reshape(flat)
+            divisor = scale.expand(*wide.shape[:-2], *scale.shape[-2:]).reshape(-1, *scale.shape[-2:])
+            x = _iterate(wide.reshape(flat), divisor, coeffs, dtype, held, rounded, place)
             x = x.reshape(wide.shape)
     x = x.mT if tall else x
+    if out is not None:
+        return out
     return x if narrow and x.dtype.itemsize <= out_dtype.itemsize else x.to(out_dtype)
 
 
-def _chunks(batch: int, matrix_bytes: int) -> list[slice]:
+def _factor_dtype(X: torch.Tensor, method: str, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of ``polar(X, method, dtype=dtype, narrow=True)``'s result."""
+    if method == "exact":
+        return X.dtype
+    if dtype is None:
+        dtype = default_dtype(method, X.device)
+    if method != "gram_newton_schulz" and emulates_bfloat16(dtype, X.device):
+        dtype = torch.float32
+    return X.dtype if dtype.itemsize > X.dtype.itemsize else dtype
+
+
+def empty_factor(X: torch.Tensor, method: str = "polar_express", dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor of ``X``'s shape in the dtype and layout of ``polar(X, method,
+    dtype=dtype, narrow=True)``'s result (a tall ``X``'s factor is the transpose of a
+    contiguous iterate): the ``out`` a caller fills a chunk of a batch at a time."""
+    dtype = _factor_dtype(X, method, dtype)
+    if X.shape[-2] > X.shape[-1]:
+        return torch.empty((*X.shape[:-2], X.shape[-1], X.shape[-2]), dtype=dtype, device=X.device).mT
+    return torch.empty(X.shape, dtype=dtype, device=X.device)
+
+
+def chunks(batch: int, matrix_bytes: int) -> list[slice]:
     """Slices of a batch of ``batch`` matrices of ``matrix_bytes`` each, at most
     :data:`CHUNK_BYTES` a slice (at least one matrix)."""
     size = max(1, min(batch, CHUNK_BYTES // max(matrix_bytes, 1)))
@@ -238,50 +290,77 @@ def _chunks(batch: int, matrix_bytes: int) -> list[slice]:
 
 
 def _iterate(
-    x: torch.Tensor, scale: torch.Tensor | None, coeffs, dtype: torch.dtype, held: torch.dtype, rounded
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    coeffs,
+    dtype: torch.dtype,
+    held: torch.dtype,
+    rounded,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The quintic iteration on the matrices ``x`` (``(batch, m, n)``, ``m <= n``), one
-    chunk of the batch at a time (:func:`_chunks`), each chunk's last iterate written into
+    chunk of the batch at a time (:func:`chunks`), each chunk's last iterate written into
     its slice of the result: the step holds the result and one chunk's iterates, not the
     whole batch's twice. ``scale``: ``x`` is the wide input, each matrix divided by its
     entry of ``scale`` and cast to ``dtype`` a chunk at a time (None: ``x`` is the
     normalised iterate already). ``dtype``: the iteration's precision; ``held``: the dtype
-    its values are held in (float32 where bfloat16 is emulated, ``rounded`` then rounds)."""
-    parts = _chunks(x.shape[0], x[0].numel() * held.itemsize)
+    its values are held in (float32 where bfloat16 is emulated, ``rounded`` then rounds);
+    ``out``: the result's place (else one is made)."""
+    parts = chunks(x.shape[0], x[0].numel() * held.itemsize)
     # one chunk: its last iterate is the result (no buffer held from the start)
-    out = torch.empty(x.shape, dtype=held, device=x.device) if len(parts) > 1 else None
+    if out is None and len(parts) > 1:
+        out = torch.empty(x.shape, dtype=held, device=x.device)
+    # with a place for the result, the iterates alternate between a chunk's slice of it and
+    # one spare chunk, the last landing in the result: one chunk's iterate beside the result
+    spare = (
+        None
+        if out is None
+        else torch.empty((parts[0].stop - parts[0].start, *x.shape[1:]), dtype=held, device=x.device)
+    )
     # In float32 and wider ``a`` joins the small factor: ``(a I + b G + c G^2) x`` is one
     # product, with no pass over ``x`` to scale it. In bfloat16 the diagonal sum would be
     # rounded before it multiplies ``x``, so ``a x`` stays a term of its own there.
     fold = torch.finfo(dtype).bits >= 32
-    last = len(coeffs) - 1
+    steps = len(coeffs)
     for part in parts:
-        y = x[part] if scale is None else _scaled_cast(x[part], scale[part], dtype, rounded)
-        for k, (a, b, c) in enumerate(coeffs):
+        places = None if out is None or spare is None else (out[part], spare[: part.stop - part.start])
+
+        def into(k: int) -> dict:
+            """Where the ``k``-th iterate goes: the result's slice if ``steps - k`` is even."""
+            return {} if places is None else {"out": places[(steps - k) % 2]}
+
+        y = x[part] if scale is None else _scaled_cast(x[part], scale[part], dtype, rounded, **into(0))
+        for k, (a, b, c) in enumerate(coeffs, start=1):
             # y <- a y + (b G + c G^2) y with G = y y^T, as two fused multiply-adds
-            into = {"out": out[part]} if k == last and out is not None else {}
             g = rounded(torch.bmm(y, y.mT))
             h = rounded(torch.baddbmm(g, g, g, beta=b, alpha=c))
+            del g  # (a chunk holds at most two Grams, and one beside two iterates)
             if fold:
                 h.diagonal(dim1=-2, dim2=-1).add_(a)
-                y = torch.bmm(h, y, **into)
+                y = torch.bmm(h, y, **into(k))
             else:
-                y = torch.baddbmm(y, h, y, beta=a, **into)
+                y = torch.baddbmm(y, h, y, beta=a, **into(k))
+            del h
             if rounded is not _unchanged:
-                y = y.copy_(rounded(y)) if into else rounded(y)
+                y = y.copy_(rounded(y)) if places is not None else rounded(y)
     return y if out is None else out
 
 
-def _scaled_cast(wide: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rounded=None) -> torch.Tensor:
+def _scaled_cast(
+    wide: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rounded=None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(wide / scale).to(dtype)`` in one pass where ``dtype`` is narrower (the quotient
     rounded in ``wide``'s dtype, then to ``dtype``, as the two operators round it);
     ``rounded``: a bfloat16 iteration emulated in float32 (:func:`emulates_bfloat16`), the
-    quotient rounded to bfloat16 values."""
+    quotient rounded to bfloat16 values; ``out``: where it goes (else a new tensor)."""
     if rounded is not None and rounded is not _unchanged:
-        return rounded((wide / scale).float())
+        y = rounded((wide / scale).float())
+        return y if out is None else out.copy_(y)
     if dtype == wide.dtype or torch.compiler.is_compiling():
-        return (wide / scale).to(dtype)
-    out = torch.empty(wide.shape, dtype=dtype, device=wide.device)
+        y = (wide / scale).to(dtype)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(wide.shape, dtype=dtype, device=wide.device)
     return torch.div(wide, scale, out=out)
 
 

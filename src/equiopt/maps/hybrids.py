@@ -170,6 +170,12 @@ def _soft_row_count(total: torch.Tensor, total_sq: torch.Tensor) -> torch.Tensor
     return (total.pow(2) / total_sq.clamp_min(torch.finfo(total_sq.dtype).tiny)).clamp_min(1.0)
 
 
+def _soft_rows(z: torch.Tensor) -> torch.Tensor:
+    """The ``"rms"`` scale's rows of each matrix of a whole row-normalised stage ``z``."""
+    sq = _row_norms(z)[..., 0].square()
+    return _soft_row_count(sq.sum(-1), sq.pow(2).sum(-1))
+
+
 def _row_then_right(
     x: torch.Tensor,
     first: Factored,
@@ -240,6 +246,7 @@ def hybrid_factored(
     damping: str = "relative",
     gram_dtype: str | None = None,
     route: str = "gram",
+    narrow: bool = False,
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
@@ -264,6 +271,9 @@ def hybrid_factored(
         gram_dtype: the precision of the one-sided stage's products (see :func:`right_spectral`).
         route: the one-sided stage's route (see :func:`right_spectral`); centring, when
             set, comes before either.
+        narrow: on the direct route of ``"row_then_right"``, the polar factor in its
+            iteration's dtype with the scale as a row factor (see
+            :func:`~equiopt.maps.one_sided._one_sided_polar`).
 
     Returns:
         The update as a :class:`Factored`.
@@ -276,6 +286,14 @@ def hybrid_factored(
         return _row_then_right(
             x, _row_factors(x, eta, eps, center, reducer), eps, alpha, method, steps, center, scale, reducer, damping
         )
+    if order == "row_then_right" and route == "direct":
+        # the row stage is formed a chunk of the batch at a time, as the polar factor is
+        rows_of = _soft_rows if scale == "rms" else None
+        stage = _row_factors(x, eta, eps, center, reducer)
+        return _one_sided(
+            stage, eps, alpha, method, steps, center, gram, scale, None, reducer, damping, gram_dtype, route,
+            narrow=narrow, rows_of=rows_of,
+        )  # fmt: skip
     if order == "row_then_right":
         z = materialize(_row_factors(x, eta, eps, center, reducer))
         rows = None

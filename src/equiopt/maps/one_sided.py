@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linalg import inv_sqrt, polar
+from ..linalg import chunks, empty_factor, inv_sqrt, polar
 from ..linalg.products import mm, split_gram
 from .base import (
     Factored,
@@ -109,7 +109,7 @@ def _one_sided_input(
 
 
 def _one_sided(
-    x: torch.Tensor,
+    x: torch.Tensor | Factored,
     eps: float,
     alpha: float,
     method: str,
@@ -122,6 +122,8 @@ def _one_sided(
     damping: str = "relative",
     gram_dtype: str | None = None,
     route: str = "gram",
+    narrow: bool = False,
+    rows_of=None,
 ) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
@@ -154,11 +156,16 @@ def _one_sided(
 
     ``route``: the route :func:`one_sided_route` decided (see :func:`_one_sided_input`):
     ``"gram"`` (the above) or ``"direct"`` (the polar factor of ``x`` itself, see
-    :func:`_one_sided_polar`).
+    :func:`_one_sided_polar`, which takes ``x`` as a hybrid's row stage in factored form,
+    ``rows_of`` and ``narrow``; the Gram route takes ``x`` whole and ignores them).
     """
     _check_settings(scale, damping)
     if route == "direct" and method != "gram_newton_schulz":
-        return _one_sided_polar(x, eps, alpha, steps, centered, scale, rows, _DIRECT_METHODS[method], None)
+        return _one_sided_polar(
+            x, eps, alpha, steps, centered, scale, rows, _DIRECT_METHODS[method], None, narrow, rows_of
+        )
+    if isinstance(x, Factored):
+        x = materialize(x)
     m, n = (x.shape[-2] if reducer is None else reducer.count), x.shape[-1]
     left = gram_side(m, n, gram) == "left"
     if reducer is not None and (left or method == "gram_newton_schulz"):
@@ -282,7 +289,7 @@ def _scale(
 
 
 def _one_sided_polar(
-    x: torch.Tensor,
+    x: torch.Tensor | Factored,
     eps: float,
     alpha: float,
     steps: int,
@@ -291,6 +298,8 @@ def _one_sided_polar(
     rows: torch.Tensor | None = None,
     method: str = "gram_newton_schulz",
     dtype: torch.dtype | None = torch.float32,
+    narrow: bool = False,
+    rows_of=None,
 ) -> Factored:
     """The one-sided map from the undamped polar factor ``U`` of ``D`` computed directly,
     with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)`` at ``eps = 0``.
@@ -303,15 +312,90 @@ def _one_sided_polar(
     is ``U`` and the routes agree; the damping is not applied here, so a zero singular
     value stays zero but a tiny one is mapped towards 1 (as Muon maps it) where the Gram
     route's ``eps`` maps it towards 0. ``D`` is centred before (``centered``), and the
-    result projected by its row mean."""
-    out = polar(x, method=method, steps=steps, dtype=dtype).to(x.dtype)
-    if alpha != 0 or scale != "nu":
-        nu = (out * x).sum(dim=(-2, -1)).clamp_min(eps)
+    result projected by its row mean.
+
+    ``x``: ``D``, or a hybrid's row stage in factored form (``D = s * x - c``), formed a chunk
+    of the batch at a time (:func:`equiopt.linalg.chunks`) as the polar factor is: the map
+    holds its result and one chunk's temporaries. ``rows_of(D)``: the ``"rms"`` scale's rows
+    of each matrix of a chunk (default ``rows``, or all ``m``). ``narrow``: ``U`` is returned
+    in the iteration's dtype, as ``x`` with the scale as a ``(..., 1, 1)`` row factor (the
+    caller widens it as it scales it and checks ``U`` itself for non-finite values)."""
+    stage = x if isinstance(x, Factored) else Factored(x)
+    lead, (m, n) = stage.x.shape[:-2], stage.x.shape[-2:]
+    flat = Factored(*[None if t is None else t.reshape(-1, *t.shape[-2:]) for t in stage])
+    batch = flat.x.shape[0]
+    wide = flat.x.dtype
+    out = empty_factor(flat.x, method, dtype) if narrow else torch.empty(flat.x.shape, dtype=wide, device=flat.x.device)
+    factors = torch.empty(batch, 1, 1, dtype=wide, device=flat.x.device)
+    scaled = alpha != 0 or scale != "nu"
+    # a row stage alone is scaled into the iteration as it is normalised: D is never formed
+    rows_only = flat.row is not None and flat.shift is None and rows_of is None
+    for part in chunks(batch, m * n * out.itemsize):
+        if rows_only:
+            D, row = flat.x[part], flat.row[part]  # type: ignore[index]
+        else:
+            D, row = materialize(Factored(*[None if t is None else t[part] for t in flat])), None
+        if narrow:
+            u = polar(D, method=method, steps=steps, dtype=dtype, out=out[part], row=row)
+        else:
+            u = polar(D, method=method, steps=steps, dtype=dtype, row=row).to(wide)
+        if not scaled:
+            if not narrow:
+                out[part] = u
+            continue
+        # nu = tr(U^T D): one dot per matrix, no product matrix; + 0, or NaN where it is not
+        # finite (the clamp alone would turn -Inf into eps)
+        nu = _dots(u, D, row)
+        nu = nu.clamp_min(eps) + (nu - nu)
         # ||D||_F^2 is read by the "rms" scale only: one reduction over D, no squared copy
-        fro2 = torch.linalg.vector_norm(x, dim=(-2, -1)).square() if scale == "rms" else nu
-        m = x.shape[-2] if rows is None else rows
-        out = out.mul_(_scale(nu, fro2, alpha, m, x.shape[-1], centered, eps, scale)[..., None, None])
-    return Factored(out, shift=out.mean(dim=-2, keepdim=True) if centered else None)
+        fro2 = nu
+        if scale == "rms":
+            fro2 = (
+                torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True).square()
+                if row is None
+                else (torch.linalg.vector_norm(D, dim=-1, keepdim=True) * row).square().sum(dim=(-2, -1), keepdim=True)
+            )
+        r: int | torch.Tensor = m
+        if rows_of is not None:
+            r = rows_of(D).reshape(-1, 1, 1)
+        elif rows is not None:
+            r = rows.reshape(-1)[part].reshape(-1, 1, 1)
+        factors[part] = _scale(nu, fro2, alpha, r, n, centered, eps, scale)
+        if not narrow:
+            torch.mul(u, factors[part], out=out[part])
+    if narrow:
+        row = factors.view(*lead, 1, 1) if scaled else None
+        mean = out.mean(dim=-2, keepdim=True, dtype=wide).view(*lead, 1, n) if centered else None
+        shift = None if mean is None else (mean if row is None else mean * row)
+        return Factored(out.view(*lead, m, n) if lead else out[0], row=row, shift=shift)
+    u = out.view(*lead, m, n) if lead else out[0]
+    return Factored(u, shift=u.mean(dim=-2, keepdim=True) if centered else None)
+
+
+def _dots(a: torch.Tensor, b: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+    """``tr(a_k^T Diag(row_k) b_k)`` of each matrix pair of two ``(B, m, n)`` batches (``row``:
+    ``(B, m, 1)``, or none), as ``(B, 1, 1)`` in ``b``'s dtype: one matrix-vector product per
+    block of rows, ``a`` widened (and the rows of ``b`` scaled) a block of rows at a time
+    (:func:`equiopt.linalg.chunks`), no elementwise product formed whole."""
+    if not b.is_contiguous():
+        if b.mT.is_contiguous():
+            a, b = a.mT, b.mT
+            row = None if row is None else row.mT  # (B, 1, m): a factor per column now
+        else:
+            b = b.contiguous()
+    per_row = row is not None and row.shape[-1] == 1
+    total = None
+    for block in chunks(b.shape[-2], b.shape[0] * b.shape[-1] * b.element_size()):
+        i, j = block.start, block.stop
+        x = b[:, i:j]
+        if row is not None:
+            x = x * (row[:, i:j] if per_row else row)
+        w = a[:, i:j].to(b.dtype, memory_format=torch.contiguous_format)
+        dot = torch.bmm(w.reshape(b.shape[0], 1, -1), x.reshape(b.shape[0], -1, 1))
+        total = dot if total is None else total.add_(dot)
+        del x, w  # (one block's temporaries at a time)
+    assert total is not None
+    return total
 
 
 @_renamed_keyword("centred_input", "centered_input")
@@ -329,6 +413,7 @@ def one_sided_factored(
     damping: str = "relative",
     gram_dtype: str | None = None,
     route: str = "gram",
+    narrow: bool = False,
 ) -> Factored:
     """:func:`right_spectral` (equivalently :func:`left_spectral`) in factored form.
 
@@ -352,6 +437,8 @@ def one_sided_factored(
             product: one of :data:`GRAM_DTYPES`, None for ``"float32"`` (see
             :func:`gram_precision` and :func:`_one_sided`).
         route: ``"gram"``, ``"direct"`` or ``"auto"`` (see :func:`right_spectral`).
+        narrow: on the direct route, the polar factor in its iteration's dtype with the
+            scale as a row factor (see :func:`_one_sided_polar`).
 
     Returns:
         The update as a :class:`Factored`.
@@ -370,6 +457,7 @@ def one_sided_factored(
         damping=damping,
         gram_dtype=gram_dtype,
         route=route,
+        narrow=narrow,
     )
 
 

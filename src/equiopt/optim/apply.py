@@ -190,8 +190,9 @@ def _scaled(t: torch.Tensor | None, coef: torch.Tensor) -> torch.Tensor | None:
 
 
 def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
-    plain = f.row is None and f.left is None and f.right is None and f.shift is None
-    if pw.dtype != f.x.dtype and not (plain and pw.dtype == torch.promote_types(f.x.dtype, coef.dtype)):
+    # ``x`` scaled by one factor (or its rows' factors), nothing multiplied into it
+    scaled = f.left is None and f.right is None and f.low is None
+    if pw.dtype != f.x.dtype and not (scaled and pw.dtype == torch.promote_types(f.x.dtype, coef.dtype)):
         # Low-precision weights: form the update in the compute dtype, round once. (A narrow
         # polar factor with a scale in the weights' dtype is added as it is: widened as read.)
         pw.add_((materialize(f) * coef).to(pw.dtype))

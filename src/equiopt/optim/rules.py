@@ -87,6 +87,11 @@ def map_key(group: dict) -> MapKey:
 PRECENTRED = "precentred"
 
 
+#: The rules whose polar factor ``factored_map(..., narrow=True)`` may return in its
+#: iteration's dtype: Muon's, and the direct route's of the one-sided maps and hybrids.
+NARROW_RULES = frozenset({"spectral", "right", "left", "hybrid"})
+
+
 def precentred(key: MapKey) -> MapKey:
     """``key`` for work matrices that already have zero column means: the map skips its
     input centring (no full-size copy) and keeps its output projection."""
@@ -103,8 +108,9 @@ def factored_map(
 ) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype
-    (``narrow``: Muon's polar factor in its iteration's dtype where that is narrower; the
-    caller widens it as it scales it, see :func:`equiopt.linalg.polar`).
+    (``narrow``: Muon's polar factor, and the direct route's of the one-sided and hybrid
+    maps, in its iteration's dtype where that is narrower; the caller widens it as it scales
+    it and checks it for non-finite values, see :func:`equiopt.linalg.polar`).
 
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
@@ -143,14 +149,14 @@ def factored_map(
         route=route,
     )
     if rule in ("right", "left"):
-        return maps.one_sided_factored(D, **common)
+        return maps.one_sided_factored(D, narrow=narrow, **common)
     if col_reducer is not None and rule != "row":
         raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
     if rule == "row":
         return maps.row_norm_factored(
             D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done, col_reducer=col_reducer
         )
-    return maps.hybrid_factored(D, order=order, eta=eta, **common)
+    return maps.hybrid_factored(D, order=order, eta=eta, narrow=narrow, **common)
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:

@@ -20,7 +20,7 @@ from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT, _add_
 from .fused import ops as fused
-from .rules import PRECENTRED, MapKey
+from .rules import NARROW_RULES, PRECENTRED, MapKey
 
 __all__ = ["Spec", "guard", "bucket_core", "adamw_core"]
 
@@ -106,13 +106,14 @@ def _finite(t: torch.Tensor) -> torch.Tensor:
     return (t - t) == 0
 
 
-def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
+def guard(f: maps.Factored, made: bool = False) -> tuple[maps.Factored, torch.Tensor]:
     """``f`` (a batch of ``N`` updates) with its non-finite entries zeroed, and each update's
     finite flag (``(N,)`` bool), read from its small factors, or from the update itself when
-    it is given whole (then cleaned in place: it is always a fresh tensor). The batched
-    form of :func:`~.apply._guarded`."""
+    it is given whole (then cleaned in place: it is always a fresh tensor). ``made``: ``f.x``
+    is a tensor the map made (a narrow polar factor beside its scale), not its input, so it
+    is read and cleaned too. The batched form of :func:`~.apply._guarded`."""
     names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
-    checked = [getattr(f, k) for k in names] or [f.x]
+    checked = [getattr(f, k) for k in names] + ([f.x] if made and names else []) or [f.x]
     ok: Any = None
     for t in checked:
         flag = _finite(t.sum(dim=(-2, -1)))  # a sum carries any NaN or Inf (one pass)
@@ -120,6 +121,8 @@ def guard(f: maps.Factored) -> tuple[maps.Factored, torch.Tensor]:
     if names:
         if f.low is not None:
             torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
+        if made:
+            torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
         return f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0) for k in names}), ok
     torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
     return f, ok
@@ -238,9 +241,9 @@ def bucket_core(
         x, works = region, places
     # Muon's polar factor stays in its iteration's dtype: the guard reads it and each part's
     # update widens it as it scales it (one pass fewer over the bucket than a cast back)
-    narrow = key.rule == "spectral"
+    narrow = key.rule in NARROW_RULES
     f = map_fn(key, eta, x, narrow=True) if narrow else map_fn(key, eta, x)
-    cdtype = x.dtype if narrow else f.x.dtype  # (the scale in the dtype the update is formed in)
+    cdtype = torch.promote_types(x.dtype, f.x.dtype)  # (the scale in the dtype the update is formed in)
     if seconds is not None:
         # NorMuon's row stage, part by part on its own state (views of the stacks)
         rows: list[torch.Tensor] = []
@@ -253,7 +256,7 @@ def bucket_core(
             rows.append(scales)
             at2 += n
         f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
-    f, ok = guard(f)
+    f, ok = guard(f, made=narrow and f.x is not x)
     coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
     skips.add_((~ok & (coef != 0)).sum())
     coef = coef * ok
@@ -279,11 +282,15 @@ def bucket_core(
             # into the part's place, whose gradients and map input are spent (every piece of
             # ``f`` read here is this part's own: the parts before it wrote only their places)
             out = places[i]
-            if piece.row is None and piece.left is None and piece.right is None and piece.shift is None:
+            if piece.left is None and piece.right is None and (piece.row is None or piece.row.shape[-2] == 1):
+                # U = k x - shift with one factor k per matrix: widened as scaled, in one pass
+                k = c if piece.row is None else piece.row * c
                 if torch.compiler.is_compiling():  # (functionalised ``out=`` wants matching strides)
-                    out.copy_(piece.x * c)
+                    out.copy_(piece.x * k)
                 else:
-                    torch.mul(piece.x, c, out=out)
+                    torch.mul(piece.x, k, out=out)
+                if piece.shift is not None:
+                    out.sub_(piece.shift * c)
             else:
                 out.copy_(maps.materialize(_scaled(piece, c)))
             updates.append(None)
