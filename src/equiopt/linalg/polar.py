@@ -64,10 +64,11 @@ TORCH_NORM_EPS = 1e-7
 # ``"gram_newton_schulz"``: steps between recomputing the iterate and its Gram.
 RESTART_EVERY = 2
 # The quintic iterations run over a batch in chunks of at most this many bytes of iterate:
-# a step holds the result and one chunk's iterates (the iterate, its successor, two Grams),
-# not two iterates of the whole batch. A chunk this size keeps every product far longer
-# than its launch (a 1024-wide chunk is over 100 GFLOP a product).
-CHUNK_BYTES = 128 * 2**20
+# a step holds the result, one spare chunk and a chunk's two Grams, not two iterates of the
+# whole batch. A chunk this size keeps every product far longer than its launch (a
+# 1024-wide chunk is over 200 GFLOP a product); smaller chunks cost launches for memory
+# (results/roofline has both).
+CHUNK_BYTES = 256 * 2**20
 
 
 def _cpu_multiplies_bfloat16() -> bool:

@@ -322,7 +322,7 @@ def _one_sided_polar(
     caller widens it as it scales it and checks ``U`` itself for non-finite values)."""
     stage = x if isinstance(x, Factored) else Factored(x)
     lead, (m, n) = stage.x.shape[:-2], stage.x.shape[-2:]
-    flat = Factored(*[None if t is None else t.reshape(-1, *t.shape[-2:]) for t in stage])
+    flat = _each(stage, lambda t: t.reshape(-1, *t.shape[-2:]))
     batch = flat.x.shape[0]
     wide = flat.x.dtype
     out = empty_factor(flat.x, method, dtype) if narrow else torch.empty(flat.x.shape, dtype=wide, device=flat.x.device)
@@ -334,7 +334,7 @@ def _one_sided_polar(
         if rows_only:
             D, row = flat.x[part], flat.row[part]  # type: ignore[index]
         else:
-            D, row = materialize(Factored(*[None if t is None else t[part] for t in flat])), None
+            D, row = materialize(_each(flat, lambda t: t[part])), None
         if narrow:
             u = polar(D, method=method, steps=steps, dtype=dtype, out=out[part], row=row)
         else:
@@ -370,6 +370,11 @@ def _one_sided_polar(
         return Factored(out.view(*lead, m, n) if lead else out[0], row=row, shift=shift)
     u = out.view(*lead, m, n) if lead else out[0]
     return Factored(u, shift=u.mean(dim=-2, keepdim=True) if centered else None)
+
+
+def _each(f: Factored, fn) -> Factored:
+    """``f`` with ``fn`` applied to each of its tensors."""
+    return Factored(fn(f.x), *[None if t is None else fn(t) for t in f[1:]])
 
 
 def _dots(a: torch.Tensor, b: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
