@@ -49,30 +49,41 @@ def real(t: torch.Tensor) -> torch.Tensor:
 
 def step(opt: EquivariantOptimizer, lrs: list[torch.Tensor], covered: set[int]) -> list[tuple[list[str], torch.Tensor]]:
     """Step every parameter with a gradient that no bucket holds (``covered``: the ids of
-    those that one does), group by group: finite flags, momentum, decay, and each map queued
-    for :func:`.distribute.run`, which maps and adds them. Returns each group's parameter
-    names and finite flags."""
+    those that one does): the finite flags of all of them at once (one pass over the
+    gradients, one all-reduce per process group), then group by group momentum, decay, and
+    each map queued for :func:`.distribute.run`, which maps and adds them. Returns each
+    group's parameter names and finite flags."""
     last_flags: list[tuple[list[str], torch.Tensor]] = []
     buckets: dict[BucketKey, list[WorkItem]] = defaultdict(list)
     whole: list[WholeTask] = []
+    entries = []
     for group, lr in zip(opt.param_groups, lrs):
         live = [j for j, p in enumerate(group["params"]) if p.grad is not None and id(p) not in covered]
-        if not live or group["rule"] in PEER_RULES:
-            continue
-        params = [group["params"][j] for j in live]
-        names = [group["names"][j] for j in live]
-        flags = finite_flags([real(local(p.grad)) for p in params])
-        flags = global_flags(flags, [opt._sharding(p) for p in params])
-        if group["nonfinite"] == "raise":
-            raise_nonfinite(flags, names)
-        last_flags.append((names, flags))
-        states = [opt._init_state(p, group) for p in params]
-        okfs = ok_floats(opt, flags, params)
-        torch._foreach_add_([st["nonfinite"] for st in states], torch._foreach_add(torch._foreach_neg(okfs[1]), 1.0))
-        if group["rule"] == "adamw":
-            adamw_steps(group, lr, params, states, okfs[0])
-            continue
-        matrix_steps(opt, group, lr, live, params, states, okfs[0], buckets, whole)
+        if live and group["rule"] not in PEER_RULES:
+            entries.append((group, lr, live, [group["params"][j] for j in live]))
+    if entries:
+        every = [p for *_, params in entries for p in params]
+        sizes = [len(params) for *_, params in entries]
+        flags = global_flags(_finite_flags(every), [opt._sharding(p) for p in every])
+        per_group = flags.split(sizes)
+        names_of = [[group["names"][j] for j in live] for group, _, live, _ in entries]
+        for (group, *_), gflags, names in zip(entries, per_group, names_of):
+            if group["nonfinite"] == "raise":  # before any state changes
+                raise_nonfinite(gflags, names)
+        states_of = [[opt._init_state(p, group) for p in params] for group, _, _, params in entries]
+        okfs, ok32 = ok_floats(opt, flags, every)
+        counters = [st["nonfinite"] for states in states_of for st in states]
+        torch._foreach_add_(counters, torch._foreach_add(torch._foreach_neg(ok32), 1.0))
+        at = 0
+        for (group, lr, live, params), states, gflags, names, size in zip(
+            entries, states_of, per_group, names_of, sizes
+        ):
+            last_flags.append((names, gflags))
+            group_okfs, at = okfs[at : at + size], at + size
+            if group["rule"] == "adamw":
+                adamw_steps(group, lr, params, states, group_okfs)
+            else:
+                matrix_steps(opt, group, lr, live, params, states, group_okfs, buckets, whole)
     distribute.run(
         buckets,
         whole,
@@ -82,6 +93,21 @@ def step(opt: EquivariantOptimizer, lrs: list[torch.Tensor], covered: set[int]) 
         cost_model=opt.cost_model,
     )
     return last_flags
+
+
+def _finite_flags(params: list) -> torch.Tensor:
+    """:func:`~.apply.finite_flags` of the parameters' gradients (their local blocks), one
+    pass per device."""
+    grads = [real(local(p.grad)) for p in params]
+    devices = {g.device for g in grads}
+    if len(devices) == 1:
+        return finite_flags(grads)
+    first = next(iter(devices))
+    out = torch.empty(len(grads), dtype=torch.bool, device=first)
+    for device in devices:
+        ks = [k for k, g in enumerate(grads) if g.device == device]
+        out[ks] = finite_flags([grads[k] for k in ks]).to(first)
+    return out
 
 
 def raise_nonfinite(flags: torch.Tensor, names: list[str]) -> None:

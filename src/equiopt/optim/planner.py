@@ -25,11 +25,12 @@ import torch
 
 from ..distributed.placements import Sharding
 from .costs import map_flops, mesh_cost_model, reduce_bytes
-from .fields import MATRIX_RULES
+from .fields import MATRIX_RULES, PEER_RULES
 from .owners import block_numel, elements_sent, joint_block
 from .row_moments import row_moment_block, stage_bytes
 from .rules import map_key
 from .sharded import group_ranks, owner_batches, owner_units
+from .stacking import eligible_members
 
 __all__ = ["ParamPlan", "StepPlan", "plan_step"]
 
@@ -100,6 +101,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 how = optimizer.plan_of(group, group["layouts"][j], sharding)
             entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
     coords: dict[int, dict[int, tuple]] = {}
+    bucketed = {
+        id(g["params"][j]) for g in optimizer.param_groups for j in eligible_members(optimizer, g)
+    }  # fmt: skip
 
     def coordinate(s: Sharding, rank: int):
         if s.kind != "sharded":
@@ -127,15 +131,17 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             row[0], row[1], row[2] = max(row[0], sent), max(row[1], flops), max(row[2], state)
 
         owner_tasks, owner_info = [], []
-        flag_bytes = 0
+        # the finite flags of every parameter no bucket holds (peers aside) at once, one
+        # all-reduce per process group (per_parameter.step)
+        flagged = [e for e in entries if e[0]["rule"] not in PEER_RULES and id(e[2]) not in bucketed]
+        flag_groups = set()
+        for _, _, _, _, s, _ in flagged:
+            c = coordinate(s, rank)
+            if s.kind == "sharded" and s.is_sharded and c is not None:
+                flag_groups.add(group_ranks(s, s.split_axes, c))
+        flag_bytes = 4 * len(flagged) * len(flag_groups)
         for group in optimizer.param_groups:
             members = [e for e in entries if e[0] is group]
-            flag_groups = set()
-            for _, _, _, _, s, _ in members:
-                c = coordinate(s, rank)
-                if s.kind == "sharded" and s.is_sharded and c is not None:
-                    flag_groups.add(group_ranks(s, s.split_axes, c))
-            flag_bytes += 4 * len(members) * len(flag_groups)
             for _, name, p, layout, s, how in members:
                 c = coordinate(s, rank)
                 block = s.block_at(c) if c is not None else s.block
