@@ -84,14 +84,19 @@ def step(opt: EquivariantOptimizer, lrs: list[torch.Tensor], covered: set[int]) 
                 adamw_steps(group, lr, params, states, group_okfs)
             else:
                 matrix_steps(opt, group, lr, live, params, states, group_okfs, buckets, whole)
+    added: list[torch.Tensor] = []
     distribute.run(
         buckets,
         whole,
-        partial(add_updates, opt),
+        partial(add_updates, added),
         replicas=opt._replicas,
         overlap=opt.overlap,
         cost_model=opt.cost_model,
     )
+    if added:  # the refused updates of the whole step counted at once
+        skips = opt._skip_counter()
+        ok = added[0] if len(added) == 1 else torch.cat([f.to(skips.device) for f in added])
+        skips.add_(ok.logical_not().sum().to(skips.device, torch.float32))
     return last_flags
 
 
@@ -131,10 +136,11 @@ def ok_floats(opt: EquivariantOptimizer, flags: torch.Tensor, params: list[torch
     return [ok64[k] if w else narrow[k] for k, w in enumerate(wide)], narrow
 
 
-def add_updates(opt: EquivariantOptimizer, triples: list[tuple[torch.Tensor, maps.Factored, torch.Tensor]]) -> None:
-    """Add work matrices' updates to their weights (guarded) and count the refused ones:
-    ``(view, update, coef)`` triples. Whole updates of the views' dtype go in together
-    (:func:`~.apply.add_updates_`), factored ones one by one (:func:`~.apply.add_factored_`)."""
+def add_updates(added: list[torch.Tensor], triples: list[tuple[torch.Tensor, maps.Factored, torch.Tensor]]) -> None:
+    """Add work matrices' updates to their weights (guarded), their finite flags appended
+    to ``added`` (the step counts the refused ones once): ``(view, update, coef)`` triples.
+    Whole updates of the views' dtype go in together (:func:`~.apply.add_updates_`),
+    factored ones one by one (:func:`~.apply.add_factored_`)."""
     flags = []
     whole: dict[tuple, list] = defaultdict(list)
     for view, f, coef in triples:
@@ -148,10 +154,7 @@ def add_updates(opt: EquivariantOptimizer, triples: list[tuple[torch.Tensor, map
             flags.append(add_factored_(same[0][0], maps.Factored(same[0][1]), same[0][2]).reshape(1))
         else:
             flags.append(add_updates_(*(list(t) for t in zip(*same))))
-    if flags:
-        skips = opt._skip_counter()
-        ok = flags[0] if len(flags) == 1 else torch.cat([f.to(skips.device) for f in flags])
-        skips.add_(ok.logical_not().sum().to(skips.device, torch.float32))
+    added.extend(flags)
 
 
 def matrix_steps(opt: EquivariantOptimizer, group, lr, live, params, states, okfs, buckets, whole) -> None:
