@@ -137,3 +137,41 @@ def test_the_row_stage_is_never_formed_whole():
         counter = count_step(opt.step)
     factor = p.numel() * 2
     assert counter.peak_bytes < 2.5 * factor  # (the float32 stage alone is 2 factors)
+
+
+@pytest.mark.parametrize("shape", [(3, 30, 12), (2, 12, 30)], ids=["tall", "wide"])
+def test_the_factor_of_a_centred_row_stage_is_the_factor_of_the_formed_stage(shape):
+    g = torch.Generator().manual_seed(8)
+    X = torch.randn(shape, generator=g) + 3.0  # a large column mean: the shift matters
+    row = torch.rand(*shape[:-1], 1, generator=g) + 0.2
+    shift = (X * row).mean(dim=-2, keepdim=True)
+    got = polar(X, dtype=torch.float32, row=row, shift=shift)
+    ref = polar(X * row - shift, dtype=torch.float32)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # the norm is the formed stage's, summed a block of rows at a time
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(polar_module, "CHUNK_BYTES", 4 * shape[-1] * 4 * shape[0])  # blocks of 4 rows
+        norm = polar_module._stage_norm(X, row, shift)
+    finally:
+        monkeypatch.undo()
+    want = torch.linalg.matrix_norm((X * row - shift).double(), keepdim=True)
+    torch.testing.assert_close(norm.double(), want, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("scale", ["nu", "rms"])
+def test_a_centred_hybrid_on_its_stage_equals_the_map_of_the_formed_stage(scale):
+    from equiopt.maps.one_sided import _one_sided_polar
+    from equiopt.maps.row import _row_factors
+
+    D = torch.randn(2, 48, 16, generator=torch.Generator().manual_seed(9)) + 2.0
+    x = D - D.mean(dim=-2, keepdim=True)
+    stage = _row_factors(x, "inverse", 1e-8, True)
+    args = (1e-8, 1.0, 5, True, scale)
+    formed = _one_sided_polar(maps.materialize(stage), *args, method="polar_express", dtype=torch.float32)
+    staged = _one_sided_polar(stage, *args, method="polar_express", dtype=torch.float32, narrow=True)
+    # the same iteration on the same matrix normalised in another order: the quintic steps
+    # magnify the inputs' last-bit differences along the smallest singular values
+    got, want = maps.materialize(staged), maps.materialize(formed)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    assert (got - want).norm() <= 1e-4 * want.norm()

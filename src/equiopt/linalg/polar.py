@@ -43,6 +43,7 @@ of bfloat16 hardware (exact products, float32 sums, one rounding) at float32's s
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -150,6 +151,7 @@ def polar(
     narrow: bool = False,
     out: torch.Tensor | None = None,
     row: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype
     (``narrow``: in the iteration's, where that is narrower).
@@ -179,6 +181,9 @@ def polar(
             iterations write their last iterate there); implies ``narrow``.
         row: ``(..., m, 1)`` factors: the polar factor of ``Diag(row) X``, which the quintic
             iterations form a chunk at a time as they normalise it (never whole).
+        shift: ``(..., 1, n)``: the polar factor of ``Diag(row) X - 1 shift^T`` (a centred
+            row stage), formed the same way; its Frobenius norm is summed a block of rows
+            at a time.
 
     Returns:
         ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape (and dtype, unless
@@ -194,8 +199,9 @@ def polar(
     if steps < 1 and method != "exact":
         raise ValueError(f"steps must be >= 1, got {steps}")
     out_dtype = X.dtype
-    if row is not None and method not in ("polar_express", "newton_schulz"):
-        X, row = X * row, None
+    if (row is not None or shift is not None) and method not in ("polar_express", "newton_schulz"):
+        X = X if row is None else X * row
+        X, row, shift = (X if shift is None else X - shift), None, None
     if out is not None:
         want = _factor_dtype(X, method, dtype)
         tall = X.shape[-2] > X.shape[-1]
@@ -237,14 +243,21 @@ def polar(
         x = _iterate(x.reshape(-1, *x.shape[-2:]), None, coeffs, dtype, x.dtype, rounded, place).reshape(x.shape)
     else:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
-        if row is None:
+        offset = None
+        if row is None and shift is None:
             scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
         else:
-            # ||Diag(r) X||_F from X's row norms; the division by scale / r scales the rows
-            r = (row.mT if tall else row).to(wide.dtype)
-            norms = torch.linalg.vector_norm(wide, dim=-2 if tall else -1, keepdim=True)
-            fro = (norms * r).square().sum(dim=(-2, -1), keepdim=True).sqrt()
-            scale = (NORM_MARGIN * fro + NORM_FLOOR) / r
+            # the division by scale / r scales the rows; the shift over scale is subtracted
+            r = None if row is None else (row.mT if tall else row).to(wide.dtype)
+            if shift is None:  # ||Diag(r) X||_F from X's row norms
+                norms = torch.linalg.vector_norm(wide, dim=-2 if tall else -1, keepdim=True)
+                fro = (norms * r).square().sum(dim=(-2, -1), keepdim=True).sqrt()
+            else:
+                fro = _stage_norm(wide.mT if tall else wide, row, shift)
+            base = NORM_MARGIN * fro + NORM_FLOOR
+            scale = base if r is None else base / r
+            if shift is not None:
+                offset = (shift.mT if tall else shift).to(wide.dtype) / base
         if method == "gram_newton_schulz":
             x = _gram_iterate(_scaled_cast(wide, scale, dtype), coeffs, restart_every)
         else:
@@ -252,7 +265,9 @@ def polar(
             held = torch.float32 if emulated else dtype
             place = None if out is None else (out.mT if tall else out).reshape(flat)
             divisor = scale.expand(*wide.shape[:-2], *scale.shape[-2:]).reshape(-1, *scale.shape[-2:])
-            x = _iterate(wide.reshape(flat), divisor, coeffs, dtype, held, rounded, place)
+            if offset is not None:
+                offset = offset.expand(*wide.shape[:-2], *offset.shape[-2:]).reshape(-1, *offset.shape[-2:])
+            x = _iterate(wide.reshape(flat), divisor, coeffs, dtype, held, rounded, place, offset)
             x = x.reshape(wide.shape)
     x = x.mT if tall else x
     if out is not None:
@@ -298,6 +313,7 @@ def _iterate(
     held: torch.dtype,
     rounded,
     out: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The quintic iteration on the matrices ``x`` (``(batch, m, n)``, ``m <= n``), one
     chunk of the batch at a time (:func:`chunks`), each chunk's last iterate written into
@@ -306,7 +322,8 @@ def _iterate(
     entry of ``scale`` and cast to ``dtype`` a chunk at a time (None: ``x`` is the
     normalised iterate already). ``dtype``: the iteration's precision; ``held``: the dtype
     its values are held in (float32 where bfloat16 is emulated, ``rounded`` then rounds);
-    ``out``: the result's place (else one is made)."""
+    ``out``: the result's place (else one is made); ``offset``: subtracted from each
+    quotient as it is cast (a centred row stage's shift over its scale)."""
     parts = chunks(x.shape[0], x[0].numel() * held.itemsize)
     # one chunk: its last iterate is the result (no buffer held from the start)
     if out is None and len(parts) > 1:
@@ -330,7 +347,11 @@ def _iterate(
             """Where the ``k``-th iterate goes: the result's slice if ``steps - k`` is even."""
             return {} if places is None else {"out": places[(steps - k) % 2]}
 
-        y = x[part] if scale is None else _scaled_cast(x[part], scale[part], dtype, rounded, **into(0))
+        if scale is None:
+            y = x[part]
+        else:
+            shifted = None if offset is None else offset[part]
+            y = _scaled_cast(x[part], scale[part], dtype, rounded, shift=shifted, **into(0))
         for k, (a, b, c) in enumerate(coeffs, start=1):
             # y <- a y + (b G + c G^2) y with G = y y^T, as two fused multiply-adds
             g = rounded(torch.bmm(y, y.mT))
@@ -348,21 +369,45 @@ def _iterate(
 
 
 def _scaled_cast(
-    wide: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rounded=None, out: torch.Tensor | None = None
+    wide: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    rounded=None,
+    out: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(wide / scale).to(dtype)`` in one pass where ``dtype`` is narrower (the quotient
     rounded in ``wide``'s dtype, then to ``dtype``, as the two operators round it);
     ``rounded``: a bfloat16 iteration emulated in float32 (:func:`emulates_bfloat16`), the
-    quotient rounded to bfloat16 values; ``out``: where it goes (else a new tensor)."""
+    quotient rounded to bfloat16 values; ``out``: where it goes (else a new tensor);
+    ``shift``: ``wide / scale - shift`` in the same pass."""
     if rounded is not None and rounded is not _unchanged:
-        y = rounded((wide / scale).float())
+        y = rounded((wide / scale if shift is None else torch.addcdiv(-shift, wide, scale)).float())
         return y if out is None else out.copy_(y)
     if dtype == wide.dtype or torch.compiler.is_compiling():
-        y = (wide / scale).to(dtype)
+        y = (wide / scale if shift is None else torch.addcdiv(-shift, wide, scale)).to(dtype)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(wide.shape, dtype=dtype, device=wide.device)
-    return torch.div(wide, scale, out=out)
+    if shift is None:
+        return torch.div(wide, scale, out=out)
+    return torch.addcdiv(-shift, wide, scale, out=out)
+
+
+def _stage_norm(w: torch.Tensor, row: torch.Tensor | None, shift: torch.Tensor) -> torch.Tensor:
+    """``||Diag(row) w - 1 shift^T||_F`` of each matrix, ``(..., 1, 1)``, a block of rows
+    at a time (:func:`chunks`): the exact sum of squares, not a difference of sums."""
+    total = None
+    lead = math.prod(w.shape[:-2])
+    shift = shift.to(w.dtype)
+    for block in chunks(w.shape[-2], lead * w.shape[-1] * w.element_size()):
+        part = w[..., block, :]
+        z = part - shift if row is None else torch.addcmul(-shift, part, row[..., block, :].to(w.dtype))
+        sq = torch.linalg.vector_norm(z, dim=(-2, -1), keepdim=True).square()
+        total = sq if total is None else total.add_(sq)
+        del z
+    assert total is not None
+    return total.sqrt()
 
 
 def _split_gram_iterate(x: torch.Tensor, coeffs, restart_every: int, dtype: torch.dtype, reducer) -> torch.Tensor:

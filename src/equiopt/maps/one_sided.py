@@ -328,17 +328,20 @@ def _one_sided_polar(
     out = empty_factor(flat.x, method, dtype) if narrow else torch.empty(flat.x.shape, dtype=wide, device=flat.x.device)
     factors = torch.empty(batch, 1, 1, dtype=wide, device=flat.x.device)
     scaled = alpha != 0 or scale != "nu"
-    # a row stage alone is scaled into the iteration as it is normalised: D is never formed
-    rows_only = flat.row is not None and flat.shift is None and rows_of is None
+    # a row stage (and its shift) is scaled into the iteration as it is normalised: D is
+    # never formed ("rms" reads the stage's rows and Frobenius norm from a formed chunk)
+    staged = flat.row is not None and rows_of is None and (flat.shift is None or scale != "rms")
+    shift = None
     for part in chunks(batch, m * n * out.itemsize):
-        if rows_only:
+        if staged:
             D, row = flat.x[part], flat.row[part]  # type: ignore[index]
+            shift = None if flat.shift is None else flat.shift[part]
         else:
             D, row = materialize(_each(flat, lambda t: t[part])), None
         if narrow:
-            u = polar(D, method=method, steps=steps, dtype=dtype, out=out[part], row=row)
+            u = polar(D, method=method, steps=steps, dtype=dtype, out=out[part], row=row, shift=shift)
         else:
-            u = polar(D, method=method, steps=steps, dtype=dtype, row=row).to(wide)
+            u = polar(D, method=method, steps=steps, dtype=dtype, row=row, shift=shift).to(wide)
         if not scaled:
             if not narrow:
                 out[part] = u
@@ -346,6 +349,8 @@ def _one_sided_polar(
         # nu = tr(U^T D): one dot per matrix, no product matrix; + 0, or NaN where it is not
         # finite (the clamp alone would turn -Inf into eps)
         nu = _dots(u, D, row)
+        if shift is not None:  # tr(U^T 1 shift^T): U's column sums against the shift
+            nu = nu - (u.sum(dim=-2, keepdim=True, dtype=wide) * shift).sum(dim=-1, keepdim=True)
         nu = nu.clamp_min(eps) + (nu - nu)
         # ||D||_F^2 is read by the "rms" scale only: one reduction over D, no squared copy
         fro2 = nu
