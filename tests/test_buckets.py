@@ -106,7 +106,7 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
     """Parts stored as their work matrices, transposed (``col``) or split in heads: each
     part's flags are one ``equiopt::grad_flags`` and its sanitising, momentum and direction
     one ``equiopt::momentum_stage``; no part reduces, sanitises or interpolates its gradients
-    with operators of its own. (Parts centred in place keep the eager operators.)"""
+    with operators of its own."""
     from equiopt.roofline import count_step
 
     params, opt = _run_parts(settings, "skip", steps=1)
@@ -121,6 +121,38 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
         assert unfused not in names, (unfused, names)
     bucketed, _ = _run_parts(settings, "skip", steps=3)
     single, _ = _run_parts(settings, "raise", steps=3)
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+def test_a_part_centred_in_place_takes_the_fused_operators_eagerly(nesterov):
+    """A centred row-norm head (its momentum centred in place) takes its flags, sanitising
+    and momentum through the fused operators in an eager step (under compile it keeps the
+    unfused ones, see docs/step.md), and steps as the per-parameter path does."""
+    from equiopt.roofline import count_step
+
+    def run(nonfinite: str, steps: int):
+        g = torch.Generator().manual_seed(11)
+        params = [torch.nn.Parameter(torch.randn(40, 16, generator=g)) for _ in range(3)]
+        group = {"params": params, "rule": "row", "center": True, "nesterov": nesterov, "nonfinite": nonfinite}
+        opt = EquivariantOptimizer([group], lr=0.01, weight_decay=0.1)
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g) + 1.0
+            opt.step()
+        return params, opt
+
+    params, opt = run("skip", 1)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    counter = count_step(opt.step, warmup=0)
+    names = [o.name for o in counter.ops if o.stage in ("optim.stages.bucket_core", "optim.stages._gradients")]
+    assert names.count("grad_flags") == names.count("momentum_stage") == 1, names
+    for unfused in ("amin", "amax", "nan_to_num", "nan_to_num_", "lerp", "lerp_"):
+        assert unfused not in names, (unfused, names)
+    bucketed, _ = run("skip", 3)
+    single, _ = run("raise", 3)
     for a, b in zip(bucketed, single):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 

@@ -184,9 +184,10 @@ def bucket_core(
     target: torch.Tensor | None = None
     for i, spec in enumerate(specs):
         buf = momenta[i]
-        # (a part centred in place keeps the eager operators: Inductor misorders the fused
-        # momentum stage's write of the momentum and the centring's in-place update after it)
-        fused_in = not spec.flat and key.center != PRECENTRED
+        # (a part centred in place keeps the unfused operators under compile: Inductor
+        # misorders the fused momentum stage's write of the momentum and the centring's
+        # in-place update after it; it fuses those operators itself there)
+        fused_in = not spec.flat and (key.center != PRECENTRED or not torch.compiler.is_compiling())
         if fused_in:
             # flags, sanitising, momentum and direction in two fused operators (the direction
             # lands in the part's scratch, which is its place in the map's input where ``placed``)
