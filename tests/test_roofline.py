@@ -134,3 +134,16 @@ def test_the_command_prints_and_writes_each_route(tmp_path, capsys):
     row = tables[0]["recipes"]["paper:qwen3:a-i"]
     assert row["ms"] > tables[0]["adamw"]["ms"] > 0 and row["kernels"] > 0 and len(row["top"]) == 10
     assert row["flops"]["bfloat16"] > 0 and row["peak_extra_mib"] > 0 and row["state_mib"] > 0
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3:paper"])
+def test_a_step_holds_at_most_half_its_state_beyond_it(model):
+    """Qwen3-0.6B at its real widths on the meta device, with CUDA's choices: a-i, b-ii
+    and the default recipe each hold at most half their state beyond it at their peak
+    (the polar iterations a chunk at a time, the direct route's factor narrow, a hybrid's
+    row stage never formed)."""
+    from equiopt.roofline import roofline
+
+    table = roofline(["paper:qwen3:a-i", "paper:qwen3:b-ii", "equiopt:default"], model, route="cuda", top=1)
+    for name, row in table["recipes"].items():
+        assert row["peak_extra_mib"] <= 0.5 * row["state_mib"], (model, name, row["peak_extra_mib"], row["state_mib"])
