@@ -3,6 +3,8 @@ step reads it once, widening it as it scales it, and adds the update the per-par
 path adds, which casts it back first. Run with CUDA's choices (bfloat16 iterations on
 bfloat16 kernels), where the narrow factor is a bfloat16 tensor."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -83,18 +85,22 @@ def test_a_bucket_does_not_cast_the_factor_back():
     assert "_to_copy" not in polar_ops, polar_ops
 
 
-def test_a_non_finite_narrow_factor_adds_nothing(monkeypatch):
+def assert_a_bad_factor_adds_nothing(monkeypatch, run, value: float, expect) -> None:
+    """One step of ``run(steps=1)``'s optimizer with CUDA's choices, ``value`` written into
+    the first matrix of each bucket's factor (``expect(kwargs, f)`` checks the map's call and
+    factor first): that matrix keeps its weights, every other one moves, and the three
+    refusals are counted. ``run`` steps ``SHAPES``-like parameters in three buckets."""
     real = engine_module.factored_map
 
     def broken(key, eta, D, *args, **kwargs):
         f = real(key, eta, D, *args, **kwargs)
-        assert not kwargs.get("narrow") or f.x.dtype == torch.bfloat16
+        expect(kwargs, f)
         x = f.x.clone()
-        x[0, 0, 0] = float("nan")  # one matrix of the bucket
+        x[0, 0, 0] = value  # one matrix of the bucket
         return f._replace(x=x)
 
     with decide_as("cuda"):
-        params, opt = _run("skip", steps=1, weight_decay=0.0)  # (a refused update still decays)
+        params, opt = run(steps=1, weight_decay=0.0)  # (a refused update still decays)
         before = [p.detach().clone() for p in params]
         for p in params:
             p.grad = torch.randn(p.shape)
@@ -105,3 +111,10 @@ def test_a_non_finite_narrow_factor_adds_nothing(monkeypatch):
     assert changed == [False, True, False, True, True, False], changed
     assert all(torch.isfinite(p).all() for p in params)
     assert opt.nonfinite_updates == 3
+
+
+def test_a_non_finite_narrow_factor_adds_nothing(monkeypatch):
+    def expect(kwargs, f):
+        assert not kwargs.get("narrow") or f.x.dtype == torch.bfloat16
+
+    assert_a_bad_factor_adds_nothing(monkeypatch, partial(_run, "skip"), float("nan"), expect)

@@ -381,11 +381,10 @@ def _scaled_cast(
     ``rounded``: a bfloat16 iteration emulated in float32 (:func:`emulates_bfloat16`), the
     quotient rounded to bfloat16 values; ``out``: where it goes (else a new tensor);
     ``shift``: ``wide / scale - shift`` in the same pass."""
-    if rounded is not None and rounded is not _unchanged:
-        y = rounded((wide / scale if shift is None else torch.addcdiv(-shift, wide, scale)).float())
-        return y if out is None else out.copy_(y)
-    if dtype == wide.dtype or torch.compiler.is_compiling():
-        y = (wide / scale if shift is None else torch.addcdiv(-shift, wide, scale)).to(dtype)
+    emulated = rounded is not None and rounded is not _unchanged
+    if emulated or dtype == wide.dtype or torch.compiler.is_compiling():
+        q = wide / scale if shift is None else torch.addcdiv(-shift, wide, scale)
+        y = rounded(q.float()) if emulated else q.to(dtype)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(wide.shape, dtype=dtype, device=wide.device)

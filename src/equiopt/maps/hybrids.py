@@ -170,10 +170,11 @@ def _soft_row_count(total: torch.Tensor, total_sq: torch.Tensor) -> torch.Tensor
     return (total.pow(2) / total_sq.clamp_min(torch.finfo(total_sq.dtype).tiny)).clamp_min(1.0)
 
 
-def _soft_rows(z: torch.Tensor) -> torch.Tensor:
-    """The ``"rms"`` scale's rows of each matrix of a whole row-normalised stage ``z``."""
+def _soft_rows(z: torch.Tensor, reducer: RowReducer | None = None) -> torch.Tensor:
+    """The ``"rms"`` scale's rows of each matrix of a formed row-normalised stage ``z``
+    (its sums over rows completed by ``reducer``)."""
     sq = _row_norms(z)[..., 0].square()
-    return _soft_row_count(sq.sum(-1), sq.pow(2).sum(-1))
+    return _soft_row_count(_row_sum(sq, reducer), _row_sum(sq.pow(2), reducer))
 
 
 def _row_then_right(
@@ -298,8 +299,7 @@ def hybrid_factored(
         z = materialize(_row_factors(x, eta, eps, center, reducer))
         rows = None
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
-            sq = _row_norms(z)[..., 0].square()
-            rows = _soft_row_count(_row_sum(sq, reducer), _row_sum(sq.pow(2), reducer))
+            rows = _soft_rows(z, reducer)
         f = _one_sided(z, eps, alpha, method, steps, center, gram, scale, rows, reducer, damping, gram_dtype, route)
         # the direct route's update is the whole result, not a stage: a non-finite value stays for the finite check
         return _clean_stage(f) if route == "gram" else f

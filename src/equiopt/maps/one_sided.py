@@ -330,7 +330,7 @@ def _one_sided_polar(
     scaled = alpha != 0 or scale != "nu"
     # a row stage (and its shift) is scaled into the iteration as it is normalised: D is
     # never formed ("rms" reads the stage's rows and Frobenius norm from a formed chunk)
-    staged = flat.row is not None and rows_of is None and (flat.shift is None or scale != "rms")
+    staged = flat.row is not None and scale != "rms"
     shift = None
     for part in chunks(batch, m * n * out.itemsize):
         if staged:
@@ -353,13 +353,7 @@ def _one_sided_polar(
             nu = nu - (u.sum(dim=-2, keepdim=True, dtype=wide) * shift).sum(dim=-1, keepdim=True)
         nu = nu.clamp_min(eps) + (nu - nu)
         # ||D||_F^2 is read by the "rms" scale only: one reduction over D, no squared copy
-        fro2 = nu
-        if scale == "rms":
-            fro2 = (
-                torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True).square()
-                if row is None
-                else (torch.linalg.vector_norm(D, dim=-1, keepdim=True) * row).square().sum(dim=(-2, -1), keepdim=True)
-            )
+        fro2 = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True).square() if scale == "rms" else nu
         r: int | torch.Tensor = m
         if rows_of is not None:
             r = rows_of(D).reshape(-1, 1, 1)
