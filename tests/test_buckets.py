@@ -119,10 +119,37 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
     assert names.count("grad_flags") == names.count("momentum_stage") == len(bucket.parts) == 3, names
     for unfused in ("amin", "amax", "nan_to_num", "nan_to_num_", "lerp", "lerp_"):
         assert unfused not in names, (unfused, names)
+    # the gradients are read where they are, not stacked first, and read once by each operator
+    taken = [o.name for o in counter.ops if o.stage == "optim.buckets.take"]
+    assert not {"stack", "_foreach_copy_", "copy_"} & set(taken), taken
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    flags = [o for o in counter.ops if o.name == "grad_flags"]
+    counters = sum(opt.state[p]["nonfinite"].numel() * opt.state[p]["nonfinite"].element_size() for p in params)
+    assert sum(o.read for o in flags) == grads + counters
     bucketed, _ = _run_parts(settings, "skip", steps=3)
     single, _ = _run_parts(settings, "raise", steps=3)
     for a, b in zip(bucketed, single):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_a_strided_gradient_is_stacked_and_steps_as_a_contiguous_one():
+    """A part's gradients are read where they are only when each is contiguous: a member's
+    strided gradient (of the same values) is stacked first, and the step is the same."""
+    found = []
+    for strided in (False, True):
+        g = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(24, 16, generator=g)) for _ in range(3)]
+        opt = EquivariantOptimizer(params, lr=0.02, method="exact", weight_decay=0.1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if strided:
+                params[1].grad = params[1].grad.t().contiguous().t()
+                assert not params[1].grad.is_contiguous()
+            opt.step()
+        found.append([p.detach().clone() for p in params])
+    for a, b in zip(*found):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])

@@ -43,15 +43,25 @@ def _gradients(members=5, n=N, seed=0):
     return g
 
 
+def _given(g: torch.Tensor, how: str) -> list[torch.Tensor]:
+    """The gradients as an operator takes them: their stack, or each member's own tensor
+    (separate allocations, at offsets of either sign from the first)."""
+    if how == "stack":
+        return [g]
+    return [t.clone() for t in reversed(g.unbind(0))][::-1]  # (the first one made last)
+
+
 @interpreted
+@pytest.mark.parametrize("how", ["stack", "members"])
 @pytest.mark.parametrize("present", [None, [True, False, True, True, False]], ids=["all", "missing"])
-def test_finite_flags_kernel_equals_eager(present):
+def test_finite_flags_kernel_equals_eager(present, how):
     g = _gradients()
     mask = None if present is None else torch.tensor(present)
     eager_counters, counters = torch.zeros(5), torch.zeros(5)
-    ok, reported = ops.grad_flags(g, eager_counters, mask, 5)
-    flags = ops._combine(kernels.finite_flags(g, 5), counters, mask)
-    assert kernels.finite_flags(g, 5).tolist() == [True, False, False, False, False]
+    ok, reported = ops.grad_flags(_given(g, how), eager_counters, mask, 5)
+    flags = ops._combine(kernels.finite_flags(_given(g, how), 5), counters, mask)
+    assert kernels.finite_flags(_given(g, how), 5).tolist() == [True, False, False, False, False]
+    assert ok.tolist() == [True, False, False, False, False]
     assert torch.equal(flags[0], ok) and torch.equal(flags[1], reported)
     assert torch.equal(counters, eager_counters)
 
@@ -59,8 +69,9 @@ def test_finite_flags_kernel_equals_eager(present):
 @interpreted
 @pytest.mark.parametrize("direction", [True, False], ids=["direction", "momentum-only"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
-@pytest.mark.parametrize("own", [False, True], ids=["in-buffer", "own-gradient"])
-def test_momentum_stage_kernel_equals_eager(nesterov, own, direction):
+@pytest.mark.parametrize("given", ["in-buffer", "own-gradient", "members"])
+def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
+    own = given == "own-gradient"
     members = 1 if own else 5
     g = _gradients(members)
     ok = torch.tensor([True, False, True, False, True][:members]) if not own else torch.tensor([True])
@@ -68,8 +79,9 @@ def test_momentum_stage_kernel_equals_eager(nesterov, own, direction):
     results = []
     for run in (ops.momentum_stage, kernels.momentum_stage):
         m = momentum.clone()
-        scratch = torch.full_like(g, 7.0) if own else g.clone()
-        run(g if own else None, scratch, m, ok, 0.9, nesterov, direction)
+        scratch = g.clone() if given == "in-buffer" else torch.full_like(g, 7.0)
+        sources = [] if given == "in-buffer" else [g] if own else _given(g, "members")
+        run(sources, scratch, m, ok, 0.9, nesterov, direction)
         results.append((scratch, m))
     (s_eager, m_eager), (s_kernel, m_kernel) = results
     assert torch.isfinite(m_kernel).all()
@@ -78,7 +90,8 @@ def test_momentum_stage_kernel_equals_eager(nesterov, own, direction):
         assert torch.isfinite(s_kernel).all()
         torch.testing.assert_close(s_kernel, s_eager, rtol=1e-6, atol=1e-7)
     else:  # the kernel leaves the buffer as it was (its gradients, or what it held)
-        torch.testing.assert_close(s_kernel, torch.full_like(g, 7.0) if own else g, rtol=0, atol=0, equal_nan=True)
+        kept = g if given == "in-buffer" else torch.full_like(g, 7.0)
+        torch.testing.assert_close(s_kernel, kept, rtol=0, atol=0, equal_nan=True)
     skipped = ~ok
     assert torch.equal(m_kernel[skipped], momentum[skipped])  # bit for bit
 
@@ -121,9 +134,9 @@ def _steps(settings, through_kernels, steps=4):
     calls = []
     if through_kernels:
 
-        def flags(source, counters, present, members):
+        def flags(sources, counters, present, members):
             calls.append("grad_flags")
-            return ops._combine(kernels.finite_flags(source, members), counters, present)
+            return ops._combine(kernels.finite_flags(sources, members), counters, present)
 
         def momentum(*args):
             calls.append("momentum_stage")
@@ -182,9 +195,9 @@ def test_cuda_operators_equal_their_cpu_implementations(nesterov):
     found = {}
     for device in ("cpu", "cuda"):
         counters = torch.zeros(5, device=device)
-        flags = ops.grad_flags(g.to(device), counters, None, 5)
-        m, scratch = momentum.to(device), g.to(device)
-        ops.momentum_stage(None, scratch, m, ok.to(device), 0.9, nesterov)
+        flags = ops.grad_flags(list(g.to(device).clone().unbind(0)), counters, None, 5)
+        m, scratch = momentum.to(device), torch.empty_like(g, device=device)
+        ops.momentum_stage([t.clone() for t in g.to(device)], scratch, m, ok.to(device), 0.9, nesterov)
         params = [t.clone() for t in momentum[:, :1000].to(device)]
         ops.decay_add_(params, scratch[:, :1000].contiguous(), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0], device=device))
         found[device] = [t.cpu() for t in (*flags, counters, m, scratch, *params)]

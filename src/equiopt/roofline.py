@@ -169,8 +169,8 @@ _WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
 }
 # arguments an operator writes without reading them, by the arguments it was given
 _UNREAD: dict[str, Callable[[tuple], list]] = {
-    # equiopt::momentum_stage given a gradient of its own overwrites the scratch with it
-    "momentum_stage": lambda args: [args[1]] if args and args[0] is not None else [],
+    # equiopt::momentum_stage given gradients of its own overwrites the scratch with them
+    "momentum_stage": lambda args: [args[1]] if args and args[0] else [],
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

@@ -261,13 +261,16 @@ class Part:
         return True
 
     # --------------------------------------------------------------- per step
-    def take(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def take(self, stacked: bool = True) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The members' gradients in (eager, before the part's core): ``(source, present,
-        finite)``. ``source`` is the one gradient of a single-member part, else the stack
-        of them in :attr:`scratch` (one ``stack``, or one foreach copy where the state is
-        wider or the part flat); ``present`` masks members without a gradient this step
-        (None: all have one); ``finite`` are a flat part's finite flags (two foreach norms),
-        None where the core takes them. ``.grad`` itself is never written."""
+        finite)``. ``source`` is the one gradient of a single-member part; else, without
+        ``stacked``, the list of the members' gradients where the core's fused operators
+        read them where they are (contiguous, in the state's dtype, all present, the part
+        not flat); else the stack of them in :attr:`scratch` (one ``stack``, or one foreach
+        copy where the state is wider or the part flat). ``present`` masks members without
+        a gradient this step (None: all have one); ``finite`` are a flat part's finite flags
+        (two foreach norms), None where the core takes them. ``.grad`` itself is never
+        written."""
         grads: list[torch.Tensor] = []
         missing = False
         for p, name in zip(self.params, self.names):
@@ -285,6 +288,8 @@ class Part:
         if self.spec.single:
             return grads[0], present, None
         if self.dtype == self.state_dtype and not self.flat:
+            if not stacked and present is None and all(g.is_contiguous() for g in grads):
+                return grads, None, None
             return torch.stack(grads, out=scratch), present, None
         torch._foreach_copy_(self._scratch_members, grads)
         if not self.flat:
@@ -488,7 +493,9 @@ def run_bucket(
 ) -> None:
     """One step of a bucket: its parts' gradients in, its core (compiled by ``cores`` when
     given), then each part's decay and update; ``flags`` gains each part's names and flags."""
-    taken = [part.take() for part in bucket.parts]
+    # an eager core's fused operators read the gradients where they are (compiled code takes stacks)
+    stacked = cores is not None or torch.compiler.is_compiling()
+    taken = [part.take(stacked=stacked) for part in bucket.parts]
     specs = tuple(part.spec for part in bucket.parts)
     core = bucket_core if cores is None else cores(bucket_core, (bucket.key, specs))
     part_lrs = [lrs[part.index] for part in bucket.parts]

@@ -149,7 +149,7 @@ def bucket_core(
     key: MapKey,
     eta: Any,
     specs: tuple[Spec, ...],
-    sources: list[torch.Tensor],
+    sources: list[Any],
     scratches: list[torch.Tensor],
     presents: list[torch.Tensor | None],
     momenta: list[torch.Tensor],
@@ -191,7 +191,11 @@ def bucket_core(
         if fused_in:
             # flags, sanitising, momentum and direction in two fused operators (the direction
             # lands in the part's scratch, which is its place in the map's input where ``placed``)
-            ok, flags = fused.grad_flags(sources[i], counters[i], presents[i], spec.members)
+            # (a list: each member's gradient where autograd left it, read there, never stacked)
+            src = sources[i]
+            ok, flags = fused.grad_flags(
+                src if isinstance(src, list) else [src], counters[i], presents[i], spec.members
+            )
             grads = scratches[i]
         else:
             grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
@@ -207,13 +211,15 @@ def bucket_core(
         # part's own gradients: it is made apart first, in a fresh tensor copied there below.
         apart = spec.nesterov and not spec.work_is_view and region is not None and len(specs) > 1
         if fused_in:
-            source, target = sources[i] if spec.single else None, grads
+            src = sources[i]
+            given = src if isinstance(src, list) else [src] if spec.single else []
+            target = grads
             if apart:
-                source, target = sources[i] if spec.single else grads, torch.empty_like(grads)
+                given, target = given or [grads], torch.empty_like(grads)
             # without Nesterov the direction is the momentum: the map reads it there unless it
             # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1)
-            fused.momentum_stage(source, target, buf, ok, spec.beta, spec.nesterov, written)
+            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written)
             direction = target if written else buf
         else:
             buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))

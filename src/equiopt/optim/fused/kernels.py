@@ -10,13 +10,15 @@ weights' dtype before the update is added, as two foreach operators round). With
 (``tests/test_fused_kernels.py``).
 
 The stacks are read as contiguous ``(B, n)``; a gradient given as a strided tensor is made
-contiguous first. The weights of ``decay_add_`` are separate tensors: each member's is
-addressed from the first one's pointer by an element offset, kept per list of addresses
-(computed once, then read from the device: no transfer when a CUDA graph replays)."""
+contiguous first. A part's gradients (read where autograd left them) and the weights of
+``decay_add_`` are separate tensors: each member's is addressed from the first one's
+pointer by an element offset, kept per list of addresses (computed once, then read from
+the device: no transfer when a CUDA graph replays)."""
 
 from __future__ import annotations
 
 import struct
+from collections import OrderedDict
 
 import torch
 import triton
@@ -31,12 +33,12 @@ BLOCK = 1024
 
 
 @triton.jit
-def _flags_kernel(src, bad, n, nblocks, limit, BLOCK: tl.constexpr):
+def _flags_kernel(src, starts, bad, n, nblocks, limit, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     m = tl.program_id(1)
     i = b * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
-    x = tl.load(src + m.to(tl.int64) * n + i, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src + tl.load(starts + m) + i, mask=mask, other=0.0).to(tl.float32)
     out = (x != x) | (x < -limit) | (x > limit)  # NaN, or beyond the limit (infinities too)
     tl.store(bad + m.to(tl.int64) * nblocks + b, tl.max(out.to(tl.int32), axis=0))
 
@@ -57,14 +59,24 @@ def _lerp_scalar(start, end, weight, rest):
 
 @triton.jit
 def _momentum_kernel(
-    src, scratch, mom, weights, n, beta, rest, NESTEROV: tl.constexpr, DIRECTION: tl.constexpr, BLOCK: tl.constexpr
+    src,
+    starts,
+    scratch,
+    mom,
+    weights,
+    n,
+    beta,
+    rest,
+    NESTEROV: tl.constexpr,
+    DIRECTION: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     m = tl.program_id(1)
     i = b * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     at = m.to(tl.int64) * n + i
-    g = tl.load(src + at, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(src + tl.load(starts + m) + i, mask=mask, other=0.0).to(tl.float32)
     g = tl.where((g - g) == 0.0, g, 0.0)  # NaN and Inf read as 0 (g - g is 0 exactly where g is finite)
     g = g.to(scratch.dtype.element_ty).to(tl.float32)  # the sanitised gradient as stored in the buffer
     old = tl.load(mom + at, mask=mask, other=0.0).to(tl.float32)
@@ -97,19 +109,30 @@ def _grid(n: int, members: int) -> tuple[int, int]:
     return (triton.cdiv(n, BLOCK), members)
 
 
-def finite_flags(source: torch.Tensor, members: int) -> torch.Tensor:
-    """``(members,)`` bool: each gradient of the stack ``source`` free of NaN and Inf and
-    within ``GRAD_LIMIT`` (one read of it)."""
-    x = source.reshape(members, -1).contiguous()
-    n = x.shape[1]
+def _members(sources: list[torch.Tensor], members: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(base, starts, n)``: the gradients of ``members`` members, ``sources`` their stack
+    (one tensor) or each member's own, as a base tensor and each member's element offset
+    from it (read where they are: a member's gradient is not copied unless strided)."""
+    if len(sources) == 1:
+        x = sources[0].reshape(members, -1).contiguous()
+        n = x.shape[1]
+        return x, _strided_starts(members, n, x.device), n
+    grads = [g if g.is_contiguous() else g.contiguous() for g in sources]
+    return grads[0], _offsets(grads), grads[0].numel()
+
+
+def finite_flags(sources: list[torch.Tensor], members: int) -> torch.Tensor:
+    """``(members,)`` bool: each gradient (``sources``: their stack or each member's own)
+    free of NaN and Inf and within ``GRAD_LIMIT`` (one read of them)."""
+    base, starts, n = _members(sources, members)
     grid = _grid(n, members)
-    bad = torch.empty((members, grid[0]), dtype=torch.int32, device=x.device)
-    _flags_kernel[grid](x, bad, n, grid[0], GRAD_LIMIT, BLOCK=BLOCK)
+    bad = torch.empty((members, grid[0]), dtype=torch.int32, device=base.device)
+    _flags_kernel[grid](base, starts, bad, n, grid[0], GRAD_LIMIT, BLOCK=BLOCK)
     return bad.amax(dim=1) == 0
 
 
 def momentum_stage(
-    source: torch.Tensor | None,
+    sources: list[torch.Tensor],
     scratch: torch.Tensor,
     momentum: torch.Tensor,
     ok: torch.Tensor,
@@ -120,10 +143,11 @@ def momentum_stage(
     """:func:`.ops.momentum_stage` in one kernel (``scratch`` and ``momentum`` contiguous)."""
     members = momentum.shape[0]
     n = momentum.numel() // members
-    src = scratch if source is None else source.contiguous()
+    base, starts, _ = _members(sources or [scratch], members)
     weights = ok.to(scratch.dtype) * (1.0 - beta)  # as the eager stage rounds them
     _momentum_kernel[_grid(n, members)](
-        src,
+        base,
+        starts,
         scratch,
         momentum,
         weights.float(),
@@ -145,19 +169,43 @@ def _rest(beta: float) -> float:
     return _float32(1.0 - _float32(beta))  # (exact in double, then rounded once)
 
 
-_OFFSETS: dict[tuple, torch.Tensor] = {}
+#: Offsets kept per list of addresses, the most recently used last (gradients that autograd
+#: allocates afresh each step mostly come back at the addresses of the step before).
+_OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_KEPT = 256
+
+
+def _kept(key: tuple, make) -> torch.Tensor:
+    found = _OFFSETS.get(key)
+    if found is None:
+        found = _OFFSETS[key] = make()
+        while len(_OFFSETS) > _KEPT:
+            _OFFSETS.popitem(last=False)
+    else:
+        _OFFSETS.move_to_end(key)
+    return found
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device``, copied without waiting for the device."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _offsets(params: list[torch.Tensor]) -> torch.Tensor:
     """Each member's element offset from the first one's address, on the device (kept)."""
-    key = (params[0].device, params[0].dtype, *(p.data_ptr() for p in params))
-    found = _OFFSETS.get(key)
-    if found is None:
-        size, first = params[0].element_size(), params[0].data_ptr()
-        found = _OFFSETS[key] = torch.tensor(
-            [(p.data_ptr() - first) // size for p in params], dtype=torch.int64, device=params[0].device
-        )
-    return found
+    size, first = params[0].element_size(), params[0].data_ptr()
+    return _kept(
+        (params[0].device, params[0].dtype, *(p.data_ptr() for p in params)),
+        lambda: _to_device([(p.data_ptr() - first) // size for p in params], params[0].device),
+    )
+
+
+def _strided_starts(members: int, n: int, device: torch.device) -> torch.Tensor:
+    """The element offsets ``0, n, 2n, ...`` of a stack's members, on the device (kept)."""
+    return _kept(("stack", device, members, n), lambda: _to_device([m * n for m in range(members)], device))
 
 
 def decay_add_(params: list[torch.Tensor], update: torch.Tensor, factors: torch.Tensor | None) -> None:

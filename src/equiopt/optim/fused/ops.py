@@ -4,14 +4,15 @@ Each operator reads each of its tensors once and writes each of its outputs once
 roofline (:mod:`equiopt.roofline`), which charges an operator the bytes of its inputs and of
 what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one operator:
 
-- ``equiopt::grad_flags``: the finite flags of a stack of gradients (``(B,)`` bool: free of
-  NaN and Inf and within ``GRAD_LIMIT``, and present), the flags a step reports, and the
-  skip counters (one read of the gradients);
+- ``equiopt::grad_flags``: the finite flags of a part's gradients, stacked or each where
+  it is (``(B,)`` bool: free of NaN and Inf and within ``GRAD_LIMIT``, and present), the
+  flags a step reports, and the skip counters (one read of the gradients);
 - ``equiopt::momentum_stage``: the gradients sanitised (NaN and Inf read as 0), the
   momentum EMA ``M <- M + ok (1 - beta) (G - M)`` and the direction, Nesterov's
   ``G + beta (M - G)`` or the momentum itself, written into the part's place in the
-  bucket's buffer where the map reads it (one read of the gradients and the momentum, one
-  write of the momentum and the direction; no direction where the map reads the momentum);
+  bucket's buffer where the map reads it (one read of the gradients, read where autograd
+  left them, and of the momentum, one write of the momentum and the direction; no direction
+  where the map reads the momentum): a part's gradients are never stacked first;
 - ``equiopt::decay_add_``: ``W <- f W + U`` for every member (``f = 1 - lr wd ok``, or no
   decay), the update read from one stack (one read of weights and update, one write of
   the weights).
@@ -33,13 +34,17 @@ __all__ = ["grad_flags", "momentum_stage", "decay_add_"]
 
 
 @torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters",))
-def grad_flags(source: Tensor, counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
-    """``(ok, reported)`` of ``members`` stacked gradients ``source``: ``ok`` is free of NaN
-    and Inf, every entry within ``GRAD_LIMIT`` and present (``present``: None where all are);
-    ``reported`` is True except for a present, non-finite gradient, counted in ``counters``."""
-    seen = source.reshape(members, -1)
-    # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
-    finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
+def grad_flags(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+    """``(ok, reported)`` of ``members`` gradients, ``sources`` their stack (one tensor) or
+    each member's own: ``ok`` is free of NaN and Inf, every entry within ``GRAD_LIMIT`` and
+    present (``present``: None where all are); ``reported`` is True except for a present,
+    non-finite gradient, counted in ``counters``."""
+    if len(sources) == 1:
+        seen = sources[0].reshape(members, -1)
+        # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
+        finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
+    else:  # the largest magnitude of each (NaN and Inf fail the bound)
+        finite = torch.stack(torch._foreach_norm(sources, float("inf"))) <= GRAD_LIMIT
     return _combine(finite, counters, present)
 
 
@@ -54,20 +59,20 @@ def _combine(finite: Tensor, counters: Tensor, present: Tensor | None) -> tuple[
 
 
 @grad_flags.register_fake
-def _(source: Tensor, counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
-    return source.new_empty((members,), dtype=torch.bool), source.new_empty((members,), dtype=torch.bool)
+def _(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+    return sources[0].new_empty((members,), dtype=torch.bool), sources[0].new_empty((members,), dtype=torch.bool)
 
 
 @grad_flags.register_kernel("cuda")
-def _(source: Tensor, counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+def _(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
     from . import kernels
 
-    return _combine(kernels.finite_flags(source, members), counters, present)
+    return _combine(kernels.finite_flags(sources, members), counters, present)
 
 
 @torch.library.custom_op("equiopt::momentum_stage", mutates_args=("scratch", "momentum"))
 def momentum_stage(
-    source: Tensor | None,
+    sources: list[Tensor],
     scratch: Tensor,
     momentum: Tensor,
     ok: Tensor,
@@ -75,16 +80,19 @@ def momentum_stage(
     nesterov: bool,
     direction: bool = True,
 ) -> None:
-    """The gradients (``source``, or ``scratch`` itself where None) sanitised, the momentum
-    EMA with weight ``ok (1 - beta)`` per member (a skipped member's momentum stays bit for
-    bit) and the direction into ``scratch``: ``lerp(G, M, beta)`` with ``nesterov``, else
-    ``M``. ``scratch`` and ``momentum`` are ``(B, ...)`` stacks of one shape. Without
-    ``direction`` (where the caller reads the momentum itself) nothing is kept in ``scratch``:
-    the kernel neither writes it nor, given ``source``, reads it; here it serves as the
-    sanitised gradients' workspace."""
-    if source is not None:  # one gradient: copied and sanitised in one pass
-        torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(source.shape))
+    """The gradients sanitised, the momentum EMA with weight ``ok (1 - beta)`` per member (a
+    skipped member's momentum stays bit for bit) and the direction into ``scratch``:
+    ``lerp(G, M, beta)`` with ``nesterov``, else ``M``. ``scratch`` and ``momentum`` are
+    ``(B, ...)`` stacks of one shape; the gradients are ``scratch`` itself where ``sources``
+    is empty, else their stack (one tensor) or each member's own (``B`` tensors), read where
+    they are. Without ``direction`` (where the caller reads the momentum itself) nothing is
+    kept in ``scratch``: the kernel neither writes it nor, given ``sources``, reads it; here
+    it serves as the sanitised gradients' workspace."""
+    if len(sources) == 1:  # copied and sanitised in one pass
+        torch.nan_to_num(sources[0], nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(sources[0].shape))
     else:
+        if sources:
+            torch.stack([g.reshape(-1) for g in sources], out=scratch.view(len(sources), -1))
         torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
     weight = ok.to(scratch.dtype) * (1.0 - beta)
     momentum.lerp_(scratch, weight.view(-1, *([1] * (momentum.ndim - 1))))
@@ -98,7 +106,7 @@ def momentum_stage(
 
 @momentum_stage.register_fake
 def _(
-    source: Tensor | None,
+    sources: list[Tensor],
     scratch: Tensor,
     momentum: Tensor,
     ok: Tensor,
@@ -111,7 +119,7 @@ def _(
 
 @momentum_stage.register_kernel("cuda")
 def _(
-    source: Tensor | None,
+    sources: list[Tensor],
     scratch: Tensor,
     momentum: Tensor,
     ok: Tensor,
@@ -121,7 +129,7 @@ def _(
 ) -> None:
     from . import kernels
 
-    kernels.momentum_stage(source, scratch, momentum, ok, beta, nesterov, direction)
+    kernels.momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction)
 
 
 @torch.library.custom_op("equiopt::decay_add_", mutates_args=("params",))
