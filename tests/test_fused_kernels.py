@@ -110,6 +110,45 @@ def test_decay_add_kernel_equals_eager(decay):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@interpreted
+@pytest.mark.parametrize("decay", [True, False], ids=["decay", "no-decay"])
+@pytest.mark.parametrize("form", ["rows", "transposed", "heads"])
+def test_factor_add_kernel_equals_eager(form, decay):
+    """``W <- f W + k X`` from a bfloat16 factor in work layout: work matrices stored as the
+    weight (``rows``), the weight's transpose (a ``col`` part, the factor a transposed
+    iterate) or the weight split in heads (several matrices, and scales, per member)."""
+    gen = torch.Generator().manual_seed(4)
+    members, shape = 3, (48, 40)
+    params = [torch.randn(shape, generator=gen) for _ in range(members)]
+    if form == "rows":
+        work = [p.view(1, 48, 40) for p in params]
+        factor = torch.randn(members, 48, 40, generator=gen).bfloat16()
+    elif form == "transposed":
+        work = [p.mT.unsqueeze(0) for p in params]  # (1, 40, 48) work matrices, strided
+        factor = torch.randn(members, 48, 40, generator=gen).bfloat16().mT  # a tall iterate's layout
+    else:
+        work = [p.view(4, 12, 40) for p in params]
+        factor = torch.randn(members * 4, 12, 40, generator=gen).bfloat16()
+    factor = factor.reshape(-1, *factor.shape[-2:]) if form != "transposed" else factor
+    scales = torch.rand(factor.shape[0], 1, 1, generator=gen) + 0.5
+    factors = torch.tensor([1.0, 1.0 - 0.02 * 0.1, 0.5]) if decay else None
+    strides = list(work[0].stride())
+    eager = [p.clone() for p in params]
+    place = torch.empty(factor.shape)
+    ops.factor_add_(eager, factor, scales, factors, place, strides)
+    kernels.factor_add_(params, factor, scales, factors, strides)
+    for a, b in zip(params, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and what it adds is the scaled factor, in the weight's own order
+    again = torch.Generator().manual_seed(4)
+    start = [torch.randn(shape, generator=again) for _ in range(members)]
+    for k, (a, w0) in enumerate(zip(params, start)):
+        per = factor.shape[0] // members
+        u = factor[k * per : (k + 1) * per].float() * scales[k * per : (k + 1) * per]
+        expect = (w0 * (factors[k] if decay else 1.0)).as_strided(u.shape, strides) + u
+        torch.testing.assert_close(a.as_strided(u.shape, strides), expect, rtol=1e-6, atol=1e-6)
+
+
 # a bucket of several parts with work matrices of 48 x 40 (1,920 entries, two blocks): stored
 # as is, split in heads, a one-member part (read from its own gradient), and transposed (its
 # direction copied into its place after the kernels)
@@ -146,7 +185,13 @@ def _steps(settings, through_kernels, steps=4):
             calls.append("decay_add_")
             kernels.decay_add_(*args)
 
-        fused = types.SimpleNamespace(grad_flags=flags, momentum_stage=momentum, decay_add_=decay_add)
+        def factor_add(params, factor, scales, factors, place, strides):
+            calls.append("factor_add_")
+            kernels.factor_add_(params, factor, scales, factors, strides)
+
+        fused = types.SimpleNamespace(
+            grad_flags=flags, momentum_stage=momentum, decay_add_=decay_add, factor_add_=factor_add
+        )
     else:
         fused = ops
     saved = buckets.fused, stages.fused
@@ -177,7 +222,9 @@ def test_a_bucket_steps_through_the_kernels_as_through_the_eager_stages(nesterov
     assert [len(b.parts) for b in opt._buckets.matrix] == [4]
     # every part takes the kernels, each step (the transposed one copies its direction after)
     assert calls.count("grad_flags") == calls.count("momentum_stage") == 4 * 4
-    assert calls.count("decay_add_") == 2 * 4  # the one-member part adds its own update
+    # the one-member part adds its own update; the others (the transposed one too) add
+    # their polar factors as they form the updates
+    assert calls.count("factor_add_") == 3 * 4 and "decay_add_" not in calls
     assert opt.nonfinite_steps == eager_opt.nonfinite_steps == 4
     for a, b in zip(fused, eager):
         assert torch.isfinite(a).all()

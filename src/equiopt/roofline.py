@@ -166,11 +166,14 @@ _WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
     "_fused_adam_": (0, 2, 3, 4),
     # equiopt::momentum_stage without a direction writes the momentum alone
     "momentum_stage": lambda args: (1, 2) if len(args) < 7 or args[6] else (2,),
+    # equiopt::factor_add_'s place is workspace of its CPU implementation
+    "factor_add_": (0,),
 }
 # arguments an operator writes without reading them, by the arguments it was given
 _UNREAD: dict[str, Callable[[tuple], list]] = {
     # equiopt::momentum_stage given gradients of its own overwrites the scratch with them
     "momentum_stage": lambda args: [args[1]] if args and args[0] else [],
+    "factor_add_": lambda args: [args[4]],
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

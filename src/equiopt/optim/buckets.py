@@ -151,6 +151,7 @@ class Part:
         self.place: torch.Tensor  # a matrix rule's work matrices in the buffer (:meth:`use_scratch`)
         self.update_in_place = False
         self._update_stack: torch.Tensor | None = None  # the update in the buffer, as a stack
+        self._work_strides: list[int] | None = None  # a member's weight as its work matrices
         # the decay and the update add in one operator where every weight is contiguous
         self._fused_finish = not self.adamw and not flat and all(p.is_contiguous() for p in self.params)
 
@@ -189,6 +190,7 @@ class Part:
                 beta2=float(g.get("beta2") or 0.0),
                 work_is_view=self.work_is_view,
                 update_in_place=self.update_in_place,
+                add_factor=self._work_strides is not None and not self.adamw and len(self.params) > 1,
             )
         return self._spec
 
@@ -219,7 +221,23 @@ class Part:
             )
             self._update_members = self.members_of(stored) if self.update_in_place else []
             self._update_stack = stored if self.update_in_place and stored.is_contiguous() else None
+            self._work_strides = self._weight_work_strides() if self.update_in_place and self._fused_finish else None
             self._spec = None
+
+    def _weight_work_strides(self) -> list[int] | None:
+        """The strides of a member's weight seen as its ``(P, rows, cols)`` work matrices, where
+        that is a view of it (the same for every member: contiguous weights of one shape);
+        None where it is not (then :func:`~.fused.ops.factor_add_` does not serve the part)."""
+        p = self.params[0].detach()
+        work = self.layout.to_work_list(p)
+        if len(work) != 1 or not 2 <= work[0].dim() <= 3:
+            return None
+        w = work[0]
+        if w.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() or w.storage_offset() != p.storage_offset():
+            return None
+        strides = list(w.stride()) if w.dim() == 3 else [0, *w.stride()]
+        per = w.shape[0] if w.dim() == 3 else 1
+        return strides if per == self.per_member and w.shape[-2:] == self.work_shape[-2:] else None
 
     def _stack(
         self, state: dict, key: str, dtype: torch.dtype, scalar: bool = False, entry: tuple[int, ...] | None = None
@@ -305,12 +323,20 @@ class Part:
             found = self._masks[pattern] = torch.tensor(pattern, dtype=torch.bool, device=self.device)
         return found
 
-    def finish(self, update: torch.Tensor | None, okl: torch.Tensor, lr: torch.Tensor) -> None:
+    def finish(self, update: Any, okl: torch.Tensor, lr: torch.Tensor) -> None:
         """After the core (eager): the decay ``W <- (1 - lr wd) W`` of every member (exactly 1
-        where skipped) and the update's foreach add; a single-member part's core did both."""
+        where skipped) and the update's add: a stack, the core's update in the scratch (None),
+        or a narrow factor and its scales (a pair) formed as they are added; a single-member
+        part's core did both."""
         if self.spec.single and not self.adamw:
             return
         wd = self.group["weight_decay"]
+        if isinstance(update, tuple):
+            assert self._work_strides is not None
+            factor, scales = update
+            decay = 1.0 - (lr * wd) * okl if wd else None
+            fused.factor_add_(self.params, factor, scales, decay, self.place, self._work_strides)
+            return
         stack = self._update_stack if update is None else update
         if self._fused_finish and stack is not None and stack.is_contiguous():
             fused.decay_add_(self.params, stack, 1.0 - (lr * wd) * okl if wd else None)

@@ -46,6 +46,7 @@ class Spec(NamedTuple):
     beta2: float = 0.0  # NorMuon's row second-moment EMA
     work_is_view: bool = True  # a stack's work tensor is the stack itself, reshaped (no transpose)
     update_in_place: bool = False  # the update is added from the part's place in the buffer
+    add_factor: bool = False  # a scaled narrow factor is added as it is read (equiopt::factor_add_)
 
 
 def _lead(spec: Spec, t: torch.Tensor, ndim: int, sizes: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,9 +176,10 @@ def bucket_core(
     map's input (the parts' work matrices side by side) is written there, and after the
     map each part's update: a step allocates no copy of the bucket besides the map's own.
 
-    Returns, per part: the update as a ``(B, *shape)`` stack to add, or None where it is
-    in the part's scratch (its :meth:`Part.finish` adds it from there) or, for a
-    single-member part, the core applied its decay and update to ``weights[i]`` in place;
+    Returns, per part: the update as a ``(B, *shape)`` stack to add, None where it is in
+    the part's scratch (its :meth:`Part.finish` adds it from there) or, for a
+    single-member part, the core applied its decay and update to ``weights[i]`` in place,
+    or a narrow factor and its scales, ``(X, k)``, which the part's finish adds as ``k X``;
     the skip flags in the learning rates' dtype, and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
     placed = [_placed_directly(key, spec) for spec in specs]
@@ -263,7 +265,8 @@ def bucket_core(
             rows.append(scales)
             at2 += n
         f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
-    f, ok = guard(f, made=narrow and f.x is not x)
+    made = narrow and f.x is not x  # the map's own tensor (a narrow factor), not its input
+    f, ok = guard(f, made=made)
     coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
     skips.add_((~ok & (coef != 0)).sum())
     coef = coef * ok
@@ -292,6 +295,10 @@ def bucket_core(
             if piece.left is None and piece.right is None and (piece.row is None or piece.row.shape[-2] == 1):
                 # U = k x - shift with one factor k per matrix: widened as scaled, in one pass
                 k = c if piece.row is None else piece.row * c
+                if spec.add_factor and made and piece.shift is None:
+                    # a narrow factor: formed as the part's finish adds it (no update written)
+                    updates.append((piece.x, k))
+                    continue
                 if torch.compiler.is_compiling():  # (functionalised ``out=`` wants matching strides)
                     out.copy_(piece.x * k)
                 else:

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..apply import GRAD_LIMIT
 
-__all__ = ["BLOCK", "finite_flags", "momentum_stage", "decay_add_"]
+__all__ = ["BLOCK", "finite_flags", "momentum_stage", "decay_add_", "factor_add_"]
 
 #: Elements per program.
 BLOCK = 1024
@@ -102,6 +102,44 @@ def _decay_add_kernel(base, offsets, upd, factors, n, DECAY: tl.constexpr, BLOCK
     if DECAY:
         w = (w.to(tl.float32) * tl.load(factors + m)).to(base.dtype.element_ty)
     u = tl.load(upd + m.to(tl.int64) * n + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(where, (w.to(tl.float32) + u).to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _factor_add_kernel(
+    base,
+    offsets,
+    x,
+    scales,
+    factors,
+    n,
+    rows,
+    cols,
+    per,
+    xs0,
+    xs1,
+    xs2,
+    ws0,
+    ws1,
+    ws2,
+    DECAY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    m = tl.program_id(1)
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    mask = j < n
+    size = rows * cols
+    h = j // size  # the member's work matrix, then its row and column
+    r = (j % size) // cols
+    c = j % cols
+    matrix = m * per + h
+    u = tl.load(x + matrix.to(tl.int64) * xs0 + r * xs1 + c * xs2, mask=mask, other=0.0).to(tl.float32)
+    u = u * tl.load(scales + matrix, mask=mask, other=0.0)  # the update as the unfused stage rounds it
+    where = base + tl.load(offsets + m) + h * ws0 + r * ws1 + c * ws2
+    w = tl.load(where, mask=mask, other=0.0)
+    if DECAY:
+        w = (w.to(tl.float32) * tl.load(factors + m)).to(base.dtype.element_ty)
     tl.store(where, (w.to(tl.float32) + u).to(base.dtype.element_ty), mask=mask)
 
 
@@ -221,6 +259,38 @@ def decay_add_(params: list[torch.Tensor], update: torch.Tensor, factors: torch.
         upd,
         factors if factors is not None else upd,
         n,
+        DECAY=factors is not None,
+        BLOCK=BLOCK,
+    )
+
+
+def factor_add_(
+    params: list[torch.Tensor],
+    factor: torch.Tensor,
+    scales: torch.Tensor,
+    factors: torch.Tensor | None,
+    strides: list[int],
+) -> None:
+    """:func:`.ops.factor_add_` in one kernel (contiguous weights; the factor of any strides)."""
+    members = len(params)
+    per = factor.shape[0] // members
+    rows, cols = factor.shape[-2:]
+    n = per * rows * cols
+    if factors is not None:
+        factors = factors.to(params[0].dtype).float()  # the multiplier as a foreach multiply takes it
+    k = scales.reshape(-1).float()
+    _factor_add_kernel[_grid(n, members)](
+        params[0],
+        _offsets(params),
+        factor,
+        k,
+        factors if factors is not None else k,
+        n,
+        rows,
+        cols,
+        per,
+        *factor.stride(),
+        *strides,
         DECAY=factors is not None,
         BLOCK=BLOCK,
     )

@@ -15,7 +15,10 @@ what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one 
   where the map reads the momentum): a part's gradients are never stacked first;
 - ``equiopt::decay_add_``: ``W <- f W + U`` for every member (``f = 1 - lr wd ok``, or no
   decay), the update read from one stack (one read of weights and update, one write of
-  the weights).
+  the weights);
+- ``equiopt::factor_add_``: the same with ``U = k X`` formed as it is read, ``X`` a narrow
+  map result (Muon's bfloat16 polar factor) in work layout and ``k`` each work matrix's
+  scale (one read of weights and factor, one write of the weights: no update is formed).
 
 The CPU implementation of each is the eager code of :mod:`equiopt.optim.buckets` (results
 bitwise as before); CUDA's runs the Triton kernels of :mod:`.kernels`. None reads a tensor
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from ..apply import GRAD_LIMIT
 
-__all__ = ["grad_flags", "momentum_stage", "decay_add_"]
+__all__ = ["grad_flags", "momentum_stage", "decay_add_", "factor_add_"]
 
 
 @torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters",))
@@ -152,3 +155,53 @@ def _(params: list[Tensor], update: Tensor, factors: Tensor | None) -> None:
     from . import kernels
 
     kernels.decay_add_(params, update, factors)
+
+
+@torch.library.custom_op("equiopt::factor_add_", mutates_args=("params", "place"))
+def factor_add_(
+    params: list[Tensor],
+    factor: Tensor,
+    scales: Tensor,
+    factors: Tensor | None,
+    place: Tensor,
+    strides: list[int],
+) -> None:
+    """``W_b <- f_b W_b + k X`` for every member ``b`` (no multiply where ``factors`` is
+    None): ``factor`` holds the ``B P`` work matrices ``X`` of the members (``P`` each, in
+    order), ``scales`` their ``(B P, 1, 1)`` scales ``k``; ``strides`` are the strides of a
+    member's weight seen as its ``(P, rows, cols)`` work matrices (a view of the contiguous
+    weight). ``place``, of ``factor``'s shape in the weights' dtype, is workspace: its
+    contents are undefined afterwards (here the update is formed there, in the order the
+    unfused stages round it; the CUDA kernel neither reads nor writes it)."""
+    torch.mul(factor, scales, out=place)
+    if factors is not None:
+        torch._foreach_mul_(params, list(torch.unbind(factors, 0)))
+    per = place.shape[0] // len(params)
+    views = [p.as_strided((per, *place.shape[-2:]), strides) for p in params]
+    torch._foreach_add_(views, list(place.split(per)))
+
+
+@factor_add_.register_fake
+def _(
+    params: list[Tensor],
+    factor: Tensor,
+    scales: Tensor,
+    factors: Tensor | None,
+    place: Tensor,
+    strides: list[int],
+) -> None:
+    return None
+
+
+@factor_add_.register_kernel("cuda")
+def _(
+    params: list[Tensor],
+    factor: Tensor,
+    scales: Tensor,
+    factors: Tensor | None,
+    place: Tensor,
+    strides: list[int],
+) -> None:
+    from . import kernels
+
+    kernels.factor_add_(params, factor, scales, factors, strides)
