@@ -162,7 +162,7 @@ def bucket_core(
     seconds: list[torch.Tensor] | None = None,
     region: torch.Tensor | None = None,
     places: list[torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
     momentum (and centring), the map (``map_fn``, :func:`~.rules.factored_map`) on every work
@@ -270,7 +270,7 @@ def bucket_core(
     coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
     skips.add_((~ok & (coef != 0)).sum())
     coef = coef * ok
-    updates: list[torch.Tensor | None] = []
+    updates: list[Any] = []
     at = 0
     for i, (spec, w, weight) in enumerate(zip(specs, works, weights)):
         n = w.shape[0]
