@@ -131,6 +131,8 @@ def test_factor_add_kernel_equals_eager(form, decay):
         factor = torch.randn(members * 4, 12, 40, generator=gen).bfloat16()
     factor = factor.reshape(-1, *factor.shape[-2:]) if form != "transposed" else factor
     scales = torch.rand(factor.shape[0], 1, 1, generator=gen) + 0.5
+    # a refused matrix (scale 0) holds NaN and Inf, which read as 0: its member only decays
+    factor[1, 2, 3], factor[1, 5, 7], scales[1] = float("nan"), float("-inf"), 0.0
     factors = torch.tensor([1.0, 1.0 - 0.02 * 0.1, 0.5]) if decay else None
     strides = list(work[0].stride())
     eager = [p.clone() for p in params]
@@ -138,13 +140,14 @@ def test_factor_add_kernel_equals_eager(form, decay):
     ops.factor_add_(eager, factor, scales, factors, place, strides)
     kernels.factor_add_(params, factor, scales, factors, strides)
     for a, b in zip(params, eager):
+        assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # and what it adds is the scaled factor, in the weight's own order
     again = torch.Generator().manual_seed(4)
     start = [torch.randn(shape, generator=again) for _ in range(members)]
     for k, (a, w0) in enumerate(zip(params, start)):
         per = factor.shape[0] // members
-        u = factor[k * per : (k + 1) * per].float() * scales[k * per : (k + 1) * per]
+        u = factor[k * per : (k + 1) * per].float().nan_to_num(0.0, 0.0, 0.0) * scales[k * per : (k + 1) * per]
         expect = (w0 * (factors[k] if decay else 1.0)).as_strided(u.shape, strides) + u
         torch.testing.assert_close(a.as_strided(u.shape, strides), expect, rtol=1e-6, atol=1e-6)
 

@@ -107,12 +107,14 @@ def _finite(t: torch.Tensor) -> torch.Tensor:
     return (t - t) == 0
 
 
-def guard(f: maps.Factored, made: bool = False) -> tuple[maps.Factored, torch.Tensor]:
+def guard(f: maps.Factored, made: bool = False, clean: bool = True) -> tuple[maps.Factored, torch.Tensor]:
     """``f`` (a batch of ``N`` updates) with its non-finite entries zeroed, and each update's
     finite flag (``(N,)`` bool), read from its small factors, or from the update itself when
     it is given whole (then cleaned in place: it is always a fresh tensor). ``made``: ``f.x``
     is a tensor the map made (a narrow polar factor beside its scale), not its input, so it
-    is read and cleaned too. The batched form of :func:`~.apply._guarded`."""
+    is read and cleaned too. Without ``clean`` a made ``f.x`` is read, not cleaned: its
+    reader zeroes what is not finite as it reads it (:func:`~.fused.ops.factor_add_`).
+    The batched form of :func:`~.apply._guarded`."""
     names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
     checked = [getattr(f, k) for k in names] + ([f.x] if made and names else []) or [f.x]
     ok: Any = None
@@ -122,11 +124,28 @@ def guard(f: maps.Factored, made: bool = False) -> tuple[maps.Factored, torch.Te
     if names:
         if f.low is not None:
             torch.nan_to_num_(f.low, nan=0.0, posinf=0.0, neginf=0.0)
-        if made:
+        if made and clean:
             torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
         return f._replace(**{k: torch.nan_to_num(getattr(f, k), nan=0.0, posinf=0.0, neginf=0.0) for k in names}), ok
-    torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
+    if clean or not made:
+        torch.nan_to_num_(f.x, nan=0.0, posinf=0.0, neginf=0.0)
     return f, ok
+
+
+def _adds_factor(spec: Spec, f: maps.Factored, made: bool, placed_update: bool) -> bool:
+    """Whether a part's update is its narrow factor scaled per work matrix, added by its
+    finish as it is read (:func:`~.fused.ops.factor_add_`): a map's own factor with at most
+    one row factor per matrix, no shift or side factor, and a part of several members whose
+    update would otherwise be written into its place."""
+    return (
+        made
+        and placed_update
+        and spec.add_factor
+        and f.left is None
+        and f.right is None
+        and f.shift is None
+        and (f.row is None or f.row.shape[-2] == 1)
+    )
 
 
 def _side_by_side(
@@ -266,7 +285,9 @@ def bucket_core(
             at2 += n
         f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
     made = narrow and f.x is not x  # the map's own tensor (a narrow factor), not its input
-    f, ok = guard(f, made=made)
+    adds = [_adds_factor(spec, f, made, places is not None and spec.update_in_place) for spec in specs]
+    # (where every part's finish reads the factor, it zeroes what is not finite as it reads)
+    f, ok = guard(f, made=made, clean=not all(adds))
     coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
     skips.add_((~ok & (coef != 0)).sum())
     coef = coef * ok
@@ -295,7 +316,7 @@ def bucket_core(
             if piece.left is None and piece.right is None and (piece.row is None or piece.row.shape[-2] == 1):
                 # U = k x - shift with one factor k per matrix: widened as scaled, in one pass
                 k = c if piece.row is None else piece.row * c
-                if spec.add_factor and made and piece.shift is None:
+                if adds[i]:
                     # a narrow factor: formed as the part's finish adds it (no update written)
                     updates.append((piece.x, k))
                     continue

@@ -135,6 +135,7 @@ def _factor_add_kernel(
     c = j % cols
     matrix = m * per + h
     u = tl.load(x + matrix.to(tl.int64) * xs0 + r * xs1 + c * xs2, mask=mask, other=0.0).to(tl.float32)
+    u = tl.where((u - u) == 0.0, u, 0.0)  # NaN and Inf read as 0
     u = u * tl.load(scales + matrix, mask=mask, other=0.0)  # the update as the unfused stage rounds it
     where = base + tl.load(offsets + m) + h * ws0 + r * ws1 + c * ws2
     w = tl.load(where, mask=mask, other=0.0)

@@ -17,8 +17,9 @@ what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one 
   decay), the update read from one stack (one read of weights and update, one write of
   the weights);
 - ``equiopt::factor_add_``: the same with ``U = k X`` formed as it is read, ``X`` a narrow
-  map result (Muon's bfloat16 polar factor) in work layout and ``k`` each work matrix's
-  scale (one read of weights and factor, one write of the weights: no update is formed).
+  map result (Muon's bfloat16 polar factor) in work layout, read as 0 where not finite,
+  and ``k`` each work matrix's scale (one read of weights and factor, one write of the
+  weights: no update is formed, and the guard does not clean the factor first).
 
 The CPU implementation of each is the eager code of :mod:`equiopt.optim.buckets` (results
 bitwise as before); CUDA's runs the Triton kernels of :mod:`.kernels`. None reads a tensor
@@ -167,13 +168,16 @@ def factor_add_(
     strides: list[int],
 ) -> None:
     """``W_b <- f_b W_b + k X`` for every member ``b`` (no multiply where ``factors`` is
-    None): ``factor`` holds the ``B P`` work matrices ``X`` of the members (``P`` each, in
-    order), ``scales`` their ``(B P, 1, 1)`` scales ``k``; ``strides`` are the strides of a
+    None), an entry of ``X`` that is not finite read as 0: ``factor`` holds the ``B P``
+    work matrices ``X`` of the members (``P`` each, in order), ``scales`` their
+    ``(B P, 1, 1)`` scales ``k`` (0 for a refused matrix); ``strides`` are the strides of a
     member's weight seen as its ``(P, rows, cols)`` work matrices (a view of the contiguous
     weight). ``place``, of ``factor``'s shape in the weights' dtype, is workspace: its
     contents are undefined afterwards (here the update is formed there, in the order the
     unfused stages round it; the CUDA kernel neither reads nor writes it)."""
     torch.mul(factor, scales, out=place)
+    # (a finite entry is scaled as it is; what is not finite is refused, its scale 0)
+    torch.nan_to_num_(place, nan=0.0, posinf=0.0, neginf=0.0)
     if factors is not None:
         torch._foreach_mul_(params, list(torch.unbind(factors, 0)))
     per = place.shape[0] // len(params)
