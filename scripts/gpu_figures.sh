@@ -18,14 +18,14 @@ parts=${*:-figures}
 for part in $parts; do
   case $part in
     figures) timeout 450 python scripts/gpu_figures.py --out "$OUT/figures.json" > "$OUT/figures.txt" 2>&1 ;;
-    compile) timeout 240 python scripts/gpu_compile_check.py > "$OUT/compile.txt" 2>&1 ;;
+    compile) timeout 240 python benchmarks/gpu_compile_check.py > "$OUT/compile.txt" 2>&1 ;;
     speed) timeout 150 python -m equiopt.bench --speed --device cuda > "$OUT/speed.txt" 2>&1 ;;
     stack) timeout 200 python -m equiopt.bench --stack --device cuda --recipes paper:qwen3:a-i,paper:qwen3:b-ii \
              --gram-dtype float32,bfloat16 --compile off > "$OUT/stack.txt" 2>&1 ;;
     study) timeout 280 python -m equiopt compare --protocol results/study/gram_dtype/protocol.toml \
              --report results/study/gram_dtype/protocol-report.md > "$OUT/study.txt" 2>&1
            tar czf "$OUT/study.tgz" results/study/gram_dtype ;;
-    profile) timeout 120 python scripts/gpu_profile_map.py > "$OUT/profile.txt" 2>&1 ;;
+    profile) timeout 120 python benchmarks/gpu_profile_map.py > "$OUT/profile.txt" 2>&1 ;;
     tests) timeout 420 python -m pytest -q -x -p no:cacheprovider > "$OUT/tests.txt" 2>&1 ;;
   esac
   echo "$part exit $?" >> "$OUT/env.txt"

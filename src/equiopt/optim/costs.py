@@ -56,7 +56,7 @@ COST_MODELS = {
     # gloo over loopback on a 2-core CPU, one thread per process: float32 products at about
     # 100 GFLOP/s; 1 GB/s sent per rank, as in gloo's all-reduces, all-to-alls and
     # broadcasts from every rank of 16 MiB (1.0-1.2 GB/s on 2 and 3 processes,
-    # scripts/gloo_bandwidth.py; its all-gather, 0.45 GB/s, carries nothing large here);
+    # benchmarks/gloo_bandwidth.py; its all-gather, 0.45 GB/s, carries nothing large here);
     # an asynchronous exchange beside the maps hides about a third of its time (the transport
     # shares the two cores with the maps); no matrix over 16 MiB goes to an owner: every
     # rank would take a fresh update of that size from the kernel page by page (glibc's

@@ -4,7 +4,7 @@ blocks of rows, added to weights as the optimizer adds it (``maps.hybrid_factore
 and the product ``Z R`` added to the weights (each a block of rows at a time, as the
 blocked map takes them) and the ``n x n`` inverse square root.
 
-    python scripts/cpu_stage_blocks.py [--shape 32768x256] [--threads 1] [--repeats 9]
+    python benchmarks/cpu_stage_blocks.py [--shape 32768x256] [--threads 1] [--repeats 9]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Profile one optimizer step of a rule on a vocabulary matrix on CUDA, against fused AdamW:
-``python scripts/gpu_profile_map.py [rule] [order] [gram_dtype] [rows]x[cols]``.
+``python benchmarks/gpu_profile_map.py [rule] [order] [gram_dtype] [rows]x[cols]``.
 
 Prints the step times (eager and compiled) and torch.profiler's CUDA-time table of one eager step.
 """

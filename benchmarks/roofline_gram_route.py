@@ -1,7 +1,7 @@
 """paper:qwen3:b-ii counted on CUDA's choices with ``route="gram"`` forced on every role
 that takes a route: the Gram route that CUDA's ``route="auto"`` no longer picks.
 
-    python results/roofline/gram_route.py [MODEL] [h100|h100-measured]
+    python benchmarks/roofline_gram_route.py [MODEL] [h100|h100-measured]
 
 Prints one line per setting: the recipes' own ``gram_dtype`` ("auto": split bfloat16
 products on CUDA) and strict float32 Grams.

@@ -2,7 +2,7 @@
 alternating runs of two versions of the code; the ratios against AdamW are
 ``python -m equiopt.bench --stack``'s).
 
-    python scripts/cpu_step_time.py paper:qwen3:b-ii [--threads 2] [--repeats 9] [--structure 128]
+    python benchmarks/cpu_step_time.py paper:qwen3:b-ii [--threads 2] [--repeats 9] [--structure 128]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ one Gram ``X^T X`` of a vocabulary-shaped matrix (median of 9):
 - MKL's ``cblas_gemm_bf16bf16f32`` where ``libtorch_cpu`` exports it (bfloat16 operands,
   float32 accumulation and result), called through ctypes.
 
-    python scripts/cpu_bf16_gemm.py [--shape 32768x256] [--threads 2]
+    python benchmarks/cpu_bf16_gemm.py [--shape 32768x256] [--threads 2]
 """
 
 from __future__ import annotations

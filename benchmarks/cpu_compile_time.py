@@ -1,7 +1,7 @@
 """Cold compile time of the whole step on Qwen3-0.6B's structure (28 layers, 310 parameters,
 width 64), one recipe per child process with an empty Inductor cache:
 
-    python scripts/cpu_compile_time.py [paper:qwen3:a-i,paper:qwen3:b-ii,equiopt:default] [--threads 2]
+    python benchmarks/cpu_compile_time.py [paper:qwen3:a-i,paper:qwen3:b-ii,equiopt:default] [--threads 2]
 
 Prints, per recipe: the first compiled step (tracing and compiling every bucket's core), the
 median of the next 10 steps under a learning-rate schedule, the eager step for comparison,

@@ -2,7 +2,7 @@
 rounded to bfloat16 (``equiopt.linalg.emulates_bfloat16``) and the float32 iteration, on a-i's
 84 SwiGLU matrices of 384 x 128 (median of 5 calls each):
 
-    python scripts/cpu_bf16_rounded.py [--shape 84x128x384] [--threads 2]
+    python benchmarks/cpu_bf16_rounded.py [--shape 84x128x384] [--threads 2]
 """
 
 from __future__ import annotations

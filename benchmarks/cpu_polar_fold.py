@@ -2,7 +2,7 @@
 (what ``equiopt.linalg.polar`` runs), against the unfolded form ``a X + (b G + c G^2) X``, in one
 process, alternating (median of ``--repeats`` calls each).
 
-    python scripts/cpu_polar_fold.py [--threads 2] [--repeats 8]
+    python benchmarks/cpu_polar_fold.py [--threads 2] [--repeats 8]
 
 The two batches are a-i's on the Qwen3-0.6B structure at width 128 (``bench --structure 128``):
 84 SwiGLU matrices of 384 x 128 and 1,344 attention heads of 16 x 128.

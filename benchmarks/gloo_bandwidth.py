@@ -1,6 +1,6 @@
 """Bytes per second that one rank sends in gloo's collectives on this machine.
 
-``python scripts/gloo_bandwidth.py [--mib 16] [--world 2]``: each collective on a payload
+``python benchmarks/gloo_bandwidth.py [--mib 16] [--world 2]``: each collective on a payload
 of ``--mib`` MiB per rank (``P``), one thread per process, median of five after a
 warm-up. The rate is what a rank sends per second, as the ``gloo-cpu`` cost model's
 ``bandwidth`` counts it (``equiopt.optim.costs``): a ring all-reduce sends

@@ -1,6 +1,6 @@
 """What one optimizer step holds at its peak, and which operators made it, on the CPU.
 
-    python scripts/cpu_step_memory.py [--layers 2] [--vocab 1024] [--recipes paper:qwen3:a-i,paper:qwen3:b-ii]
+    python benchmarks/cpu_step_memory.py [--layers 2] [--vocab 1024] [--recipes paper:qwen3:a-i,paper:qwen3:b-ii]
 
 A transformers ``Qwen3ForCausalLM`` at Qwen3-0.6B's widths (hidden 1024, SwiGLU 3072, 16 query
 and 8 key-value heads of 128, tied embedding) with ``--layers`` layers and a ``--vocab``

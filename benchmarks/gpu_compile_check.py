@@ -1,4 +1,4 @@
-"""Compiled against eager steps on CUDA: ``python scripts/gpu_compile_check.py [recipes]``.
+"""Compiled against eager steps on CUDA: ``python benchmarks/gpu_compile_check.py [recipes]``.
 
 For each recipe, builds the small Qwen3-style model twice from one seed, runs 3 steps with
 ``compile=True`` (Inductor, one full graph: an error if Dynamo cannot trace it) and with
