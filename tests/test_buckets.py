@@ -119,7 +119,10 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
     assert names.count("grad_flags") == names.count("momentum_stage") == len(bucket.parts) == 3, names
     for unfused in ("amin", "amax", "nan_to_num", "nan_to_num_", "lerp", "lerp_"):
         assert unfused not in names, (unfused, names)
-    # the gradients are read where they are, not stacked first, and read once by each operator
+    # the gradients are read where they are, not stacked first, and read once by each operator;
+    # the transposed part's direction is written straight into its place (no copy after)
+    assert not [o.name for o in counter.ops if o.stage == "optim.stages._side_by_side"]
+    assert not [o for o in counter.ops if o.name == "clone" and o.read > 64]  # (the scales' are a few bytes)
     taken = [o.name for o in counter.ops if o.stage == "optim.buckets.take"]
     assert not {"stack", "_foreach_copy_", "copy_"} & set(taken), taken
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params)

@@ -69,8 +69,10 @@ def test_finite_flags_kernel_equals_eager(present, how):
 @interpreted
 @pytest.mark.parametrize("direction", [True, False], ids=["direction", "momentum-only"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
-@pytest.mark.parametrize("given", ["in-buffer", "own-gradient", "members"])
+@pytest.mark.parametrize("given", ["in-buffer", "own-gradient", "members", "members-into-transposed"])
 def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
+    """``members-into-transposed``: each member's own gradient in, the direction written into
+    a strided place (a transposed part's place in the map's input, seen in stored layout)."""
     own = given == "own-gradient"
     members = 1 if own else 5
     g = _gradients(members)
@@ -81,8 +83,12 @@ def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
         m = momentum.clone()
         scratch = g.clone() if given == "in-buffer" else torch.full_like(g, 7.0)
         sources = [] if given == "in-buffer" else [g] if own else _given(g, "members")
-        run(sources, scratch, m, ok, 0.9, nesterov, direction)
-        results.append((scratch, m))
+        if given == "members-into-transposed":  # N = 2125 = 17 x 125, stored transposed
+            scratch = torch.full((members, 125, 17), 7.0).mT
+            assert not scratch.is_contiguous()
+        # (the momentum stack has the stored shape the scratch is seen in)
+        run(sources, scratch, m.view(scratch.shape), ok, 0.9, nesterov, direction)
+        results.append((scratch.reshape(members, N), m))
     (s_eager, m_eager), (s_kernel, m_kernel) = results
     assert torch.isfinite(m_kernel).all()
     torch.testing.assert_close(m_kernel, m_eager, rtol=1e-6, atol=1e-7)
@@ -91,6 +97,7 @@ def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
         torch.testing.assert_close(s_kernel, s_eager, rtol=1e-6, atol=1e-7)
     else:  # the kernel leaves the buffer as it was (its gradients, or what it held)
         kept = g if given == "in-buffer" else torch.full_like(g, 7.0)
+        s_kernel = s_kernel.reshape(kept.shape)
         torch.testing.assert_close(s_kernel, kept, rtol=0, atol=0, equal_nan=True)
     skipped = ~ok
     assert torch.equal(m_kernel[skipped], momentum[skipped])  # bit for bit

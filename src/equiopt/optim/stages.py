@@ -165,6 +165,19 @@ def _placed_directly(key: MapKey, spec: Spec) -> bool:
     return spec.work_is_view and not spec.flat and key.center != PRECENTRED
 
 
+def _straight_into_place(key: MapKey, spec: Spec, source: Any, place: torch.Tensor | None) -> torch.Tensor | None:
+    """For a part whose work matrices are not its stack (transposed, or heads split along
+    columns) and whose gradients are read where they are (``source`` a list): its place in
+    the map's input seen in the stored layout, ``(B, rows, cols)`` strided, where the fused
+    momentum operator writes the direction; None where that does not apply."""
+    if place is None or spec.work_is_view or spec.flat or key.center == PRECENTRED or not isinstance(source, list):
+        return None
+    stored = spec.layout.stacked_from_work([place.view(spec.members, *spec.work_shape)])  # type: ignore[union-attr]
+    if stored.dim() != 3 or stored.data_ptr() != place.data_ptr():
+        return None
+    return stored
+
+
 def bucket_core(
     key: MapKey,
     eta: Any,
@@ -229,17 +242,21 @@ def bucket_core(
             weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
         # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
         # over G. A transposed one beside other parts goes into the bucket's buffer over this
-        # part's own gradients: it is made apart first, in a fresh tensor copied there below.
-        apart = spec.nesterov and not spec.work_is_view and region is not None and len(specs) > 1
+        # part's own gradients: it is made apart first, in a fresh tensor copied there below,
+        # unless the gradients are read where autograd left them (then it is written straight
+        # into its place, through the stored layout's view of it).
+        straight = _straight_into_place(key, spec, sources[i], places[i] if places is not None else None)
+        apart = spec.nesterov and not spec.work_is_view and region is not None and len(specs) > 1 and straight is None
         if fused_in:
             src = sources[i]
             given = src if isinstance(src, list) else [src] if spec.single else []
-            target = grads
+            target = grads if straight is None else straight
             if apart:
                 given, target = given or [grads], torch.empty_like(grads)
+            placed[i] = placed[i] or straight is not None
             # without Nesterov the direction is the momentum: the map reads it there unless it
             # must be in the part's place beside other parts
-            written = spec.nesterov or (placed[i] and len(specs) > 1)
+            written = spec.nesterov or (placed[i] and len(specs) > 1) or straight is not None
             fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written)
             direction = target if written else buf
         else:

@@ -67,6 +67,10 @@ def _momentum_kernel(
     n,
     beta,
     rest,
+    cols,
+    ss0,
+    ss1,
+    ss2,
     NESTEROV: tl.constexpr,
     DIRECTION: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -76,6 +80,7 @@ def _momentum_kernel(
     i = b * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     at = m.to(tl.int64) * n + i
+    put = m.to(tl.int64) * ss0 + (i // cols) * ss1 + (i % cols) * ss2  # the direction's place
     g = tl.load(src + tl.load(starts + m) + i, mask=mask, other=0.0).to(tl.float32)
     g = tl.where((g - g) == 0.0, g, 0.0)  # NaN and Inf read as 0 (g - g is 0 exactly where g is finite)
     g = g.to(scratch.dtype.element_ty).to(tl.float32)  # the sanitised gradient as stored in the buffer
@@ -88,7 +93,7 @@ def _momentum_kernel(
             direction = _lerp_scalar(g, new.to(tl.float32), beta, rest)
         else:
             direction = new.to(tl.float32)
-        tl.store(scratch + at, direction.to(scratch.dtype.element_ty), mask=mask)
+        tl.store(scratch + put, direction.to(scratch.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -179,10 +184,20 @@ def momentum_stage(
     nesterov: bool,
     direction: bool = True,
 ) -> None:
-    """:func:`.ops.momentum_stage` in one kernel (``scratch`` and ``momentum`` contiguous)."""
+    """:func:`.ops.momentum_stage` in one kernel (``momentum`` contiguous; ``scratch``
+    contiguous, or ``(B, rows, cols)`` strided where the gradients are each member's own)."""
     members = momentum.shape[0]
     n = momentum.numel() // members
     base, starts, _ = _members(sources or [scratch], members)
+    if scratch.is_contiguous():
+        place = scratch.view(members, 1, n)
+    elif scratch.dim() == 3 and sources:
+        place = scratch
+    else:
+        raise ValueError(
+            "momentum_stage: a strided scratch must be (B, rows, cols) beside the members' own gradients; "
+            f"got shape {tuple(scratch.shape)}, strides {scratch.stride()}"
+        )
     weights = ok.to(scratch.dtype) * (1.0 - beta)  # as the eager stage rounds them
     _momentum_kernel[_grid(n, members)](
         base,
@@ -193,6 +208,8 @@ def momentum_stage(
         n,
         beta,
         _rest(beta),
+        place.shape[-1],
+        *place.stride(),
         NESTEROV=nesterov,
         DIRECTION=direction,
         BLOCK=BLOCK,

@@ -87,16 +87,19 @@ def momentum_stage(
     """The gradients sanitised, the momentum EMA with weight ``ok (1 - beta)`` per member (a
     skipped member's momentum stays bit for bit) and the direction into ``scratch``:
     ``lerp(G, M, beta)`` with ``nesterov``, else ``M``. ``scratch`` and ``momentum`` are
-    ``(B, ...)`` stacks of one shape; the gradients are ``scratch`` itself where ``sources``
-    is empty, else their stack (one tensor) or each member's own (``B`` tensors), read where
-    they are. Without ``direction`` (where the caller reads the momentum itself) nothing is
+    ``(B, ...)`` stacks of one shape (``scratch`` contiguous, or ``(B, rows, cols)`` of any
+    strides where the gradients are each member's own); the gradients are ``scratch`` itself
+    where ``sources`` is empty, else their stack (one tensor) or each member's own (``B``
+    tensors), read where they are. Without ``direction`` (where the caller reads the momentum itself) nothing is
     kept in ``scratch``: the kernel neither writes it nor, given ``sources``, reads it; here
     it serves as the sanitised gradients' workspace."""
     if len(sources) == 1:  # copied and sanitised in one pass
         torch.nan_to_num(sources[0], nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(sources[0].shape))
     else:
-        if sources:
+        if sources and scratch.is_contiguous():
             torch.stack([g.reshape(-1) for g in sources], out=scratch.view(len(sources), -1))
+        elif sources:  # a strided scratch: the direction's place seen in the stored layout
+            torch._foreach_copy_(list(scratch.unbind(0)), [g.view(scratch.shape[1:]) for g in sources])
         torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
     weight = ok.to(scratch.dtype) * (1.0 - beta)
     momentum.lerp_(scratch, weight.view(-1, *([1] * (momentum.ndim - 1))))
