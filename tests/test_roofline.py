@@ -147,3 +147,47 @@ def test_a_step_holds_at_most_half_its_state_beyond_it(model):
     table = roofline(["paper:qwen3:a-i", "paper:qwen3:b-ii", "equiopt:default"], model, route="cuda", top=1)
     for name, row in table["recipes"].items():
         assert row["peak_extra_mib"] <= 0.5 * row["state_mib"], (model, name, row["peak_extra_mib"], row["state_mib"])
+
+
+def test_collectives_count_what_a_rank_sends_apart_from_its_kernels():
+    """On a fake process group: an all-reduce hands over its tensor, an all-to-all its input
+    (not its output), a broadcast its tensor; none is a kernel, and the link time is the
+    bytes over the link's rate."""
+    import torch.distributed as dist
+
+    from equiopt.planning import fake_world
+
+    fake_world(4)
+    try:
+        a, out, inp, b = _meta(1000), _meta(64), _meta(64 + 32), _meta(10, dtype=torch.bfloat16)
+        with RooflineCounter() as c:
+            dist.all_reduce(a)
+            dist.all_to_all_single(out, inp, [16] * 4, [24] * 4)
+            dist.broadcast(b, src=0)
+            a.mul_(2.0)
+    finally:
+        dist.destroy_process_group()
+    assert c.collectives == 3
+    assert c.sent == 4000 + 96 * 4 + 20
+    assert c.kernels == 1 and c.bytes == 8000  # the multiply alone
+    assert c.link_seconds == pytest.approx(c.sent / H100.link_bandwidth)
+
+
+def test_a_sharded_step_is_counted_on_rank_0_of_a_fake_mesh():
+    """``shards=2``: the model fully sharded by FSDP2 over a fake group of 2 ranks; rank 0's
+    fused AdamW moves half the single process's bytes (its shards), its step sends bytes to
+    collectives, and no process group is left behind."""
+    import torch.distributed as dist
+
+    from equiopt.roofline import roofline
+
+    one = roofline(["paper:qwen3:a-i"], "512x64", "cuda", top=3)
+    two = roofline(["paper:qwen3:a-i"], "512x64", "cuda", top=3, shards=2)
+    assert not dist.is_initialized()
+    assert two["placement"] == "FSDP2 over 2 ranks, rank 0" and one["placement"] == "one process"
+    assert two["params"] == one["params"]
+    assert two["adamw"]["gb"] == pytest.approx(one["adamw"]["gb"] / 2, rel=1e-3)
+    step = two["recipes"]["paper:qwen3:a-i"]
+    assert step["sent_gb"] > 0 and step["collectives"] > 0 and step["link_ms"] > 0
+    assert one["recipes"]["paper:qwen3:a-i"]["sent_gb"] == 0
+    assert step["state_mib"] == pytest.approx(one["recipes"]["paper:qwen3:a-i"]["state_mib"] / 2, rel=0.05)

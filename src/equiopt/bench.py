@@ -394,16 +394,25 @@ def ops(recipes) -> None:
 
 
 def roofline(
-    recipes, model: str | None, routes, gram_dtype: str | None, tokens: int, json_path: str | None, machine="h100"
+    recipes,
+    model: str | None,
+    routes,
+    gram_dtype: str | None,
+    tokens: int,
+    json_path: str | None,
+    machine="h100",
+    shards: int = 1,
 ) -> None:
     """(g) Each recipe's step at an H100's roofline, counted on the meta device
-    (:mod:`equiopt.roofline`), once per route; the tables also to ``json_path``."""
+    (:mod:`equiopt.roofline`), once per route (``shards > 1``: then rank 0 of the step
+    sharded by FSDP2 over that many ranks, beside it); the tables also to ``json_path``."""
     from . import roofline as rl
 
     rates = rl.MACHINES[machine]
     tables = []
-    for i, route in enumerate(routes):
-        table = rl.roofline(recipes, model or rl.DEFAULT_MODEL, route, gram_dtype, tokens, rates)
+    runs = [(route, n) for route in routes for n in ((1, shards) if shards > 1 else (1,))]
+    for i, (route, n) in enumerate(runs):
+        table = rl.roofline(recipes, model or rl.DEFAULT_MODEL, route, gram_dtype, tokens, rates, shards=n)
         if i:
             print()
         rl.print_report(table)
@@ -750,7 +759,15 @@ def main(argv=None) -> None:
         choices=["h100", "h100-measured"],
         help="--roofline: the rates charged (equiopt.roofline.MACHINES: an H100's nominal or measured ones)",
     )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="--roofline: also rank 0 of the step sharded by FSDP2 over this many ranks (a fake process group)",
+    )
     args = parser.parse_args(argv)
+    if args.shards < 1:
+        parser.error(f"--shards must be at least 1, got {args.shards}")
     device = torch.device(args.device)
     if args.roofline:
         roofline(
@@ -763,6 +780,7 @@ def main(argv=None) -> None:
             (args.batch or 8) * (args.seq or 1024),
             args.json,
             args.machine,
+            args.shards,
         )
         return
     if args.ops:

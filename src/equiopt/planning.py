@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MESH_DIMS", "parse_mesh", "world_size", "shard_model", "plan_model", "format_plan"]
+__all__ = ["MESH_DIMS", "parse_mesh", "world_size", "fake_world", "shard_model", "plan_model", "format_plan"]
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv", "w1", "w3")
@@ -52,12 +52,16 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return {name: sizes[name] for name in MESH_DIMS if name in sizes}
 
 
-def _fake_world(world: int) -> None:
+def fake_world(world: int) -> None:
+    """A fake process group of ``world`` ranks, this process rank 0 (torch's ``fake`` backend:
+    collectives complete at once and move nothing); refused where a group exists."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("equiopt plan runs on its own fake process group; a process group is already initialised")
+        raise RuntimeError(
+            "a simulated mesh runs on its own fake process group; a process group is already initialised"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
@@ -188,7 +192,7 @@ def plan_model(
 
     world = world_size(sizes)
     start = time.perf_counter()
-    _fake_world(world)
+    fake_world(world)
     try:
         model = _load(spec)
         roles = {row.name: row.role for row in equiopt.assign_roles(model)}

@@ -86,6 +86,7 @@ class Machine:
     ``float64_flops``: float64 products, FLOP/s.
     ``bandwidth``: memory bytes read plus written per second.
     ``launch_s``: seconds added per operator that runs a kernel (launch and dispatch, eager).
+    ``link_bandwidth``: bytes a rank sends per second in a collective (NVLink within a node).
     ``fwd_bwd_mfu``: the fraction of ``bfloat16_flops`` a forward+backward of ``6 N`` FLOPs
     per token achieves (for the ratio of a step to a forward+backward).
     """
@@ -97,6 +98,7 @@ class Machine:
     bandwidth: float
     launch_s: float
     fwd_bwd_mfu: float
+    link_bandwidth: float = 450e9
 
     def product_rate(self, dtype: torch.dtype) -> float:
         """FLOP/s of a matrix product whose operands are ``dtype``."""
@@ -112,7 +114,8 @@ class Machine:
 
 #: One H100 SXM 80GB (HBM3). Rates as achieved by large cuBLAS products and streaming
 #: kernels (the data sheet's peaks are 989 TFLOP/s bfloat16 dense, 67 TFLOP/s float32 and
-#: 3.35 TB/s); 5 us per eager operator. ``fwd_bwd_mfu`` is what the H100 measured for
+#: 3.35 TB/s); 5 us per eager operator; 450 GB/s sent per rank over NVLink (half of the
+#: 900 GB/s both ways of the data sheet). ``fwd_bwd_mfu`` is what the H100 measured for
 #: Qwen3-0.6B (the ``qwen3:paper`` preset, 625.8 M parameters), 8 x 1024 tokens under
 #: bfloat16 autocast: 169.2 ms (results/gpu/figures.json), that is
 #: ``6 * 625.8e6 * 8192 / (0.1692 s * 700e12)``.
@@ -156,6 +159,40 @@ _FREE = VIEW_OPS | frozenset(
         "_record_function_enter",
         "_record_function_enter_new",
         "_record_function_exit",
+    }
+)
+# collectives (c10d's operators): what a rank sends is counted apart, at the link's rate
+_COLLECTIVES = frozenset(
+    {
+        "allreduce_",
+        "allgather_",
+        "_allgather_base_",
+        "allgather_into_tensor_coalesced_",
+        "reduce_scatter_",
+        "_reduce_scatter_base_",
+        "reduce_scatter_tensor_coalesced_",
+        "alltoall_",
+        "alltoall_base_",
+        "broadcast_",
+        "reduce_",
+        "gather_",
+        "scatter_",
+        "send",
+        "recv_",
+    }
+)
+_INPUT_SECOND = frozenset(
+    {
+        "allgather_",
+        "_allgather_base_",
+        "allgather_into_tensor_coalesced_",
+        "reduce_scatter_",
+        "_reduce_scatter_base_",
+        "reduce_scatter_tensor_coalesced_",
+        "alltoall_",
+        "alltoall_base_",
+        "gather_",
+        "scatter_",
     }
 )
 # operators whose first argument is written and not read
@@ -243,8 +280,10 @@ class OpCost:
 
 
 class RooflineCounter(TorchDispatchMode):
-    """Records an :class:`OpCost` for every operator dispatched while active (``ops``) and
-    the peak bytes of the storages created meanwhile that were alive at once (``peak_bytes``)."""
+    """Records an :class:`OpCost` for every operator dispatched while active (``ops``), the
+    peak bytes of the storages created meanwhile that were alive at once (``peak_bytes``),
+    and the bytes the rank hands to collectives (``sent``; a collective is no kernel here:
+    its time is ``sent / link_bandwidth``, :attr:`link_seconds`, apart from :attr:`seconds`)."""
 
     def __init__(self, machine: Machine = H100):
         super().__init__()
@@ -253,6 +292,8 @@ class RooflineCounter(TorchDispatchMode):
         self.peak_bytes = 0
         self._alive: dict[int, tuple[StorageWeakRef, int]] = {}
         self._held = 0
+        self.sent = 0
+        self.collectives = 0
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _) in self._alive.items() if ref.expired()]:
@@ -264,6 +305,13 @@ class RooflineCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         inputs = _tensors((args, kwargs))
+        if name in _COLLECTIVES:
+            self.collectives += 1
+            # what the rank hands over: the input (after the output where the schema puts it first)
+            given = args[1] if name in _INPUT_SECOND and len(args) > 1 else args[0] if args else ()
+            self.sent += sum(_footprint(t) for t in _tensors(given))
+            self.ops.append(OpCost(name, _stage(), 0.0, None, 0, 0, False, 0.0))
+            return out
         kernel = name not in _FREE
         read = written = 0
         flops, dtype = 0.0, None
@@ -304,6 +352,11 @@ class RooflineCounter(TorchDispatchMode):
     @property
     def seconds(self) -> float:
         return sum(o.seconds for o in self.ops)
+
+    @property
+    def link_seconds(self) -> float:
+        """Seconds the rank spends sending what it hands to collectives, at the link's rate."""
+        return self.sent / self.machine.link_bandwidth
 
     @property
     def kernels(self) -> int:
@@ -425,6 +478,9 @@ def _summary(counter: RooflineCounter, top: int) -> dict:
         "kernels": counter.kernels,
         "operators": len(counter.ops),
         "peak_extra_mib": counter.peak_bytes / 2**20,
+        "sent_gb": counter.sent / 1e9,
+        "link_ms": 1e3 * counter.link_seconds,
+        "collectives": counter.collectives,
         "top": counter.top(top),
         "top_stages": counter.top(top, by="stage"),
     }
@@ -438,16 +494,35 @@ def roofline(
     tokens: int = 8 * 1024,
     machine: Machine = H100,
     top: int = 10,
+    shards: int = 1,
 ) -> dict:
     """Counts one step of each recipe (and of fused AdamW) on ``model``'s parameters on the
     meta device, taking the choices of ``route`` (a device type, :func:`decide_as`);
     ``gram_dtype`` set on every role that takes one, or None for the recipes' own.
+    ``shards > 1``: the model ``fully_shard``-ed over that many ranks (every decoder layer
+    and the root, as torchtitan does; a fake process group, :func:`equiopt.planning.fake_world`)
+    and rank 0's step counted, what it hands to collectives apart (``sent_gb``, ``link_ms``).
 
     Returns ``{"model", "route", "gram_dtype", "params", "state_mib", "fwd_bwd_ms",
     "adamw": summary, "recipes": {name: summary}}``; a summary holds ``ms``, ``flops`` by
     dtype, ``gb`` moved, ``kernels``, ``operators``, ``peak_extra_mib``, ``state_mib`` (a
     recipe's), ``over_adamw``, ``over_fwd_bwd`` and the ``top`` operators and stages.
     """
+    if shards > 1:
+        import torch.distributed as dist
+
+        from .planning import fake_world, shard_model
+
+        fake_world(shards)
+        try:
+            net = meta_model(model) if isinstance(model, str) else model
+            shard_model(net, {"dp_shard": shards})
+            table = roofline(recipes, net, route, gram_dtype, tokens, machine, top)
+        finally:
+            dist.destroy_process_group()
+        table["model"] = model if isinstance(model, str) else type(model).__name__
+        table["placement"] = f"FSDP2 over {shards} ranks, rank 0"
+        return table
     from .roles import build_optimizer
 
     label = model if isinstance(model, str) else type(model).__name__
@@ -457,7 +532,8 @@ def roofline(
         p.grad = torch.empty_like(p)
     n = sum(p.numel() for p in params)
     fb = fwd_bwd_seconds(n, tokens, machine)
-    adamw = _summary(count_step(fused_adamw_step(params), machine=machine), top)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # (a rank's shards)
+    adamw = _summary(count_step(fused_adamw_step(local), machine=machine), top)
     adamw["over_fwd_bwd"] = adamw["ms"] / (1e3 * fb)
     out: dict = {
         "model": label,
@@ -468,6 +544,7 @@ def roofline(
         "tokens": tokens,
         "fwd_bwd_ms": 1e3 * fb,
         "adamw": adamw,
+        "placement": "one process",
         "recipes": {},
     }
     with decide_as(route):
@@ -489,8 +566,14 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     for st in opt.state.values():
         for t in st.values():
             if torch.is_tensor(t):
+                t = t.to_local() if hasattr(t, "to_local") else t  # (a rank's shard of a DTensor's)
                 sizes.setdefault(StorageWeakRef(t.untyped_storage()).cdata, t.untyped_storage().nbytes())
     return sum(sizes.values())
+
+
+def _links(s: dict) -> str:
+    """A sharded step's columns: the GB its rank hands to collectives and their time at the link's rate."""
+    return f" {s['sent_gb']:8.2f} {s['link_ms']:8.2f}"
 
 
 def _flops_text(flops: dict[str, float]) -> str:
@@ -508,19 +591,22 @@ def print_report(table: dict, file=None) -> None:
         f"roofline of one step on the meta device, rates of an {table['machine']}, {table['route']}'s choices"
         f"{', gram_dtype=' + table['gram_dtype'] if table['gram_dtype'] else ''}; model {table['model']} "
         f"({table['params'] / 1e6:.1f} M parameters); forward+backward of {table['tokens']} tokens "
-        f"{fb:.1f} ms (estimated); fused AdamW {a['ms']:.2f} ms, {a['gb']:.1f} GB",
+        f"{fb:.1f} ms (estimated); fused AdamW {a['ms']:.2f} ms, {a['gb']:.1f} GB"
+        f"{'' if table.get('placement', 'one process') == 'one process' else '; ' + table['placement']}",
         file=file,
     )
+    sharded = table.get("placement", "one process") != "one process"
+    links_head = f" {'sent GB':>8s} {'link ms':>8s}" if sharded else ""
     print(
         f"{'recipe':22s} {'ms':>7s} {'/AdamW':>7s} {'/fwd+bwd':>9s} {'GB':>6s} {'kernels':>8s} {'ops':>6s}"
-        f" {'state MiB':>10s} {'peak extra MiB':>15s}  products (FLOP)",
+        f" {'state MiB':>10s} {'peak extra MiB':>15s}{links_head}  products (FLOP)",
         file=file,
     )
     for name, s in table["recipes"].items():
         print(
             f"{name:22s} {s['ms']:7.1f} {s['over_adamw']:7.2f} {s['over_fwd_bwd']:9.3f} {s['gb']:6.1f}"
             f" {s['kernels']:8d} {s['operators']:6d} {s['state_mib']:10.0f} {s['peak_extra_mib']:15.0f}"
-            f"  {_flops_text(s['flops'])}",
+            f"{_links(s) if sharded else ''}  {_flops_text(s['flops'])}",
             file=file,
         )
     for name, s in table["recipes"].items():
