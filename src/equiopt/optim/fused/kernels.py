@@ -80,7 +80,7 @@ def _momentum_kernel(
     i = b * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     at = m.to(tl.int64) * n + i
-    put = m.to(tl.int64) * ss0 + (i // cols) * ss1 + (i % cols) * ss2  # the direction's place
+    put = m.to(tl.int64) * ss0 + (i // cols).to(tl.int64) * ss1 + (i % cols).to(tl.int64) * ss2  # its place
     g = tl.load(src + tl.load(starts + m) + i, mask=mask, other=0.0).to(tl.float32)
     g = tl.where((g - g) == 0.0, g, 0.0)  # NaN and Inf read as 0 (g - g is 0 exactly where g is finite)
     g = g.to(scratch.dtype.element_ty).to(tl.float32)  # the sanitised gradient as stored in the buffer
@@ -139,10 +139,11 @@ def _factor_add_kernel(
     r = (j % size) // cols
     c = j % cols
     matrix = m * per + h
-    u = tl.load(x + matrix.to(tl.int64) * xs0 + r * xs1 + c * xs2, mask=mask, other=0.0).to(tl.float32)
+    at = matrix.to(tl.int64) * xs0 + r.to(tl.int64) * xs1 + c.to(tl.int64) * xs2
+    u = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
     u = tl.where((u - u) == 0.0, u, 0.0)  # NaN and Inf read as 0
     u = u * tl.load(scales + matrix, mask=mask, other=0.0)  # the update as the unfused stage rounds it
-    where = base + tl.load(offsets + m) + h * ws0 + r * ws1 + c * ws2
+    where = base + tl.load(offsets + m) + h.to(tl.int64) * ws0 + r.to(tl.int64) * ws1 + c.to(tl.int64) * ws2
     w = tl.load(where, mask=mask, other=0.0)
     if DECAY:
         w = (w.to(tl.float32) * tl.load(factors + m)).to(base.dtype.element_ty)
@@ -226,8 +227,10 @@ def _rest(beta: float) -> float:
 
 
 #: Offsets kept per list of addresses, the most recently used last (gradients that autograd
-#: allocates afresh each step mostly come back at the addresses of the step before).
+#: allocates afresh each step mostly come back at the addresses of the step before); the
+#: oldest go beyond :data:`_KEPT`, except those a CUDA graph captured (its replays read them).
 _OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_CAPTURED: dict[tuple, torch.Tensor] = {}
 _KEPT = 256
 
 
@@ -239,6 +242,8 @@ def _kept(key: tuple, make) -> torch.Tensor:
             _OFFSETS.popitem(last=False)
     else:
         _OFFSETS.move_to_end(key)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _CAPTURED[key] = found
     return found
 
 
