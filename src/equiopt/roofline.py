@@ -161,26 +161,8 @@ _FREE = VIEW_OPS | frozenset(
         "_record_function_exit",
     }
 )
-# collectives (c10d's operators): what a rank sends is counted apart, at the link's rate
-_COLLECTIVES = frozenset(
-    {
-        "allreduce_",
-        "allgather_",
-        "_allgather_base_",
-        "allgather_into_tensor_coalesced_",
-        "reduce_scatter_",
-        "_reduce_scatter_base_",
-        "reduce_scatter_tensor_coalesced_",
-        "alltoall_",
-        "alltoall_base_",
-        "broadcast_",
-        "reduce_",
-        "gather_",
-        "scatter_",
-        "send",
-        "recv_",
-    }
-)
+# collectives (c10d's operators): what a rank sends is counted apart, at the link's rate.
+# Those whose schema puts the output first and the input second:
 _INPUT_SECOND = frozenset(
     {
         "allgather_",
@@ -195,6 +177,7 @@ _INPUT_SECOND = frozenset(
         "scatter_",
     }
 )
+_COLLECTIVES = _INPUT_SECOND | frozenset({"allreduce_", "broadcast_", "reduce_", "send", "recv_"})
 # operators whose first argument is written and not read
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_"})
 # mutable arguments (by position) an operator actually writes, where its schema marks more
@@ -504,9 +487,10 @@ def roofline(
     and rank 0's step counted, what it hands to collectives apart (``sent_gb``, ``link_ms``).
 
     Returns ``{"model", "route", "gram_dtype", "params", "state_mib", "fwd_bwd_ms",
-    "adamw": summary, "recipes": {name: summary}}``; a summary holds ``ms``, ``flops`` by
-    dtype, ``gb`` moved, ``kernels``, ``operators``, ``peak_extra_mib``, ``state_mib`` (a
-    recipe's), ``over_adamw``, ``over_fwd_bwd`` and the ``top`` operators and stages.
+    "placement", "adamw": summary, "recipes": {name: summary}}``; a summary holds ``ms``,
+    ``flops`` by dtype, ``gb`` moved, ``kernels``, ``operators``, ``peak_extra_mib``,
+    ``sent_gb``, ``link_ms``, ``collectives``, ``state_mib`` (a recipe's), ``over_adamw``,
+    ``over_fwd_bwd`` and the ``top`` operators and stages.
     """
     if shards > 1:
         import torch.distributed as dist

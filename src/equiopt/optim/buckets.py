@@ -190,7 +190,7 @@ class Part:
                 beta2=float(g.get("beta2") or 0.0),
                 work_is_view=self.work_is_view,
                 update_in_place=self.update_in_place,
-                add_factor=self._work_strides is not None and not self.adamw and len(self.params) > 1,
+                add_factor=self._work_strides is not None and len(self.params) > 1,
             )
         return self._spec
 
@@ -331,18 +331,18 @@ class Part:
         if self.spec.single and not self.adamw:
             return
         wd = self.group["weight_decay"]
+        decay = 1.0 - (lr * wd) * okl if wd else None
         if isinstance(update, tuple):
             assert self._work_strides is not None
             factor, scales = update
-            decay = 1.0 - (lr * wd) * okl if wd else None
             fused.factor_add_(self.params, factor, scales, decay, self.place, self._work_strides)
             return
         stack = self._update_stack if update is None else update
         if self._fused_finish and stack is not None and stack.is_contiguous():
-            fused.decay_add_(self.params, stack, 1.0 - (lr * wd) * okl if wd else None)
+            fused.decay_add_(self.params, stack, decay)
             return
-        if wd:
-            torch._foreach_mul_(self.params, list(torch.unbind(1.0 - (lr * wd) * okl, 0)))
+        if decay is not None:
+            torch._foreach_mul_(self.params, list(torch.unbind(decay, 0)))
         if self.adamw and update is None:
             torch._foreach_addcdiv_(self.params, self.views["exp_avg"], self._scratch_members)
         elif update is not None:

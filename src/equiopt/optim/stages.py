@@ -168,14 +168,15 @@ def _placed_directly(key: MapKey, spec: Spec) -> bool:
 def _straight_into_place(key: MapKey, spec: Spec, source: Any, place: torch.Tensor | None) -> torch.Tensor | None:
     """For a part whose work matrices are not its stack (transposed, or heads split along
     columns) and whose gradients are read where they are (``source`` a list): its place in
-    the map's input seen in the stored layout, ``(B, rows, cols)`` strided, where the fused
-    momentum operator writes the direction; None where that does not apply."""
-    if place is None or spec.work_is_view or spec.flat or key.center == PRECENTRED or not isinstance(source, list):
+    the map's input seen in the stored layout (a view of it where ``spec.update_in_place``),
+    ``(B, rows, cols)`` strided, where the fused momentum operator writes the direction;
+    None where that does not apply."""
+    if place is None or spec.work_is_view or spec.flat or not spec.update_in_place or key.center == PRECENTRED:
+        return None
+    if not isinstance(source, list):  # (stacked gradients fill the place first)
         return None
     stored = spec.layout.stacked_from_work([place.view(spec.members, *spec.work_shape)])  # type: ignore[union-attr]
-    if stored.dim() != 3 or stored.data_ptr() != place.data_ptr():
-        return None
-    return stored
+    return stored if stored.dim() == 3 else None
 
 
 def bucket_core(

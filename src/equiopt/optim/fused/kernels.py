@@ -97,17 +97,23 @@ def _momentum_kernel(
 
 
 @triton.jit
+def _decay_add(where, mask, u, factor, DECAY: tl.constexpr):
+    # W <- f W + u (f read from the pointer ``factor``), the decay rounded to the weights'
+    # dtype first, as two foreach operators round it
+    w = tl.load(where, mask=mask, other=0.0)
+    if DECAY:
+        w = (w.to(tl.float32) * tl.load(factor)).to(where.dtype.element_ty)
+    tl.store(where, (w.to(tl.float32) + u).to(where.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _decay_add_kernel(base, offsets, upd, factors, n, DECAY: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     m = tl.program_id(1)
     i = b * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
-    where = base + tl.load(offsets + m) + i
-    w = tl.load(where, mask=mask, other=0.0)
-    if DECAY:
-        w = (w.to(tl.float32) * tl.load(factors + m)).to(base.dtype.element_ty)
     u = tl.load(upd + m.to(tl.int64) * n + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(where, (w.to(tl.float32) + u).to(base.dtype.element_ty), mask=mask)
+    _decay_add(base + tl.load(offsets + m) + i, mask, u, factors + m, DECAY)
 
 
 @triton.jit
@@ -144,10 +150,7 @@ def _factor_add_kernel(
     u = tl.where((u - u) == 0.0, u, 0.0)  # NaN and Inf read as 0
     u = u * tl.load(scales + matrix, mask=mask, other=0.0)  # the update as the unfused stage rounds it
     where = base + tl.load(offsets + m) + h.to(tl.int64) * ws0 + r.to(tl.int64) * ws1 + c.to(tl.int64) * ws2
-    w = tl.load(where, mask=mask, other=0.0)
-    if DECAY:
-        w = (w.to(tl.float32) * tl.load(factors + m)).to(base.dtype.element_ty)
-    tl.store(where, (w.to(tl.float32) + u).to(base.dtype.element_ty), mask=mask)
+    _decay_add(where, mask, u, factors + m, DECAY)
 
 
 def _grid(n: int, members: int) -> tuple[int, int]:
@@ -269,13 +272,17 @@ def _strided_starts(members: int, n: int, device: torch.device) -> torch.Tensor:
     return _kept(("stack", device, members, n), lambda: _to_device([m * n for m in range(members)], device))
 
 
+def _multipliers(factors: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The decay factors as a foreach multiply of weights of ``dtype`` takes them, in float32."""
+    return None if factors is None else factors.to(dtype).float()
+
+
 def decay_add_(params: list[torch.Tensor], update: torch.Tensor, factors: torch.Tensor | None) -> None:
     """:func:`.ops.decay_add_` in one kernel (contiguous weights and update stack)."""
     members = len(params)
     n = params[0].numel()
     upd = update.reshape(members, n)
-    if factors is not None:
-        factors = factors.to(params[0].dtype).float()  # the multiplier as a foreach multiply takes it
+    factors = _multipliers(factors, params[0].dtype)
     _decay_add_kernel[_grid(n, members)](
         params[0],
         _offsets(params),
@@ -299,8 +306,7 @@ def factor_add_(
     per = factor.shape[0] // members
     rows, cols = factor.shape[-2:]
     n = per * rows * cols
-    if factors is not None:
-        factors = factors.to(params[0].dtype).float()  # the multiplier as a foreach multiply takes it
+    factors = _multipliers(factors, params[0].dtype)
     k = scales.reshape(-1).float()
     _factor_add_kernel[_grid(n, members)](
         params[0],
