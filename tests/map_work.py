@@ -9,21 +9,27 @@ import torch.distributed as dist
 @contextmanager
 def counting_map_work():
     """Yield a list that receives the cost (``owners.map_cost``) of every matrix the
-    engine maps whole on this rank while the block runs."""
+    engine maps whole on this rank while the block runs (for an owner, or as its share of
+    a divided bucket)."""
     import equiopt.optim.distribute as distribute
+    import equiopt.optim.divided as divided
     from equiopt.optim.owners import map_cost
 
-    done, original = [], distribute.map_whole
+    done, original, share = [], distribute.map_whole, divided.map_share
 
     def counting(jobs):
         done.extend(map_cost(D.shape) for _, _, D in jobs)
         return original(jobs)
 
-    distribute.map_whole = counting
+    def counting_share(key, eta, x, narrow):  # a bucket divided by matrices (equiopt.optim.divided)
+        done.append(map_cost(x.shape))
+        return share(key, eta, x, narrow)
+
+    distribute.map_whole, divided.map_share = counting, counting_share
     try:
         yield done
     finally:
-        distribute.map_whole = original
+        distribute.map_whole, divided.map_share = original, share
 
 
 def check_work_divided(done, costs) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Optimizer work divided among DDP replicas (``divide_work``), on 2 and 3 gloo processes.
 
 Every rank holds the same parameters and gradients (as after DDP's all-reduce). With
-``divide_work`` the Gram maps (right-spectral, hybrid) sum one slice of the rows per
-replica and all-reduce the ``d x d`` sums; every other matrix-product map runs on one
-owner rank and is broadcast. The weights must be bit-identical on every rank, equal the
+``divide_work`` a bucket of matrices that share a map is divided by matrices, each
+replica mapping its share and the factors all-gathered; of the rest, the Gram maps
+(right-spectral, hybrid) sum one slice of the rows per replica and all-reduce the
+``d x d`` sums, and every other matrix-product map runs on one owner rank and is broadcast. The weights must be bit-identical on every rank, equal the
 undivided step, each rank must do only its share, and what crosses ranks is exactly the
 Grams and the broadcast updates.
 """
@@ -89,8 +90,12 @@ def _matrices(shape):
 
 
 def _check_division(world):
-    """Muon on several same-shaped matrices: each rank maps only its share; one broadcast
-    per owner and wave carries exactly the updates of the matrices it owns."""
+    """Muon on several same-shaped matrices: each rank maps only its share. A bucket of at
+    least one matrix per rank is divided by matrices, its factors all-gathered (one
+    all-gather per bucket, padded to equal shares); every other matrix is mapped by one
+    owner, one broadcast per owner and wave carrying exactly the updates it owns."""
+    from collections import Counter
+
     from equiopt.distributed import record_collectives
     from equiopt.optim import EquivariantOptimizer
     from equiopt.optim.owners import assign
@@ -118,17 +123,66 @@ def _check_division(world):
     costs = [s[0] * s[1] * min(s) for s in shapes]
     assert 0 < sum(done) < sum(costs), (done, costs)
     check_work_divided(done, costs)
+    counts = Counter(shapes)
+    gathers = [r for r in log if r.op == "all_gather"]
+    divided = {s: c for s, c in counts.items() if c >= world}
+    assert sorted(r.bytes for r in gathers) == sorted(
+        -(-c // world) * world * s[0] * s[1] * 4 for s, c in divided.items()
+    )
+    owned = [s for s in shapes if counts[s] < world]
     broadcasts = [r for r in log if r.op == "broadcast"]
     # one broadcast per owner and wave (waves take every WAVES-th matrix, longest first)
-    order = sorted(range(len(shapes)), key=lambda t: (-costs[t], t))
-    owners = assign(costs, world)
-    expected = sum(len({owners[t] for t in order[w::WAVES]}) for w in range(min(WAVES, len(shapes))))
-    assert len(broadcasts) == expected and all(r.op in ("broadcast", "all_reduce") for r in log), log.summary()
-    assert sum(r.bytes for r in broadcasts) == sum(s[0] * s[1] * 4 for s in shapes)
+    owned_costs = [s[0] * s[1] * min(s) for s in owned]
+    order = sorted(range(len(owned)), key=lambda t: (-owned_costs[t], t))
+    owners = assign(owned_costs, world)
+    expected = sum(len({owners[t] for t in order[w::WAVES]}) for w in range(min(WAVES, len(owned))))
+    assert len(broadcasts) == expected, log.summary()
+    assert all(r.op in ("broadcast", "all_reduce", "all_gather") for r in log), log.summary()
+    assert sum(r.bytes for r in broadcasts) == sum(s[0] * s[1] * 4 for s in owned)
     for p, r, q in zip(params, ref, waited):
         assert _identical_on_every_rank(p)
         assert _rel(p.detach(), r.detach()) <= 1e-5
         assert torch.equal(p.detach(), q.detach())
+
+
+def _check_bucket_division(world):
+    """One bucket of ``world + 1`` matrices (a rank with a partial share; on 3 ranks one
+    past the end, which maps nothing): each rank maps its share, and what crosses is the
+    map's own output once, at its width: Muon's bfloat16 polar factor, or a Gram route's
+    ``n x n`` factor (its ``x`` is the input, which every rank holds). The weights are the
+    same on every rank and equal the undivided step; the buckets are made once."""
+    from equiopt.distributed import record_collectives
+    from equiopt.optim import EquivariantOptimizer
+
+    count, m, d = world + 1, 40, 24
+    gen = torch.Generator().manual_seed(17)
+    base = [torch.randn(m, d, generator=gen) for _ in range(count)]
+    grads = [torch.randn(m, d, generator=gen) for _ in range(count)]
+    share = -(-count // world)
+    mine = max(0, min(share, count - dist.get_rank() * share))
+    cases = [
+        (dict(rule="spectral"), [("all_gather", share * world * m * d * 2)]),  # the bfloat16 polar factor
+        (dict(rule="right", method="exact"), [("all_gather", share * world * d * d * 4)]),  # R of x R
+    ]
+    for kw, sent in cases:
+        params = [torch.nn.Parameter(b.clone()) for b in base]
+        refs = [torch.nn.Parameter(b.clone()) for b in base]
+        opt = EquivariantOptimizer(params, lr=0.1, divide_work=True, **kw)
+        ref = EquivariantOptimizer(refs, lr=0.1, **kw)
+        for step in range(2):
+            for p, r, g in zip(params, refs, grads):
+                p.grad, r.grad = g * (step + 1), g * (step + 1)
+            with counting_map_work() as done, record_collectives() as log:
+                opt.step()
+            ref.step()
+            if step == 0:
+                made = opt._buckets
+            assert opt._buckets is made, kw  # made once
+            assert sum(done) == mine * m * d * min(m, d), (kw, done, mine)
+            assert [(r.op, r.bytes) for r in log] == sent, (kw, log.summary())
+        for p, r in zip(params, refs):
+            assert _identical_on_every_rank(p), kw
+            assert _rel(p.detach(), r.detach()) <= 1e-6, (kw, _rel(p.detach(), r.detach()))
 
 
 def _check_gram_division(world):
@@ -251,6 +305,7 @@ def _check_divided_inverses(world):
 def _worker(rank, world):
     _check_recipes(world)
     _check_division(world)
+    _check_bucket_division(world)
     _check_gram_division(world)
     _check_divided_inverses(world)
 

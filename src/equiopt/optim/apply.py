@@ -31,22 +31,54 @@ def finite_flags(grads: Sequence[torch.Tensor], limit: float = GRAD_LIMIT) -> to
     One foreach infinity norm over all of them (the largest magnitude: it neither
     overflows, as a sum or a 2-norm of large finite entries would, nor hides a NaN, which
     it propagates as ``torch.nn.utils.clip_grad_norm_``'s non-finite check relies on) and
-    one comparison, which a NaN fails: three operators however many gradients. An empty
-    tensor (an empty shard) is finite.
+    one comparison, which a NaN fails: three operators however many gradients. On a CPU a
+    large gradient is read by ``aminmax`` instead, the same test in a faster pass there
+    (:data:`CPU_MINMAX`). An empty tensor (an empty shard) is finite.
     """
     present = [k for k, g in enumerate(grads) if g.numel()]
     if not present:
         return torch.ones(len(grads), dtype=torch.bool, device=grads[0].device if grads else None)
-    norms: Sequence[torch.Tensor] = torch._foreach_norm([grads[k] for k in present], INF_NORM)
-    if len({n.dtype for n in norms}) > 1:
-        norms = [n.float() for n in norms]
-    largest = torch.stack(list(norms))
-    flags = largest < limit if limit == INF_NORM else largest <= limit
+    seen = [grads[k] for k in present]
+    flags = _cpu_flags(seen, limit) if seen[0].device.type == "cpu" else _within(_largest(seen), limit)
     if len(present) == len(grads):
         return flags
     out = torch.ones(len(grads), dtype=torch.bool, device=flags.device)
     out[present] = flags
     return out
+
+
+#: On a CPU, a gradient of at least this many entries is checked by its least and largest
+#: entries (``aminmax``, one vectorised pass), not by its infinity norm (a slower pass there).
+CPU_MINMAX = 2**16
+
+
+def _largest(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's largest magnitude, ``(len(grads),)``: one foreach infinity norm."""
+    norms: Sequence[torch.Tensor] = torch._foreach_norm(list(grads), INF_NORM)
+    if len({n.dtype for n in norms}) > 1:
+        norms = [n.float() for n in norms]
+    return torch.stack(list(norms))
+
+
+def _within(t: torch.Tensor, limit: float) -> torch.Tensor:
+    return t < limit if limit == INF_NORM else t <= limit
+
+
+def _cpu_flags(grads: Sequence[torch.Tensor], limit: float) -> torch.Tensor:
+    """:func:`finite_flags` on a CPU: the large tensors by ``aminmax`` (a NaN fails both
+    bounds), the others by one foreach infinity norm."""
+    large = [k for k, g in enumerate(grads) if g.numel() >= CPU_MINMAX]
+    if not large:
+        return _within(_largest(grads), limit)
+    flags: list[torch.Tensor | None] = [None] * len(grads)
+    for k in large:
+        low, high = torch.aminmax(grads[k])
+        flags[k] = _within(high, limit) & _within(-low, limit)
+    small = [k for k in range(len(grads)) if flags[k] is None]
+    if small:
+        for k, flag in zip(small, _within(_largest([grads[k] for k in small]), limit).unbind(0)):
+            flags[k] = flag
+    return torch.stack(flags)  # type: ignore[arg-type]
 
 
 def sanitize(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -378,9 +378,10 @@ class Bucket:
     """Parts whose work matrices share one map: equal map settings (:class:`MapKey`) and
     work-matrix shape, on one device in one compute dtype."""
 
-    def __init__(self, key: MapKey, parts: list[Part]):
+    def __init__(self, key: MapKey, parts: list[Part], division: str = "local"):
         self.key = key
         self.parts = parts
+        self.division = division  # how replicas divide its map (:mod:`.divided`)
         self.eta = parts[0].group["eta"]
         self.scratch: torch.Tensor | None = None  # its parts' places end to end (:class:`Buckets`)
 
@@ -393,9 +394,10 @@ class Buckets:
     the next begins): sanitised there, never in ``.grad``, and nothing of the gradients'
     size is allocated after the first step."""
 
-    def __init__(self, matrix: list[Bucket], adamw: list[Part]):
+    def __init__(self, matrix: list[Bucket], adamw: list[Part], declined: set[int] | None = None):
         self.matrix = matrix
         self.adamw = adamw
+        self.declined = declined or set()  # ids of parameters whose bucket ``admit`` declined
         self.covered = {id(p) for b in matrix for part in b.parts for p in part.params}
         self.covered |= {id(p) for part in adamw for p in part.params}
         units = [b.parts for b in matrix] + [[part] for part in adamw]
@@ -428,10 +430,19 @@ def _structure(group: dict) -> tuple:
 
 
 def make_buckets(
-    groups: Iterable[tuple[dict, list[int]]], state: dict, state_dtype: Callable[[torch.Tensor], torch.dtype]
+    groups: Iterable[tuple[dict, list[int]]],
+    state: dict,
+    state_dtype: Callable[[torch.Tensor], torch.dtype],
+    admit: Callable[[MapKey, tuple[int, int], int], str | None] | None = None,
 ) -> Buckets:
     """Parts and buckets of ``(group, members)`` pairs, one per param group in order (members: positions of the group's
-    parameters that a part may stack), adopting any state the members already have."""
+    parameters that a part may stack), adopting any state the members already have.
+
+    ``admit(key, shape, count)``: how a bucket of ``count`` work matrices of ``shape`` under
+    map ``key`` divides its map among replicas (:attr:`Bucket.division`: ``"local"``,
+    ``"matrices"``, ``"gram"``, see :mod:`.divided`), or None where it is not made (without
+    ``admit``: every bucket, local); the parameters of one it declines keep the
+    per-parameter step and are listed in :attr:`Buckets.declined`."""
     by_part: dict[tuple, list[int]] = defaultdict(list)
     owners: dict[tuple, tuple[int, dict]] = {}
     for index, (group, members) in enumerate(groups):
@@ -443,19 +454,43 @@ def make_buckets(
             key = (id(group), shape, layout if not flat else None, p.dtype, p.device, state_dtype(p), flat)
             by_part[key].append(j)
             owners[key] = (index, group)
-    matrix: dict[tuple, list[Part]] = defaultdict(list)
-    adamw: list[Part] = []
-    for key, members in by_part.items():
-        (index, group), sdtype, flat = owners[key], key[5], key[6]
-        part = Part(group, members, group["layouts"][members[0]], state, sdtype, flat, index)
-        if part.adamw:
-            adamw.append(part)
+    wanted: dict[tuple, list[tuple]] = defaultdict(list)  # a bucket's key -> its parts' keys
+    adamw_keys: list[tuple] = []
+    for key in by_part:
+        group = owners[key][1]
+        if group["rule"] == "adamw":
+            adamw_keys.append(key)
             continue
         mkey = map_key(group)
         if group["center"] and mkey.rule not in POLAR_RULES:
             mkey = precentred(mkey)  # the part centres its direction in place
-        matrix[(mkey, part.work_shape[-2:], part.device, sdtype)].append(part)
-    return Buckets([Bucket(k[0], parts) for k, parts in matrix.items()], adamw)
+        work = key[2].work_shapes(key[1])[0]
+        wanted[(mkey, tuple(work[-2:]), key[4], key[5])].append(key)
+    declined: set[int] = set()
+    matrix: dict[tuple, list[Part]] = {}
+    division: dict[tuple, str] = {}
+    for bkey, keys in wanted.items():
+        division[bkey] = "local"
+        if admit is not None:
+            count = 0
+            for key in keys:
+                per = 1
+                for size in key[2].work_shapes(key[1])[0][:-2]:
+                    per *= size
+                count += per * len(by_part[key])
+            how = admit(bkey[0], bkey[1], count)
+            if how is None:
+                declined |= {id(owners[key][1]["params"][j]) for key in keys for j in by_part[key]}
+                continue
+            division[bkey] = how
+        matrix[bkey] = [_part(key, by_part[key], owners[key], state) for key in keys]
+    adamw = [_part(key, by_part[key], owners[key], state) for key in adamw_keys]
+    return Buckets([Bucket(k[0], parts, division[k]) for k, parts in matrix.items()], adamw, declined)
+
+
+def _part(key: tuple, members: list[int], owner: tuple[int, dict], state: dict) -> Part:
+    (index, group), sdtype, flat = owner, key[5], key[6]
+    return Part(group, members, group["layouts"][members[0]], state, sdtype, flat, index)
 
 
 class Cores:

@@ -21,6 +21,8 @@ from ..layouts import Layout
 from . import distribute, per_parameter
 from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, resolve_cost_model
+from .distribute import DIVIDED_RULES
+from .divided import DividedMap, GramDivided, division
 from .errors import NonFiniteGradientError, UnsupportedTensorError
 from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
 from .param_groups import COMPLEX_RULES, check_gradients, prepare_group
@@ -272,6 +274,7 @@ class EquivariantOptimizer(Optimizer):
         self._update_skips: torch.Tensor | None = None
         self._peers: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}
         self._buckets: Buckets | None = None
+        self._divided_maps: dict[str, Any] = {}
         self._eligible: dict[int, tuple] = {}
         defaults = dict(
             lr=lr,
@@ -313,7 +316,7 @@ class EquivariantOptimizer(Optimizer):
             ValueError: a bad setting or parameter, naming it; the optimizer is left as it was.
         """
         super().add_param_group(param_group)
-        self._buckets, self._eligible = None, {}
+        self._buckets, self._eligible, self._divided_maps = None, {}, {}
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
         try:
@@ -406,7 +409,9 @@ class EquivariantOptimizer(Optimizer):
         load_state_dict(self, state_dict, super().load_state_dict)
 
     # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
-    _CACHES = tuple("_compiled_step _lr_cache _last_flags _shardings _plans _peers _buckets _eligible".split())
+    _CACHES = tuple(
+        "_compiled_step _lr_cache _last_flags _shardings _plans _peers _buckets _eligible _divided_maps".split()
+    )
 
     def __getstate__(self) -> dict:
         """torch's state (defaults, state, param groups) and this optimizer's own settings,
@@ -422,7 +427,7 @@ class EquivariantOptimizer(Optimizer):
         super().__setstate__(state)
         self._compiled_step = None
         self._lr_cache, self._last_flags, self._shardings, self._plans, self._peers = {}, [], {}, {}, {}
-        self._buckets, self._eligible = None, {}
+        self._buckets, self._eligible, self._divided_maps = None, {}, {}
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -485,15 +490,43 @@ class EquivariantOptimizer(Optimizer):
         found = self._buckets
         if found is not None and found.intact(self.state):
             fresh = any(
-                p.grad is not None and id(p) not in found.covered
+                p.grad is not None and id(p) not in found.covered and id(p) not in found.declined
                 for g in self.param_groups
                 for p in (g["params"][j] for j in self._stackable(g))
             )
             if not fresh:
                 return
         self._buckets = make_buckets(
-            [(g, self._stackable(g)) for g in self.param_groups], self.state, self._state_dtype
+            [(g, self._stackable(g)) for g in self.param_groups], self.state, self._state_dtype, self._admit()
         )
+
+    def _admit(self) -> Callable[[MapKey, tuple[int, int], int], str | None] | None:
+        """How replicas divide each bucket of the matrix-product maps (:func:`.divided.division`);
+        None without ``divide_work``."""
+        if self._replicas is None:
+            return None
+        import torch.distributed as dist
+
+        replicas = dist.get_world_size(self._replicas)
+        device = next((p.device.type for g in self.param_groups for p in g["params"]), "cpu")
+        costs = resolve_cost_model(self.cost_model, device)
+
+        def admit(key: MapKey, shape: tuple[int, int], count: int) -> str | None:
+            if key.rule not in DIVIDED_RULES:
+                return "local"
+            return division(costs, key, shape, count, replicas, self.overlap)
+
+        return admit
+
+    def _map_fn(self, bucket) -> Callable[..., Any]:
+        """A bucket's map: local, or divided among the replicas (:mod:`.divided`)."""
+        if bucket.division == "local":
+            return distribute.factored_map
+        found = self._divided_maps.get(bucket.division)
+        if found is None:
+            made = DividedMap if bucket.division == "matrices" else GramDivided
+            found = self._divided_maps[bucket.division] = made(self._replicas)
+        return found
 
     @_host_side
     def _check_gradients(self) -> None:
@@ -554,7 +587,11 @@ class EquivariantOptimizer(Optimizer):
         if stacked is not None:
             covered = stacked.covered
             for bucket in stacked.matrix:
-                run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map, cores)
+                # a divided map's collectives sit inside the core: it runs eagerly
+                local = bucket.division == "local"
+                run_bucket(
+                    bucket, lrs, last_flags, self._skip_counter(), self._map_fn(bucket), cores if local else None
+                )
             for part in stacked.adamw:
                 run_adamw(part, lrs[part.index], last_flags, cores)
         return last_flags + per_parameter.step(self, lrs, covered)

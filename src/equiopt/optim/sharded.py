@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..distributed.collectives import gather_into, scatter_sum
 from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group, row_range
 from ..layouts import Col, Experts, Heads, Layout, Row
 from .costs import CostModel, map_flops, prefers_reduce
@@ -115,11 +116,7 @@ class ShardSum:
             flat = torch.cat([flat, flat.new_zeros(k * n - b, *mat)])
         flat = flat.contiguous()
         mine = flat.new_empty(k, *mat)
-        self.collective(
-            lambda async_op: dist.reduce_scatter_tensor(
-                mine, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op
-            )
-        )
+        self.collective(lambda async_op: scatter_sum(mine, flat, group=self.group, async_op=async_op))
         first, real = me * k, max(0, min(k, b - me * k))
         parts = [e.reshape(b, *e.shape[len(lead) :]).narrow(0, min(first, b), real) for e in extras]
         out = fn(mine[:real], *parts)
@@ -127,9 +124,7 @@ class ShardSum:
             out = torch.cat([out, out.new_zeros(k - real, *out.shape[1:])])
         out = out.contiguous()
         gathered = out.new_empty(k * n, *out.shape[1:])
-        self.collective(
-            lambda async_op: dist.all_gather_into_tensor(gathered, out, group=self.group, async_op=async_op)
-        )
+        self.collective(lambda async_op: gather_into(gathered, out, group=self.group, async_op=async_op))
         return gathered[:b].reshape(*lead, *out.shape[1:])
 
 

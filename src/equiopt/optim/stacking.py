@@ -1,7 +1,8 @@
 """Which parameters a bucket may hold (:mod:`.buckets`): plain local tensors of the matrix
-rules with one work tensor each, not ``lazy``, not divided among replicas, and of
-``adamw``, in groups that skip non-finite gradients; everything else takes the
-per-parameter step (:mod:`.per_parameter`)."""
+rules with one work tensor each, not ``lazy``, and of ``adamw``, in groups that skip
+non-finite gradients (a bucket that ``divide_work``'s replicas cannot divide by matrices is
+then declined, :mod:`.divided`); everything else takes the per-parameter step
+(:mod:`.per_parameter`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .distribute import DIVIDED_RULES
 from .fields import MATRIX_RULES
 
 if TYPE_CHECKING:
@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 def stackable(opt: EquivariantOptimizer, group: dict) -> list[int]:
     """Positions of ``group``'s parameters whose state a bucket may stack (see
     :mod:`.buckets`): plain tensors of the matrix rules (one work tensor each, not
-    ``lazy``; not the matrix-product maps that ``divide_work`` divides among replicas)
-    and of ``adamw``, when the group skips non-finite gradients; each once it has state
+    ``lazy``) and of ``adamw``, when the group skips non-finite gradients; each once it has state
     or a gradient."""
     settings = (group["rule"], group["nonfinite"], group["lazy"], len(group["params"]))
     cached = opt._eligible.get(id(group))
@@ -32,12 +31,7 @@ def stackable(opt: EquivariantOptimizer, group: dict) -> list[int]:
 
 def eligible_members(opt: EquivariantOptimizer, group: dict) -> list[int]:
     rule = group["rule"]
-    if (
-        (opt._replicas is not None and rule in DIVIDED_RULES)  # divided among replicas: distribute.run
-        or group["nonfinite"] != "skip"
-        or group["lazy"]
-        or (rule not in MATRIX_RULES and rule != "adamw")
-    ):
+    if group["nonfinite"] != "skip" or group["lazy"] or (rule not in MATRIX_RULES and rule != "adamw"):
         return []
     out = []
     for j, p in enumerate(group["params"]):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..apply import GRAD_LIMIT
+from ..apply import GRAD_LIMIT, finite_flags
 
 __all__ = ["grad_flags", "momentum_stage", "decay_add_", "factor_add_"]
 
@@ -47,8 +47,8 @@ def grad_flags(sources: list[Tensor], counters: Tensor, present: Tensor | None, 
         seen = sources[0].reshape(members, -1)
         # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
         finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
-    else:  # the largest magnitude of each (NaN and Inf fail the bound)
-        finite = torch.stack(torch._foreach_norm(sources, float("inf"))) <= GRAD_LIMIT
+    else:  # each one's least and largest entries, or its largest magnitude (NaN and Inf fail the bound)
+        finite = finite_flags(sources)
     return _combine(finite, counters, present)
 
 
