@@ -263,23 +263,30 @@ def test_fsdp2_step_equals_one_process_and_sends_what_is_planned(world, gloo):
 
 
 def _count_ops(rank, world):
-    from equiopt.opcount import placed_step_ops
+    from equiopt.opcount import ops_per_step, placed_step_ops
+    from equiopt.roles import build_optimizer
 
     counts = {}
     for recipe, placement in SHARDED_OPS:
         for layers in (4, 8):
             found = placed_step_ops(recipe, layers, placement)
             counts[(recipe, placement, layers)] = (found.total, found.launches)
+    for recipe in DIVIDED_OPS:  # one process, for the divided step's bound
+        found = ops_per_step(lambda m, r=recipe: build_optimizer(m, r, compile=False)[0], 8)
+        counts[(recipe, "one", 8)] = (found.total, found.launches)
+        found = placed_step_ops(recipe, 8, "ddp")
+        counts[(recipe, "ddp", 8)] = (found.total, found.launches)
     return counts
 
 
 SHARDED_OPS = (("paper:qwen3:a-i", "fsdp2"), ("normuon", "fsdp2"), ("paper:qwen3:a-i", "ddp"))
+DIVIDED_OPS = ("paper:qwen3:a-i", "paper:qwen3:b-ii", "normuon")
 
 
 @pytest.mark.slow
 def test_a_sharded_step_dispatches_a_few_operators_per_parameter(gloo):
     """The Qwen3-0.6B structure (11 parameters a layer) under FSDP2 on 2 ranks (and under DDP
-    with divided maps, whose owners broadcast their batches as one buffer): each stage of
+    with divided maps, bucketed as on one process): each stage of
     the sharded parameters' step is one foreach operator or one batched call per group or
     shape, and the owner exchange moves alike matrices as one stack, so four more layers (44
     parameters) add a few views a parameter and, for a-i, a handful of kernels in all (an
@@ -287,7 +294,7 @@ def test_a_sharded_step_dispatches_a_few_operators_per_parameter(gloo):
     stage still runs per block. One by one the stages cost about 45 operators a parameter,
     25 of them kernels: flags, sanitising, momentum, decay, guard and add per parameter."""
     counts = gloo(_count_ops, 2)[0]
-    # per parameter: operators, kernels (DDP with divided maps: each owner's batches travel as one buffer)
+    # per parameter: operators, kernels
     bounds = {
         ("paper:qwen3:a-i", "fsdp2"): (4, 0.25),
         ("normuon", "fsdp2"): (8, 2),
@@ -297,6 +304,12 @@ def test_a_sharded_step_dispatches_a_few_operators_per_parameter(gloo):
         grown = [b - a for a, b in zip(counts[(*case, 4)], counts[(*case, 8)])]
         ops, kernels = bounds[case]
         assert grown[0] <= ops * 44 and grown[1] <= kernels * 44, (case, counts)
+    # DDP with divided maps steps the buckets of one process: its operators are one
+    # process's, and a-i's four more layers add none (each bucket's share and all-gather)
+    assert counts[("paper:qwen3:a-i", "ddp", 8)] == counts[("paper:qwen3:a-i", "ddp", 4)], counts
+    for recipe in DIVIDED_OPS:
+        one, ddp = counts[(recipe, "one", 8)], counts[(recipe, "ddp", 8)]
+        assert ddp[0] <= 1.1 * one[0] and ddp[1] <= 1.1 * one[1], (recipe, one, ddp)
 
 
 def test_unsupported_placements_fail_at_construction(tmp_path):

@@ -42,6 +42,7 @@ entry no longer is the view it handed out.
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections import defaultdict
@@ -455,6 +456,7 @@ def make_buckets(
             by_part[key].append(j)
             owners[key] = (index, group)
     wanted: dict[tuple, list[tuple]] = defaultdict(list)  # a bucket's key -> its parts' keys
+    matrices: dict[tuple, int] = {}  # a part's key -> its work matrices
     adamw_keys: list[tuple] = []
     for key in by_part:
         group = owners[key][1]
@@ -464,7 +466,9 @@ def make_buckets(
         mkey = map_key(group)
         if group["center"] and mkey.rule not in POLAR_RULES:
             mkey = precentred(mkey)  # the part centres its direction in place
-        work = key[2].work_shapes(key[1])[0]
+        stored: Layout = key[2]  # type: ignore[assignment]  # (a matrix part always has its layout)
+        work = stored.work_shapes(key[1])[0]
+        matrices[key] = math.prod(work[:-2]) * len(by_part[key])
         wanted[(mkey, tuple(work[-2:]), key[4], key[5])].append(key)
     declined: set[int] = set()
     matrix: dict[tuple, list[Part]] = {}
@@ -472,13 +476,7 @@ def make_buckets(
     for bkey, keys in wanted.items():
         division[bkey] = "local"
         if admit is not None:
-            count = 0
-            for key in keys:
-                per = 1
-                for size in key[2].work_shapes(key[1])[0][:-2]:
-                    per *= size
-                count += per * len(by_part[key])
-            how = admit(bkey[0], bkey[1], count)
+            how = admit(bkey[0], bkey[1], sum(matrices[key] for key in keys))
             if how is None:
                 declined |= {id(owners[key][1]["params"][j]) for key in keys for j in by_part[key]}
                 continue
