@@ -32,10 +32,11 @@ import torch
 from .. import maps
 from ..distributed.collectives import gather_into
 from .costs import CostModel, replica_division
+from .distribute import DIVIDED_RULES
 from .rules import MapKey, factored_map, reducible
 from .sharded import ShardSum
 
-__all__ = ["DividedMap", "GramDivided", "division", "map_share"]
+__all__ = ["replica_group", "Divisions", "DividedMap", "GramDivided", "division", "map_share"]
 
 
 def division(
@@ -54,6 +55,45 @@ def division(
     if reducible(key, m, n) and replica_division(costs, key, (count, m, n), replicas, overlap) == "gram":
         return "gram"
     return None
+
+
+def replica_group(divide_work: Any) -> Any:
+    """The process group of ``divide_work`` (None: no division)."""
+    if divide_work is None or divide_work is False:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "divide_work needs an initialised torch.distributed process group (torchrun, "
+            "init_process_group); pass divide_work=False for a single process"
+        )
+    return dist.group.WORLD if divide_work is True else divide_work
+
+
+class Divisions:
+    """How the replicas of ``group`` divide each bucket (:meth:`admit`, for
+    :func:`~.buckets.make_buckets`) and the map a divided bucket runs (:meth:`map_fn`)."""
+
+    def __init__(self, group: Any, costs: CostModel, overlap: bool):
+        import torch.distributed as dist
+
+        self.group, self.costs, self.overlap = group, costs, overlap
+        self.replicas = dist.get_world_size(group)
+        self.maps: dict[str, Any] = {}
+
+    def admit(self, key: MapKey, shape: tuple[int, int], count: int) -> str | None:
+        """:func:`division` for the matrix-product maps; every other map runs whole on every rank."""
+        if key.rule not in DIVIDED_RULES:
+            return "local"
+        return division(self.costs, key, shape, count, self.replicas, self.overlap)
+
+    def map_fn(self, how: str) -> Any:
+        """The ``map_fn`` of a bucket divided ``how`` (``"matrices"`` or ``"gram"``)."""
+        found = self.maps.get(how)
+        if found is None:
+            found = self.maps[how] = (DividedMap if how == "matrices" else GramDivided)(self.group)
+        return found
 
 
 def map_share(key: MapKey, eta: Any, x: torch.Tensor, narrow: bool) -> maps.Factored:

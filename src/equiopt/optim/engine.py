@@ -21,8 +21,7 @@ from ..layouts import Layout
 from . import distribute, per_parameter
 from .buckets import Buckets, Cores, make_buckets, run_adamw, run_bucket
 from .costs import mesh_cost_model, resolve_cost_model
-from .distribute import DIVIDED_RULES
-from .divided import DividedMap, GramDivided, division
+from .divided import Divisions, replica_group
 from .errors import NonFiniteGradientError, UnsupportedTensorError
 from .fields import ELEMENTWISE_RULES, MATRIX_RULES, default
 from .param_groups import COMPLEX_RULES, check_gradients, prepare_group
@@ -33,21 +32,6 @@ from .stacking import stackable
 from .state_entries import init_state, state_dtype
 from .state_io import load_state_dict
 from .validate import check_hyperparameters, is_default
-
-
-def _replica_group(divide_work):
-    """The process group of ``divide_work`` (None: no division)."""
-    if divide_work is None or divide_work is False:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "divide_work needs an initialised torch.distributed process group (torchrun, "
-            "init_process_group); pass divide_work=False for a single process"
-        )
-    return dist.group.WORLD if divide_work is True else divide_work
-
 
 _HOST_SIDE = (
     "EquivariantOptimizer keeps its bookkeeping (buckets, peer optimizers, learning rates) on "
@@ -262,7 +246,7 @@ class EquivariantOptimizer(Optimizer):
         resolve_cost_model(cost_model)  # an unknown name fails here, by name
         self.cost_model = cost_model
         self.overlap = bool(overlap)
-        self._replicas = _replica_group(divide_work)
+        self._replicas = replica_group(divide_work)
         self.eager_state = eager_state
         self.compile = compile
         self._compiled_step: Cores | None = None
@@ -274,7 +258,7 @@ class EquivariantOptimizer(Optimizer):
         self._update_skips: torch.Tensor | None = None
         self._peers: dict[int, tuple[tuple, torch.optim.Optimizer]] = {}
         self._buckets: Buckets | None = None
-        self._divided_maps: dict[str, Any] = {}
+        self._divided: Divisions | None = None
         self._eligible: dict[int, tuple] = {}
         defaults = dict(
             lr=lr,
@@ -316,7 +300,7 @@ class EquivariantOptimizer(Optimizer):
             ValueError: a bad setting or parameter, naming it; the optimizer is left as it was.
         """
         super().add_param_group(param_group)
-        self._buckets, self._eligible, self._divided_maps = None, {}, {}
+        self._buckets, self._eligible, self._divided = None, {}, None
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
         try:
@@ -409,9 +393,7 @@ class EquivariantOptimizer(Optimizer):
         load_state_dict(self, state_dict, super().load_state_dict)
 
     # Caches of the step (keyed by object ids, or compiled code): rebuilt after a copy.
-    _CACHES = tuple(
-        "_compiled_step _lr_cache _last_flags _shardings _plans _peers _buckets _eligible _divided_maps".split()
-    )
+    _CACHES = tuple("_compiled_step _lr_cache _last_flags _shardings _plans _peers _buckets _eligible _divided".split())
 
     def __getstate__(self) -> dict:
         """torch's state (defaults, state, param groups) and this optimizer's own settings,
@@ -427,7 +409,7 @@ class EquivariantOptimizer(Optimizer):
         super().__setstate__(state)
         self._compiled_step = None
         self._lr_cache, self._last_flags, self._shardings, self._plans, self._peers = {}, [], {}, {}, {}
-        self._buckets, self._eligible, self._divided_maps = None, {}, {}
+        self._buckets, self._eligible, self._divided = None, {}, None
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -496,37 +478,20 @@ class EquivariantOptimizer(Optimizer):
             )
             if not fresh:
                 return
+        self._divided = self._divisions()
         self._buckets = make_buckets(
-            [(g, self._stackable(g)) for g in self.param_groups], self.state, self._state_dtype, self._admit()
+            [(g, self._stackable(g)) for g in self.param_groups],
+            self.state,
+            self._state_dtype,
+            None if self._divided is None else self._divided.admit,
         )
 
-    def _admit(self) -> Callable[[MapKey, tuple[int, int], int], str | None] | None:
-        """How replicas divide each bucket of the matrix-product maps (:func:`.divided.division`);
-        None without ``divide_work``."""
+    def _divisions(self) -> Divisions | None:
+        """How ``divide_work``'s replicas divide each bucket (None without it)."""
         if self._replicas is None:
             return None
-        import torch.distributed as dist
-
-        replicas = dist.get_world_size(self._replicas)
         device = next((p.device.type for g in self.param_groups for p in g["params"]), "cpu")
-        costs = resolve_cost_model(self.cost_model, device)
-
-        def admit(key: MapKey, shape: tuple[int, int], count: int) -> str | None:
-            if key.rule not in DIVIDED_RULES:
-                return "local"
-            return division(costs, key, shape, count, replicas, self.overlap)
-
-        return admit
-
-    def _map_fn(self, bucket) -> Callable[..., Any]:
-        """A bucket's map: local, or divided among the replicas (:mod:`.divided`)."""
-        if bucket.division == "local":
-            return distribute.factored_map
-        found = self._divided_maps.get(bucket.division)
-        if found is None:
-            made = DividedMap if bucket.division == "matrices" else GramDivided
-            found = self._divided_maps[bucket.division] = made(self._replicas)
-        return found
+        return Divisions(self._replicas, resolve_cost_model(self.cost_model, device), self.overlap)
 
     @_host_side
     def _check_gradients(self) -> None:
@@ -586,12 +551,13 @@ class EquivariantOptimizer(Optimizer):
         covered: set[int] = set()
         if stacked is not None:
             covered = stacked.covered
+            divided = self._divided
             for bucket in stacked.matrix:
                 # a divided map's collectives sit inside the core: it runs eagerly
-                local = bucket.division == "local"
-                run_bucket(
-                    bucket, lrs, last_flags, self._skip_counter(), self._map_fn(bucket), cores if local else None
-                )
+                if bucket.division == "local" or divided is None:
+                    run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map, cores)
+                else:
+                    run_bucket(bucket, lrs, last_flags, self._skip_counter(), divided.map_fn(bucket.division))
             for part in stacked.adamw:
                 run_adamw(part, lrs[part.index], last_flags, cores)
         return last_flags + per_parameter.step(self, lrs, covered)

@@ -58,12 +58,12 @@ from .inference.mlp import _MlpRoles
 from .inference.model_check import _check_model, _unregistered_modules
 from .inference.names import _is_bias
 from .inference.rules import rule_table
-from .inference.storage import _CONVS as _CONVS
-from .inference.storage import _conv, _storage
+from .inference.storage import CONVS, _conv, _storage
 from .table import RoleRow, RoleTable
 
 __all__ = ["assign_roles", "model_dims", "ModelDims", "RoleInferenceError"]
 # rule_table, input_embedding and _CONVS stay importable from here, where they were defined before
+_CONVS = CONVS
 
 
 def assign_roles(

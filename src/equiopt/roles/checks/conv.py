@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..inference.storage import _CONVS
+from ..inference.storage import CONVS
 from ..table import RoleRow
 from .paths import _module_name
 from .report import RoleCheck
@@ -21,7 +21,7 @@ class _ConvChecks(_RunnerBase):
         targets = []
         for r in self.table:
             mod = self.modules.get(_module_name(r.name))
-            if r.layout is not None and isinstance(mod, _CONVS) and getattr(mod, "weight", None) is r.param:
+            if r.layout is not None and isinstance(mod, CONVS) and getattr(mod, "weight", None) is r.param:
                 targets.append((r, mod))
         if not targets:
             return

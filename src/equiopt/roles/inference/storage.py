@@ -46,7 +46,8 @@ def _orientation(module: nn.Module, attr: str, p: torch.Tensor, hidden: int | No
     return _Orientation("unknown", a, b)
 
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONVS = CONVS  # its former name
 
 
 class _ConvLayout(NamedTuple):
@@ -58,7 +59,7 @@ class _ConvLayout(NamedTuple):
 
 def _conv(module: nn.Module, attr: str, p: torch.Tensor) -> _ConvLayout | None:
     """``(layout, reason)`` of a convolution weight, else None."""
-    if not isinstance(module, _CONVS) or attr != "weight" or p.ndim < 3:
+    if not isinstance(module, CONVS) or attr != "weight" or p.ndim < 3:
         return None
     kernel, groups = tuple(p.shape[2:]), int(getattr(module, "groups", 1) or 1)
     if p.shape[0] % groups:
