@@ -31,6 +31,7 @@ import torch
 
 from .. import maps
 from ..distributed.collectives import gather_into
+from ..linalg.device_choices import decide_as, decides_like
 from .costs import CostModel, replica_division
 from .distribute import DIVIDED_RULES
 from .rules import MapKey, factored_map, reducible
@@ -121,8 +122,13 @@ class DividedMap:
         first = self.rank * share
         real = max(0, min(share, count - first))
         # a rank past the end maps nothing: its factors' shapes come from the meta device
-        mine = x.narrow(0, first, real) if real else x.narrow(0, count - 1, 1).to("meta")
-        f = map_share(key, eta, mine, narrow) if real else factored_map(key, eta, mine, narrow=narrow)
+        if real:
+            mine = x.narrow(0, first, real)
+            f = map_share(key, eta, mine, narrow)
+        else:  # (the meta device deciding as this one: the same precisions, so the same factors)
+            mine = x.narrow(0, count - 1, 1).to("meta")
+            with decide_as(decides_like(x)):
+                f = factored_map(key, eta, mine, narrow=narrow)
         out: dict[str, torch.Tensor | None] = {}
         for name, t in f._asdict().items():
             if t is None:
