@@ -5,8 +5,9 @@ precision (:func:`equiopt.linalg.polar.default_dtype`), whether bfloat16 product
 emulated in float32 (:func:`equiopt.linalg.polar.emulates_bfloat16`), what
 ``gram_dtype="auto"`` resolves to and whether a bfloat16 product returns float32 in one
 operator (:func:`equiopt.maps.gram_precision`, :func:`equiopt.maps.low_product`,
-:func:`equiopt.linalg.products.wide_product`), and the row blocks of an unformed stage
-(:func:`equiopt.maps.row_blocks`). Each asks :func:`decides_like` instead of reading
+:func:`equiopt.linalg.products.wide_product`), the row blocks of an unformed stage
+(:func:`equiopt.maps.row_blocks`), and how a CPU reads a large gradient's finite flags
+(:func:`equiopt.optim.apply.finite_flags`). Each asks :func:`decides_like` instead of reading
 ``tensor.device.type``.
 
 A tensor decides as its own device, except on the meta device (shapes, no data), which

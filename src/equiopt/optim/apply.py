@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..linalg.device_choices import decides_like
 from ..maps import Factored, gemm_, materialize, row_scaled_blocks
 
 INF_NORM = float("inf")
@@ -39,7 +40,7 @@ def finite_flags(grads: Sequence[torch.Tensor], limit: float = GRAD_LIMIT) -> to
     if not present:
         return torch.ones(len(grads), dtype=torch.bool, device=grads[0].device if grads else None)
     seen = [grads[k] for k in present]
-    flags = _cpu_flags(seen, limit) if seen[0].device.type == "cpu" else _within(_largest(seen), limit)
+    flags = _cpu_flags(seen, limit) if decides_like(seen[0]) == "cpu" else _within(_largest(seen), limit)
     if len(present) == len(grads):
         return flags
     out = torch.ones(len(grads), dtype=torch.bool, device=flags.device)
