@@ -120,15 +120,27 @@ def _sync(device: torch.device) -> None:
 def median_time(fn, repeats: int, device: torch.device) -> float:
     """Median time of ``fn()`` over ``repeats`` calls, after one warm-up call (the device
     synchronised around each)."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return median_times({0: fn}, repeats, device)[0]
+
+
+def median_times(fns: dict, repeats: int, device: torch.device, before=None) -> dict:
+    """Median time of each of ``fns`` over ``repeats`` rounds in which each runs once, in
+    turn (what drifts, drifts alike), after one warm-up call each; ``before()``, untimed,
+    ahead of every timed call (the device synchronised around each)."""
+    for fn in fns.values():
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    _sync(device)
+    times: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            if before is not None:
+                before()
+                _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - start)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def time_steps(opt, params, grads, device, repeats: int) -> float:
@@ -481,24 +493,14 @@ def _divided_worker(
         for p, g in zip(params, grads):
             p.grad = g
         for recipe in recipes:
-            # the undivided and the divided step in alternating rounds (what drifts, drifts alike)
+            # the undivided and the divided step in alternating rounds
             divides = (False, True) if world > 1 else (False,)
             opts = {
                 d: build_optimizer(model, recipe, eager_state=True, divide_work=d, compile=False)[0] for d in divides
             }
-            times: dict[bool, list[float]] = {d: [] for d in divides}
+            medians = median_times({d: opts[d].step for d in divides}, repeats, device, before=dist.barrier)
             for d in divides:
-                opts[d].step()  # warm-up
-            for _ in range(repeats):
-                for d in divides:
-                    dist.barrier()
-                    _sync(device)
-                    start = time.perf_counter()
-                    opts[d].step()
-                    _sync(device)
-                    times[d].append(time.perf_counter() - start)
-            for d in divides:
-                results[(recipe, d)] = _slowest(sorted(times[d])[len(times[d]) // 2], device)
+                results[(recipe, d)] = _slowest(medians[d], device)
             del opts
         _save_results(results, rank, out)
     finally:

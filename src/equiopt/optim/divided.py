@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .. import maps
-from ..distributed.collectives import gather_into
+from ..distributed.collectives import equal_shares, gather_shares
 from ..linalg.device_choices import decide_as, decides_like
 from .costs import CostModel, replica_division
 from .distribute import DIVIDED_RULES
@@ -118,9 +118,7 @@ class DividedMap:
         count = x.shape[0]
         if self.ranks < 2:
             return map_share(key, eta, x, narrow)
-        share = -(-count // self.ranks)
-        first = self.rank * share
-        real = max(0, min(share, count - first))
+        share, first, real = equal_shares(count, self.ranks, self.rank)
         # a rank past the end maps nothing: its factors' shapes come from the meta device
         if real:
             mine = x.narrow(0, first, real)
@@ -133,18 +131,11 @@ class DividedMap:
         for name, t in f._asdict().items():
             if t is None:
                 out[name] = None
-                continue
-            if _is_input(t, mine):  # the map's input itself: every rank has all of it
+            elif _is_input(t, mine):  # the map's input itself: every rank has all of it
                 out[name] = x
-                continue
-            if real < share:  # padded to an equal share
-                padded = torch.zeros((share, *t.shape[1:]), dtype=t.dtype, device=x.device)
-                if real:
-                    padded[:real].copy_(t)
-                t = padded
-            gathered = t.new_empty(share * self.ranks, *t.shape[1:])
-            gather_into(gathered, t.contiguous(), group=self.group)
-            out[name] = gathered.narrow(0, 0, count)
+            else:
+                rows = t if real else torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=x.device)
+                out[name] = gather_shares(rows, share, count, self.group)
         return maps.Factored(**out)  # type: ignore[arg-type]  # (x is always set)
 
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed.collectives import gather_into, scatter_sum
+from ..distributed.collectives import equal_shares, gather_shares, scatter_sum
 from ..distributed.placements import Sharding, group_coordinates, is_dtensor, mesh_group, row_range
 from ..layouts import Col, Experts, Heads, Layout, Row
 from .costs import CostModel, map_flops, prefers_reduce
@@ -110,22 +110,16 @@ class ShardSum:
         b, n = math.prod(lead), dist.get_world_size(self.group)
         if not self.divide or b < n:
             return fn(self.sum(t), *extras)
-        me, k = dist.get_rank(self.group), -(-b // n)
+        k, first, real = equal_shares(b, n, dist.get_rank(self.group))
         flat = t.reshape(b, *mat)
         if k * n > b:
             flat = torch.cat([flat, flat.new_zeros(k * n - b, *mat)])
         flat = flat.contiguous()
         mine = flat.new_empty(k, *mat)
         self.collective(lambda async_op: scatter_sum(mine, flat, group=self.group, async_op=async_op))
-        first, real = me * k, max(0, min(k, b - me * k))
         parts = [e.reshape(b, *e.shape[len(lead) :]).narrow(0, min(first, b), real) for e in extras]
         out = fn(mine[:real], *parts)
-        if real < k:
-            out = torch.cat([out, out.new_zeros(k - real, *out.shape[1:])])
-        out = out.contiguous()
-        gathered = out.new_empty(k * n, *out.shape[1:])
-        self.collective(lambda async_op: gather_into(gathered, out, group=self.group, async_op=async_op))
-        return gathered[:b].reshape(*lead, *out.shape[1:])
+        return gather_shares(out, k, b, self.group, self.collective).reshape(*lead, *out.shape[1:])
 
 
 class Plan(NamedTuple):
