@@ -54,10 +54,9 @@ import torch
 from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT
-from .fields import POLAR_RULES
 from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
-from .rules import MapKey, factored_map, map_key, precentred, shape_factor
+from .rules import MapKey, factored_map, map_key, precentred, rule_named, rule_of, shape_factor
 from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
@@ -112,7 +111,8 @@ class Part:
         first = self.params[0]
         self.shape = tuple(first.shape)
         self.dtype, self.device, self.state_dtype = first.dtype, first.device, state_dtype
-        self.adamw = group["rule"] == "adamw"
+        rule = rule_of(group)
+        self.adamw = rule.adam
         work = layout.work_shapes(self.shape)[0] if not self.adamw else (1, *self.shape)
         self.work_shape = tuple(work)  # one member's work tensor
         self.work_is_view = self.adamw or _work_is_view(layout, self.shape)
@@ -129,7 +129,7 @@ class Part:
         for key in keys:
             self.stacks[key] = self._stack(state, key, state_dtype)
             self.views[key] = self.members_of(self.stacks[key])
-        if group["rule"] == "normuon":
+        if rule.row_moments:
             entry = row_moment_shape(layout, self.shape)
             self.stacks[ROW_MOMENT] = self._stack(state, ROW_MOMENT, state_dtype, entry=entry)
             self.views[ROW_MOMENT] = list(self.stacks[ROW_MOMENT].unbind(0))
@@ -427,7 +427,7 @@ class Buckets:
 def _structure(group: dict) -> tuple:
     """The settings a part's stacking and its bucket depend on (changing one makes the buckets again)."""
     rule = group["rule"]
-    return (rule, group["nonfinite"], group["lazy"], map_key(group) if rule != "adamw" else None)
+    return (rule, group["nonfinite"], group["lazy"], map_key(group) if not rule_named(rule).adam else None)
 
 
 def make_buckets(
@@ -450,7 +450,7 @@ def make_buckets(
         for j in members:
             p = group["params"][j]
             layout = group["layouts"][j]
-            flat = group["rule"] == "adamw" and p.numel() <= FLAT_MAX
+            flat = rule_of(group).adam and p.numel() <= FLAT_MAX
             shape = None if flat else tuple(p.shape)
             key = (id(group), shape, layout if not flat else None, p.dtype, p.device, state_dtype(p), flat)
             by_part[key].append(j)
@@ -460,11 +460,11 @@ def make_buckets(
     adamw_keys: list[tuple] = []
     for key in by_part:
         group = owners[key][1]
-        if group["rule"] == "adamw":
+        if rule_of(group).adam:
             adamw_keys.append(key)
             continue
         mkey = map_key(group)
-        if group["center"] and mkey.rule not in POLAR_RULES:
+        if rule_of(group).centres_in_place(group):
             mkey = precentred(mkey)  # the part centres its direction in place
         stored: Layout = key[2]  # type: ignore[assignment]  # (a matrix part always has its layout)
         work = stored.work_shapes(key[1])[0]
@@ -571,7 +571,7 @@ def run_bucket(
         [part.params[0] if part.spec.single else None for part in bucket.parts],
         skips,
         map_fn,
-        [part.stacks[ROW_MOMENT] for part in bucket.parts] if bucket.key.rule == "normuon" else None,
+        [part.stacks[ROW_MOMENT] for part in bucket.parts] if rule_named(bucket.key.rule).row_moments else None,
         bucket.scratch,
         [part.place for part in bucket.parts],
     )

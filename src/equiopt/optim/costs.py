@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..linalg.polar import RESTART_EVERY
-from .rules import MapKey, factored_map
+from .rules import MapKey, factored_map, rule_named
 
 __all__ = ["CostModel", "COST_MODELS", "resolve_cost_model", "mesh_cost_model", "map_flops", "reduce_bytes"]
 
@@ -97,23 +96,7 @@ def map_flops(key: MapKey, shape: tuple[int, ...], gram_rows: int | None = None)
     (``gram_rows``: the global row count when ``m`` is one shard of it). Polar Express and
     the coupled inverse square root count three products per iteration; an estimate."""
     *lead, m, n = shape
-    batch = math.prod(lead)
-    rule, steps = key.rule, key.steps
-    if rule == "row":
-        return 4 * batch * m * n
-    if rule in ("spectral", "spectral_row", "normuon", "torch_muon"):
-        s = min(m, n)
-        if key.method == "gram_newton_schulz":  # Grams and products with the iterate at each restart
-            passes = 1 + (steps - 1) // RESTART_EVERY
-            return batch * (4 * passes * m * n * s + steps * 8 * s**3)
-        return batch * steps * (4 * m * n * s + 2 * s**3)
-    if key.route == "direct":  # Polar Express on the matrix itself (a whole one: never sharded)
-        s = min(m, n)
-        return batch * steps * (4 * m * n * s + 2 * s**3) + (4 * batch * m * n if rule == "hybrid" else 0)
-    rows = m if gram_rows is None else gram_rows
-    side = n if rows >= n else rows  # the smaller Gram, see maps.gram_side
-    out = batch * (4 * m * n * side + steps * 6 * side**3)  # the Gram and the product with R
-    return out + (4 * batch * m * n if rule == "hybrid" else 0)
+    return rule_named(key.rule).flops(key, math.prod(lead), m, n, gram_rows)
 
 
 class _Recorder:

@@ -43,7 +43,7 @@ from .owners import (
     start_to_owners,
 )
 from .row_moments import block_row_stages
-from .rules import MapKey, factored_map, shape_factor
+from .rules import MapKey, RuleNames, factored_map, rule_named, shape_factor
 from .sharded import WAVES, Plan, ShardSum, owner_batches, owner_units
 
 __all__ = [
@@ -64,7 +64,8 @@ LOCAL, REDUCE, ROWS, DIVIDED = "local", "reduce", "rows", "divided"
 
 # Rules whose maps are built on matrix products: worth dividing among replicas (DDP).
 # Row-norm maps and the element-wise rules cost less than sending their results.
-DIVIDED_RULES = ("spectral", "spectral_row", "normuon", "right", "left", "hybrid")
+#: The rules DDP's ``divide_work`` may map on one replica and share (:attr:`Rule.divisible`).
+DIVIDED_RULES = RuleNames(lambda r: r.divisible)
 
 #: Adds work matrices' updates to their weights: ``add([(view, update, coef), ...])``.
 Add = Callable[[list[tuple[torch.Tensor, maps.Factored, torch.Tensor]]], None]
@@ -118,10 +119,10 @@ def _map(key: MapKey, eta, D: torch.Tensor, sums) -> maps.Factored:
 def map_batched(key: MapKey, eta, works: list[torch.Tensor], sums=None) -> list[maps.Factored]:
     """The map of ``key`` on each of ``works`` (equal matrix shapes), in factored form.
 
-    Row-wise maps (``row``) run per matrix: they gain nothing from batching and a batch
+    Row-wise maps (:attr:`Rule.row_wise`, ``row``) run per matrix: they gain nothing from batching and a batch
     would cost a full copy. Maps built on matrix products run as one batched call; the
     batch is a concatenation only when there are several tensors."""
-    if key.rule == "row" or len(works) == 1:
+    if rule_named(key.rule).row_wise or len(works) == 1:
         return [_map(key, eta, w, sums) for w in works]
     shape = tuple(works[0].shape[-2:])
     flat = [w if w.dim() == 3 else w.reshape(-1, *shape) for w in works]  # (batch, m, n) as it is
@@ -190,35 +191,34 @@ def run(
 
 def _run_bucket(key: BucketKey, items: list[WorkItem], add: Add) -> None:
     """Map one bucket here (its sums, if split, waited for) and add its updates."""
-    if key.map.rule == "normuon":
-        _run_normuon(key.map, items, add)
+    if rule_named(key.map.rule).row_moments:
+        _run_row_stages(key.map, items, add)
         return
     mapped = map_batched(key.map, items[0].group["eta"], [i.work for i in items], items[0].sums)
     _add_mapped(items, mapped, add)
 
 
-def _run_normuon(key: MapKey, items: list[WorkItem], add: Add) -> None:
-    """A NorMuon bucket of whole work matrices: the polar factors of all of them in one
-    batched call, then their row stages at once (:func:`_normuon_rows`)."""
+def _run_row_stages(key: MapKey, items: list[WorkItem], add: Add) -> None:
+    """A bucket of whole work matrices of a rule with row moments (NorMuon): the map of all
+    of them in one batched call, then their row stages at once (:func:`_row_stages`)."""
     shape = tuple(items[0].work.shape[-2:])
     works = [i.work.reshape(-1, *shape) for i in items]
     f = _map(key, items[0].group["eta"], works[0] if len(works) == 1 else torch.cat(works), None)
-    add(_normuon_rows(key, items, f.x))
+    add(_row_stages(key, items, f.x))
 
 
-def _normuon_rows(key: MapKey, items: list[WorkItem], x: torch.Tensor) -> list[tuple]:
-    """NorMuon's row stage (:func:`~equiopt.maps.normuon_rows`) on the polar factors ``x`` of
+def _row_stages(key: MapKey, items: list[WorkItem], x: torch.Tensor) -> list[tuple]:
+    """The rule's row stage (:meth:`Rule.row_stage`, NorMuon's) on the mapped ``x`` of
     ``items``' work matrices (end to end, ``(N, m, n)``), all at once: their row moments
     gathered and written back (one operator each way). Returns the ``(view, update, coef)``
     of each item, its update whole."""
     if any(i.second is None for i in items):
-        raise ValueError("a normuon work matrix needs its row second moments (WorkItem.second)")
+        raise ValueError(f"a {key.rule} work matrix needs its row second moments (WorkItem.second)")
     counts = [math.prod(i.work.shape[:-2]) for i in items]
     seconds = [i.second[0].reshape(-1, x.shape[-2], 1) for i in items]  # type: ignore[index]
     second = seconds[0] if len(seconds) == 1 else torch.cat(seconds)
     weight = torch.cat([i.second[1].reshape(1).expand(c) for i, c in zip(items, counts)])  # type: ignore[index]
-    scales = maps.normuon_rows(x, second, weight.view(-1, 1, 1), key.eps).row
-    assert scales is not None
+    scales = rule_named(key.rule).row_stage(x, second, weight.view(-1, 1, 1), key.eps)
     if len(seconds) > 1:
         torch._foreach_copy_(seconds, list(torch.split(second, counts)))
     update = x * scales
@@ -499,9 +499,9 @@ def _run_divided(buckets: list[tuple[MapKey, list[WorkItem]]], add: Add, pg, ove
     for key, its in buckets:
         polar = shared[start : start + len(its)]
         start += len(its)
-        if key.rule == "normuon":  # every replica runs the row stages on the same polar factors
+        if rule_named(key.rule).row_moments:  # every replica runs the row stages on the same factors
             x = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in polar])
-            triples.extend(_normuon_rows(key, its, x))
+            triples.extend(_row_stages(key, its, x))
         else:
             triples.extend((item.view, maps.Factored(u), item.coef) for item, u in zip(its, polar))
     add(triples)

@@ -33,8 +33,7 @@ from .. import maps
 from ..distributed.collectives import equal_shares, gather_shares
 from ..linalg.device_choices import decide_as, decides_like
 from .costs import CostModel, replica_division
-from .distribute import DIVIDED_RULES
-from .rules import MapKey, factored_map, reducible
+from .rules import MapKey, factored_map, reducible, rule_named
 from .sharded import ShardSum
 
 __all__ = ["replica_group", "Divisions", "DividedMap", "GramDivided", "division", "map_share"]
@@ -85,7 +84,7 @@ class Divisions:
 
     def admit(self, key: MapKey, shape: tuple[int, int], count: int) -> str | None:
         """:func:`division` for the matrix-product maps; every other map runs whole on every rank."""
-        if key.rule not in DIVIDED_RULES:
+        if not rule_named(key.rule).divisible:
             return "local"
         return division(self.costs, key, shape, count, self.replicas, self.overlap)
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import maps
-from ..linalg import POLAR_METHODS
+from .rules.base import LR_SCALES, RuleNames, check_fields, rule_named, rules
 
 __all__ = [
     "Field",
@@ -41,47 +41,74 @@ __all__ = [
     "fields_table",
 ]
 
-MATRIX_RULES: tuple[str, ...] = ("spectral", "right", "left", "row", "hybrid", "spectral_row", "normuon")
-ELEMENTWISE_RULES: tuple[str, ...] = ("adamw", "sgd")
+# (the rules live in equiopt.optim.rules, one module each; these read its registry at each use)
+#: The matrix rules (:attr:`Rule.kind` ``"matrix"``).
+MATRIX_RULES: Sequence[str] = RuleNames(lambda r: r.kind == "matrix")
+#: The element-wise rules (``adamw``, ``sgd``).
+ELEMENTWISE_RULES: Sequence[str] = RuleNames(lambda r: r.kind == "elementwise")
 #: torch's own optimizers as rules, the outside reference arms of a comparison
 #: (:mod:`equiopt.optim.peers`): ``torch_adamw`` steps a group with ``torch.optim.AdamW``,
 #: ``torch_muon`` with ``torch.optim.Muon`` (torch >= 2.9).
-PEER_RULES: tuple[str, ...] = ("torch_adamw", "torch_muon")
-RULES: tuple[str, ...] = MATRIX_RULES + ELEMENTWISE_RULES + PEER_RULES
-LR_SCALES: tuple[str, ...] = ("none", "spectral", "match_adamw")
+PEER_RULES: Sequence[str] = RuleNames(lambda r: r.kind == "peer")
+#: Every registered rule.
+RULES: Sequence[str] = RuleNames(lambda r: True)
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
-_MOMENTUM_RULES = MATRIX_RULES + ("sgd",)
-_OWN_RULES = MATRIX_RULES + ELEMENTWISE_RULES
-_GRAM_RULES = ("right", "left", "hybrid")
-#: Rules built on the polar factor: Muon and its row-normalised hybrids.
-POLAR_RULES: tuple[str, ...] = ("spectral", "spectral_row", "normuon")
+#: Rules built on the polar factor: Muon and its row-normalised hybrids (:attr:`Rule.polar`).
+POLAR_RULES: Sequence[str] = RuleNames(lambda r: r.polar)
+#: The settings every rule reads.
+COMMON_FIELDS: tuple[str, ...] = ("rule", "lr", "weight_decay")
+
+
+class _PerRule(Mapping):
+    """A mapping rule name -> ``value(rule)`` over the registered rules, read at each use."""
+
+    def __init__(self, value: Callable[[Any], Any], keep: Callable[[Any], bool] = lambda r: True):
+        self._value, self._keep = value, keep
+
+    def __getitem__(self, name: str) -> Any:
+        rule = rule_named(name) if name in RULES else None
+        if rule is None or not self._keep(rule):
+            raise KeyError(name)
+        return self._value(rule)
+
+    def __iter__(self):
+        return (r.name for r in rules() if self._keep(r))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
 
 #: Inner solvers each rule accepts: ``spectral`` computes a polar factor
 #: (:func:`equiopt.linalg.polar`); the one-sided and hybrid rules an inverse square root
 #: of a Gram (:func:`equiopt.linalg.inv_sqrt`), or the polar factor directly with
 #: ``gram_newton_schulz``.
-RULE_METHODS: dict[str, tuple[str, ...]] = {
-    **{rule: tuple(POLAR_METHODS) for rule in POLAR_RULES},
-    **{rule: tuple(maps.ONE_SIDED_METHODS) for rule in _GRAM_RULES},
-}
+RULE_METHODS: Mapping[str, tuple[str, ...]] = _PerRule(lambda r: tuple(r.methods), lambda r: bool(r.methods))
 
 
 class Field(NamedTuple):
-    """One setting. ``default`` is a value, or a mapping rule -> value where it depends on
-    the rule; ``check(value, rule)`` returns the value (normalised) or raises
+    """One setting. ``default``: its value unless a rule's :attr:`Rule.defaults` says
+    otherwise; ``check(value, rule)`` returns the value (normalised) or raises
     :class:`ValueError` with a message that does not name the field (callers add it).
     ``optional``: a recipe leaves the field out unless given, and the engine's default
-    applies."""
+    applies. The rules that read it are those whose :attr:`Rule.fields` name it."""
 
     name: str
-    rules: tuple[str, ...]
     default: Any
     check: Callable[[Any, str], Any]
     doc: str
     optional: bool = False
 
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The registered rules that read this setting."""
+        every = self.name in COMMON_FIELDS
+        return tuple(r.name for r in rules() if every or self.name in r.fields)
+
     def default_for(self, rule: str) -> Any:
-        return self.default[rule] if isinstance(self.default, Mapping) else self.default
+        return rule_named(rule).defaults.get(self.name, self.default)
 
 
 # ---------------------------------------------------------------- value checks
@@ -217,61 +244,53 @@ def _gram_dtype(value: Any, rule: str) -> str:
 
 
 def _lr_scales(rule: str) -> Sequence[str]:
-    # torch's Muon knows Jordan's factor ("original") and Moonlight's ("match_rms_adamw") only
-    return LR_SCALES if rule != "torch_muon" else ("spectral", "match_adamw")
+    return rule_named(rule).lr_scales
 
 
 def _methods(rule: str) -> Sequence[str]:
-    return RULE_METHODS.get(rule, ())
+    return rule_named(rule).methods
 
 
 # ------------------------------------------------------------------ the table
-_ALL = RULES
 FIELDS: dict[str, Field] = {
     f.name: f
     for f in (
         Field(
             "rule",
-            _ALL,
             None,
             _choice("rule", RULES),
             "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
             "spectral_row (polar factor, then rows normalised), normuon (NorMuon: polar factor, then rows "
             "normalised by their second-moment EMA), adamw, sgd; torch_adamw, torch_muon (torch's own optimizers, as peer arms)",
         ),
-        Field("lr", _ALL, 1e-3, _learning_rate, "learning rate (a recipe must give it; a float or a 1-element tensor)"),
-        Field("weight_decay", _ALL, 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
+        Field("lr", 1e-3, _learning_rate, "learning rate (a recipe must give it; a float or a 1-element tensor)"),
+        Field("weight_decay", 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
         Field(
             "beta",
-            _MOMENTUM_RULES + ("torch_muon",),
             0.95,
             interval(0.0, 1.0, False, "in [0, 1)"),
             "EMA momentum M = beta M + (1 - beta) G",
         ),
         Field(
             "nesterov",
-            _MOMENTUM_RULES + ("torch_muon",),
-            {**{r: False for r in _ALL}, **{r: True for r in POLAR_RULES}, "torch_muon": True},
+            False,
             _boolean,
             "map beta M + (1 - beta) G instead of M (Muon's default)",
         ),
         Field(
             "center",
-            ("right", "left", "row", "hybrid"),
             False,
             _boolean,
             "project onto the quotient that removes softmax's shared shift (LM heads, routers)",
         ),
         Field(
             "alpha",
-            _GRAM_RULES,
-            {**{r: 0.0 for r in _ALL}, "hybrid": 1.0},
+            0.0,
             interval(0.0, 1.0, True, "in [0, 1]"),
             "exponent of the nu^alpha update size",
         ),
         Field(
             "eps",
-            ("right", "left", "row", "hybrid", "spectral_row", "normuon"),
             1e-8,
             _at_least(0.0, strict=True),
             "Gram damping (relative or absolute, see damping), row-norm smoothing (spectral_row), "
@@ -279,37 +298,32 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "method",
-            POLAR_RULES + _GRAM_RULES,
             "polar_express",
             _choice("method", _methods),
             "polar-factor method (spectral) or Gram inverse-square-root method",
         ),
-        Field("steps", POLAR_RULES + _GRAM_RULES + ("torch_muon",), 5, integer_at_least(1), "iterations of the method"),
+        Field("steps", 5, integer_at_least(1), "iterations of the method"),
         Field(
             "order",
-            ("hybrid",),
             "row_then_right",
             _choice("hybrid order", maps.HYBRID_ORDERS),
             "composition order of the hybrid map",
         ),
-        Field("eta", ("row", "hybrid"), "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
+        Field("eta", "inverse", _eta, "row-scaling rule (inverse: 1 / (t + eps)), or a callable"),
         Field(
             "lr_scale",
-            POLAR_RULES + ("torch_muon",),
             "spectral",
             _choice("lr_scale", _lr_scales),
             "shape factor: spectral sqrt(max(1, rows/cols)), match_adamw 0.2 sqrt(max(rows, cols)), none",
         ),
         Field(
             "scale",
-            _GRAM_RULES,
             "nu",
             _choice("scale", maps.SCALES),
             "update size: nu (the paper's nu^alpha) or rms (RMS 1 at every width)",
         ),
         Field(
             "damping",
-            _GRAM_RULES,
             "relative",
             _choice("damping", maps.DAMPINGS),
             "relative: eps times the mean eigenvalue of the Gram, tr(C) / min(m, n); absolute: the paper's eps",
@@ -317,7 +331,6 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "gram_dtype",
-            _GRAM_RULES,
             "auto",
             _gram_dtype,
             "precision of the Gram, inverse square root and final product: float32; bfloat16x6 "
@@ -328,7 +341,6 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "route",
-            _GRAM_RULES,
             "auto",
             _choice("route", maps.ROUTES),
             "how the one-sided stage is computed: gram (Gram, inverse square root, product; damped by eps); "
@@ -339,16 +351,14 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "beta2",
-            ("normuon",),
             0.95,
             interval(0.0, 1.0, False, "in [0, 1)"),
             "EMA of each row's mean square of the polar factor, v = beta2 v + (1 - beta2) mean_j O_ij^2",
         ),
-        Field("betas", ("adamw", "torch_adamw"), (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
-        Field("adam_eps", ("adamw", "torch_adamw"), 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
+        Field("betas", (0.9, 0.95), _betas, "AdamW's (beta1, beta2)"),
+        Field("adam_eps", 1e-8, _at_least(0.0, strict=True), "AdamW's epsilon"),
         Field(
             "polar_dtype",
-            POLAR_RULES,
             None,
             _dtype,
             "dtype of the polar iterations (None: bfloat16 where the device multiplies it natively, else float32; linalg.default_dtype)",
@@ -356,7 +366,6 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "nonfinite",
-            _OWN_RULES,
             "skip",
             _choice("nonfinite policy", NONFINITE_POLICIES),
             "skip: leave a parameter with a NaN/Inf gradient untouched and count it; raise: name it",
@@ -364,7 +373,6 @@ FIELDS: dict[str, Field] = {
         ),
         Field(
             "lazy",
-            _MOMENTUM_RULES,
             False,
             _boolean,
             "update only rows whose gradient is nonzero this step (embeddings)",
@@ -374,16 +382,17 @@ FIELDS: dict[str, Field] = {
 }
 
 #: Fields each rule reads, in table order.
-RULE_FIELDS: dict[str, tuple[str, ...]] = {
-    rule: tuple(n for n, f in FIELDS.items() if rule in f.rules) for rule in RULES
-}
+RULE_FIELDS: Mapping[str, tuple[str, ...]] = _PerRule(
+    lambda r: tuple(n for n in FIELDS if n in COMMON_FIELDS or n in r.fields)
+)
 #: Every rule's defaults (``lr`` and ``rule`` excluded).
-RULE_DEFAULTS: dict[str, dict[str, Any]] = {
-    rule: {n: FIELDS[n].default_for(rule) for n in fields if n not in ("rule", "lr")}
-    for rule, fields in RULE_FIELDS.items()
-}
+RULE_DEFAULTS: Mapping[str, dict[str, Any]] = _PerRule(
+    lambda r: {n: FIELDS[n].default_for(r.name) for n in RULE_FIELDS[r.name] if n not in ("rule", "lr")}
+)
 #: Fields a recipe holds only when given (the engine's default applies otherwise).
 OPTIONAL_FIELDS: tuple[str, ...] = tuple(n for n, f in FIELDS.items() if f.optional)
+for _rule in rules():  # the built-in rules, registered before this table existed
+    check_fields(_rule)
 
 
 def default(name: str, rule: str = "spectral") -> Any:
@@ -393,9 +402,7 @@ def default(name: str, rule: str = "spectral") -> Any:
 
 def fill_defaults(group: dict) -> dict:
     """Set every setting ``group`` leaves out or at ``None`` to its rule's default (in place)."""
-    rule = group.get("rule")
-    if rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    rule = rule_named(group.get("rule")).name  # type: ignore[arg-type]
     for name, field in FIELDS.items():
         if group.get(name) is None:
             group[name] = field.default_for(rule)
@@ -431,10 +438,10 @@ def fields_table() -> str:
     lines = ["| setting | rules | default | meaning |", "|---|---|---|---|"]
     for name, f in FIELDS.items():
         rules = "all" if f.rules == RULES else ", ".join(f.rules)
-        if isinstance(f.default, Mapping):
-            values = [f.default[r] for r in f.rules]
+        if any(name in rule_named(r).defaults for r in f.rules):
+            values = [f.default_for(r) for r in f.rules]
             usual = max(values, key=values.count)
-            others = [f"{r}: {f.default[r]!r}" for r in f.rules if f.default[r] != usual]
+            others = [f"{r}: {f.default_for(r)!r}" for r in f.rules if f.default_for(r) != usual]
             shown = repr(usual) + (f" ({'; '.join(others)})" if others else "")
         else:
             shown = (

@@ -11,10 +11,9 @@ import torch
 from ..distributed.placements import Sharding, describe_sharding, mesh_group
 from ..layouts import Layout, parse_layout
 from .errors import UnsupportedTensorError
-from .fields import MATRIX_RULES, PEER_RULES
 from .peers import check_peer_param
 from .row_moments import stage_axes
-from .rules import validate_group
+from .rules import RuleNames, rule_of, validate_group
 from .sharded import Plan
 from .validate import names_of
 
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
 #: Rules that step complex parameters, as torch's AdamW and SGD do: as their real views
 #: (``torch.view_as_real``), every operation being element-wise.
-COMPLEX_RULES = ("adamw", "sgd", "torch_adamw")
+COMPLEX_RULES = RuleNames(lambda r: r.complex)
 
 #: torch's optimizer flags that would change what a step computes; this optimizer does not
 #: offer them, so a param group asking for one is refused rather than silently ignored.
@@ -89,9 +88,9 @@ def prepare_group(opt: EquivariantOptimizer, group: dict, index: int) -> None:
             layout = parse_layout(spec)
         except ValueError as err:
             raise ValueError(f"parameter {names[j]!r}: {err}") from None
-        if group["rule"] in PEER_RULES:
+        if rule_of(group).kind == "peer":
             check_peer_param(group["rule"], p, names[j], sharding.kind == "sharded" and sharding.is_sharded)
-        if group["rule"] in MATRIX_RULES:
+        if rule_of(group).kind == "matrix":
             if p.ndim < 2 and layout.ndim != p.ndim:
                 raise ValueError(
                     f"parameter {names[j]!r} has shape {tuple(p.shape)}: rule {group['rule']!r} needs a matrix "
@@ -101,7 +100,7 @@ def prepare_group(opt: EquivariantOptimizer, group: dict, index: int) -> None:
             layout.check(tuple(p.shape), names[j])
             check_views(p, layout, names[j])
             how = opt.plan_of(group, layout, sharding)
-            if rule == "normuon" and sharding.kind == "sharded":
+            if rule_of(group).row_moments and sharding.kind == "sharded":
                 if how.how == "owner":  # the groups of its row stage's sums
                     for axes in stage_axes(layout, sharding):
                         if axes:

@@ -25,12 +25,11 @@ from ..layouts import Layout
 from . import distribute
 from .apply import GRAD_LIMIT, adamw_, add_factored_, add_updates_, decays_, finite_flags, momenta_, sanitize_all
 from .costs import replica_division, resolve_cost_model
-from .distribute import DIVIDED, DIVIDED_RULES, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
+from .distribute import DIVIDED, REDUCE, ROWS, BucketKey, WholeTask, WorkItem
 from .distribute import LOCAL as LOCAL_MODE
 from .errors import NonFiniteGradientError
-from .fields import PEER_RULES, POLAR_RULES
 from .row_moments import ROW_MOMENT, row_moment_views
-from .rules import MapKey, map_key, precentred, reducible, shape_factor
+from .rules import MapKey, map_key, precentred, reducible, rule_of, shape_factor
 from .sharded import Plan, ShardSum, global_flags, local, reducers
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ def step(opt: EquivariantOptimizer, lrs: list[torch.Tensor], covered: set[int]) 
     entries = []
     for group, lr in zip(opt.param_groups, lrs):
         live = [j for j, p in enumerate(group["params"]) if p.grad is not None and id(p) not in covered]
-        if live and group["rule"] not in PEER_RULES:
+        if live and rule_of(group).kind != "peer":
             entries.append((group, lr, live, [group["params"][j] for j in live]))
     if entries:
         every = [p for *_, params in entries for p in params]
@@ -80,7 +79,7 @@ def step(opt: EquivariantOptimizer, lrs: list[torch.Tensor], covered: set[int]) 
         ):
             last_flags.append((names, gflags))
             group_okfs, at = okfs[at : at + size], at + size
-            if group["rule"] == "adamw":
+            if rule_of(group).adam:
                 adamw_steps(group, lr, params, states, group_okfs)
             else:
                 matrix_steps(opt, group, lr, live, params, states, group_okfs, buckets, whole)
@@ -168,7 +167,7 @@ def matrix_steps(opt: EquivariantOptimizer, group, lr, live, params, states, okf
     weights = [real(local(p)) for p in params]
     decays_(weights, lr, group["weight_decay"], okfs)
     steps = torch._foreach_mul(okfs, -lr)  # -lr, or 0 where skipped
-    if group["rule"] == "sgd":
+    if rule_of(group).kind == "elementwise":  # SGD: the direction is the update
         if group["lazy"]:
             directions = [
                 lazy_rows(
@@ -205,7 +204,7 @@ def queue_map(
     shape and mode; under ``divide_work`` the matrix-product maps of plain parameters are
     divided among the replicas) or in ``whole`` (split work that needs whole matrices).
     ``first``: a shape factor and ``step`` times it, made for the whole group at once."""
-    sharding = opt._sharding(p)
+    sharding, rule = opt._sharding(p), rule_of(group)
 
     def times(factor: float) -> torch.Tensor:
         return first[1] if factor == first[0] else _times(step, factor)
@@ -216,18 +215,18 @@ def queue_map(
         direction = lazy_rows(direction, grad, layout, how, group["names"][j])
     p = w
     if how.how == "owner":
-        if key.rule == "normuon":  # the owner maps the polar factor, each rank its rows' stage
+        if rule.row_moments:  # the owner maps the whole matrix, each rank its rows' stage
             factor = shape_factor(group, *layout.work_shapes(sharding.shape)[0][-2:])
             second = (local(state[ROW_MOMENT]), okf * (1.0 - group["beta2"]), sharding.block)
             whole.append(WholeTask(group, key, layout, sharding, how, p, direction, times(factor), second))
         else:
             whole.append(WholeTask(group, key, layout, sharding, how, p, direction, step))
         return
-    if how.how == "local" and group["center"] and key.rule not in POLAR_RULES:
+    if how.how == "local" and rule.centres_in_place(group):
         key = centre_in_place(direction, layout, okf, key)
     global_shapes = layout.work_shapes(sharding.shape)
     sums = reducers(how, sharding, global_shapes[0]) if how.how == "reduce" else None
-    divide = opt._replicas is not None and sharding.kind == "local" and key.rule in DIVIDED_RULES
+    divide = opt._replicas is not None and sharding.kind == "local" and rule.divisible
     division = None
     if divide and reducible(key, *global_shapes[0][-2:]) and len(global_shapes) == 1:
         import torch.distributed as dist
@@ -253,7 +252,7 @@ def queue_map(
             )
             return
     seconds: list = [None] * len(global_shapes)
-    if key.rule == "normuon":
+    if rule.row_moments:
         weight = okf * (1.0 - group["beta2"])
         seconds = [(v, weight) for v in row_moment_views(layout, tuple(p.shape), local(state[ROW_MOMENT]))]
     for w, pw, gshape, second in zip(layout.to_work_list(direction), work_views(p, layout), global_shapes, seconds):

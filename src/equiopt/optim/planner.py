@@ -25,10 +25,9 @@ import torch
 
 from ..distributed.placements import Sharding
 from .costs import map_flops, mesh_cost_model, reduce_bytes
-from .fields import MATRIX_RULES, PEER_RULES
 from .owners import block_numel, elements_sent, joint_block
 from .row_moments import row_moment_block, stage_bytes
-from .rules import map_key
+from .rules import map_key, rule_named, rule_of
 from .sharded import group_ranks, owner_batches, owner_units
 from .stacking import eligible_members
 
@@ -97,7 +96,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         for j, p in enumerate(group["params"]):
             sharding = optimizer._sharding(p)
             how = None
-            if group["rule"] in MATRIX_RULES and sharding.kind == "sharded":
+            if rule_of(group).kind == "matrix" and sharding.kind == "sharded":
                 how = optimizer.plan_of(group, group["layouts"][j], sharding)
             entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
     coords: dict[int, dict[int, tuple]] = {}
@@ -133,7 +132,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         owner_tasks, owner_info = [], []
         # the finite flags of every parameter no bucket holds (peers aside) at once, one
         # all-reduce per process group (per_parameter.step)
-        flagged = [e for e in entries if e[0]["rule"] not in PEER_RULES and id(e[2]) not in bucketed]
+        flagged = [e for e in entries if rule_of(e[0]).kind != "peer" and id(e[2]) not in bucketed]
         flag_groups = set()
         for _, _, _, _, s, _ in flagged:
             c = coordinate(s, rank)
@@ -149,13 +148,14 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 totals[3] += numel
                 dtype = optimizer._state_dtype(p)
                 item = dtype.itemsize
-                if group["rule"] in ("adamw", "torch_adamw"):
-                    add(name, 0, ADAMW_FLOPS * numel, 2 * numel * item)
+                rule = rule_of(group)
+                state = len(rule.state) * numel * item  # its full-size state entries
+                if rule.adam:
+                    add(name, 0, ADAMW_FLOPS * numel, state)
                     continue
-                state = numel * item
-                if group["rule"] == "normuon":  # its row second moments
+                if rule.row_moments:  # its row second moments
                     state += math.prod(row_moment_block(layout, s.shape, block)) * item
-                if group["rule"] == "sgd":
+                if rule.kind == "elementwise":  # SGD
                     add(name, 0, ELEMENTWISE_FLOPS * numel, state)
                     continue
                 key = map_key(group)
@@ -186,7 +186,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 name, key, numel, item, state = owner_info[i]
                 owner_axes[name] = tuple(owner_tasks[i][0].axis_name(a) for a in batch.plans[k].axes)
                 sent = elements_sent(batch.blocks[k], batch.sources[k], batch.owners[k], batch.me) * item
-                if key.rule == "normuon":  # its row stage on this rank's block
+                if rule_named(key.rule).row_moments:  # its row stage on this rank's block
                     sharding, _, layout, *_ = owner_tasks[i]
                     sent += stage_bytes(layout, sharding, batch.blocks[k][batch.me], item)
                 flops = ELEMENTWISE_FLOPS * numel

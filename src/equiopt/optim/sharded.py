@@ -38,7 +38,7 @@ from ..distributed.placements import Sharding, group_coordinates, is_dtensor, me
 from ..layouts import Col, Experts, Heads, Layout, Row
 from .costs import CostModel, map_flops, prefers_reduce
 from .owners import assign, elements_sent, joint_block, map_cost
-from .rules import MapKey, reducible
+from .rules import MapKey, reducible, rule_named
 
 __all__ = [
     "local",
@@ -207,8 +207,8 @@ def plan(key: MapKey, layout: Layout, sharding: Sharding, costs: CostModel | Non
     m, n = shapes[0][-2:]
     if not cut["cols"] and reducible(key, m, n):
         # Gram maps: replicas of the same rows sum one slice each instead of all of them
-        reduce = Plan("reduce", rows=cut["rows"], replicas=replicas if key.rule != "row" else ())
-    elif key.rule == "row":
+        reduce = Plan("reduce", rows=cut["rows"], replicas=replicas if not rule_named(key.rule).row_wise else ())
+    elif rule_named(key.rule).row_wise:
         reduce = Plan("reduce", rows=cut["rows"], cols=cut["cols"])
     else:
         return owner

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .fields import MATRIX_RULES
+from .rules import rule_of
 
 if TYPE_CHECKING:
     from .engine import EquivariantOptimizer
@@ -30,8 +30,12 @@ def stackable(opt: EquivariantOptimizer, group: dict) -> list[int]:
 
 
 def eligible_members(opt: EquivariantOptimizer, group: dict) -> list[int]:
-    rule = group["rule"]
-    if group["nonfinite"] != "skip" or group["lazy"] or (rule not in MATRIX_RULES and rule != "adamw"):
+    rule = rule_of(group)
+    if (
+        group["nonfinite"] != "skip"
+        or group["lazy"]
+        or not (rule.kind == "matrix" or rule.adam and rule.kind != "peer")
+    ):
         return []
     out = []
     for j, p in enumerate(group["params"]):
@@ -42,7 +46,7 @@ def eligible_members(opt: EquivariantOptimizer, group: dict) -> list[int]:
             or type(p.data) is not torch.Tensor
         ):
             continue
-        if rule != "adamw" and group["layouts"][j].num_blocks != 1:
+        if not rule.adam and group["layouts"][j].num_blocks != 1:
             continue
         out.append(j)
     return out

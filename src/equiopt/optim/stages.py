@@ -20,7 +20,7 @@ from .. import maps
 from ..layouts import Layout
 from .apply import GRAD_LIMIT, _add_
 from .fused import ops as fused
-from .rules import NARROW_RULES, PRECENTRED, MapKey
+from .rules import PRECENTRED, MapKey, rule_named
 
 __all__ = ["Spec", "guard", "bucket_core", "adamw_core"]
 
@@ -287,19 +287,18 @@ def bucket_core(
         x, works = region, places
     # Muon's polar factor stays in its iteration's dtype: the guard reads it and each part's
     # update widens it as it scales it (one pass fewer over the bucket than a cast back)
-    narrow = key.rule in NARROW_RULES
+    rule = rule_named(key.rule)
+    narrow = rule.narrow
     f = map_fn(key, eta, x, narrow=True) if narrow else map_fn(key, eta, x)
     cdtype = torch.promote_types(x.dtype, f.x.dtype)  # (the scale in the dtype the update is formed in)
     if seconds is not None:
-        # NorMuon's row stage, part by part on its own state (views of the stacks)
+        # the rule's row stage (NorMuon's), part by part on its own state (views of the stacks)
         rows: list[torch.Tensor] = []
         at2 = 0
         for spec, w, second, w2 in zip(specs, works, seconds, weights2):
             n = w.shape[0]
             v = second.view(n, spec.work_shape[-2], 1)
-            scales = maps.normuon_rows(f.x.narrow(0, at2, n), v, w2, key.eps).row
-            assert scales is not None
-            rows.append(scales)
+            rows.append(rule.row_stage(f.x.narrow(0, at2, n), v, w2, key.eps))
             at2 += n
         f = f._replace(row=rows[0] if len(rows) == 1 else torch.cat(rows))
     made = narrow and f.x is not x  # the map's own tensor (a narrow factor), not its input

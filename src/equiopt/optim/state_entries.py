@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..distributed.placements import is_dtensor
-from .fields import PEER_RULES
 from .row_moments import ROW_MOMENT, row_moment_block, row_moment_placements, row_moment_shape
+from .rules import rule_of
 from .sharded import local
 
 if TYPE_CHECKING:
@@ -21,26 +21,25 @@ if TYPE_CHECKING:
 
 def init_state(opt: EquivariantOptimizer, p: torch.Tensor, group: dict) -> dict:
     state = opt.state[p]
-    if state or group["rule"] in PEER_RULES:  # a peer's torch optimizer makes its own
-        if state and group["rule"] == "normuon" and ROW_MOMENT not in state:
+    rule = rule_of(group)
+    if state or rule.kind == "peer":  # a peer's torch optimizer makes its own
+        if state and rule.row_moments and ROW_MOMENT not in state:
             row_moment(opt, p, group, state)  # state of another rule: its rows start at zero
         return state
     dtype = state_dtype(opt, p)
-    zeros = lambda: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-    if group["rule"] == "adamw":
+    if "exp_avg_sq" in rule.state:  # AdamW's step count, then its moments
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = zeros()
-        state["exp_avg_sq"] = zeros()
-    else:
-        state["momentum_buffer"] = zeros()
-        if group["rule"] == "normuon":
-            row_moment(opt, p, group, state)
+    for name in rule.state:
+        state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    if rule.row_moments:
+        row_moment(opt, p, group, state)
     state["nonfinite"] = torch.zeros((), dtype=torch.float32, device=p.device)
     return state
 
 
 def row_moment(opt: EquivariantOptimizer, p: torch.Tensor, group: dict, state: dict) -> None:
-    """NorMuon's row second moments of ``p``, zeros: one per row of each work matrix."""
+    """The row second moments of ``p`` (a rule with :attr:`Rule.row_moments`, NorMuon's),
+    zeros: one per row of each work matrix."""
     j = next(k for k, q in enumerate(group["params"]) if q is p)
     layout, dtype = group["layouts"][j], state_dtype(opt, p)
     shape = row_moment_shape(layout, tuple(p.shape))

@@ -16,10 +16,9 @@ import torch
 from ..distributed.placements import is_dtensor
 from ..layouts import parse_layout
 from .errors import UnsupportedTensorError
-from .fields import MATRIX_RULES
-from .param_groups import COMPLEX_RULES, check_flags
+from .param_groups import check_flags
 from .row_moments import ROW_MOMENT, row_moment_shape
-from .rules import validate_group
+from .rules import rule_named, rule_of, validate_group
 from .validate import is_default, saved_param_names
 
 if TYPE_CHECKING:
@@ -65,14 +64,14 @@ def load_state_dict(opt: EquivariantOptimizer, state_dict: dict, torch_load: Cal
         layouts = []
         for j, (spec, p) in enumerate(zip(group["layouts"], own["params"])):
             name = group["names"][j]
-            if p.is_complex() and group["rule"] not in COMPLEX_RULES:
+            if p.is_complex() and not rule_of(group).complex:
                 raise UnsupportedTensorError(
                     f"{where}: rule {group['rule']!r} does not support complex parameters: parameter "
                     f"{name!r} has dtype {p.dtype}"
                 )
             try:
                 layout = parse_layout(spec)
-                if group["rule"] in MATRIX_RULES:
+                if rule_of(group).kind == "matrix":
                     layout.check(tuple(p.shape), name)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
@@ -94,7 +93,7 @@ def load_state_dict(opt: EquivariantOptimizer, state_dict: dict, torch_load: Cal
                         f"loaded state dict: {key!r} of parameter {i} has shape {tuple(value.shape)}, "
                         f"the parameter {tuple(p.shape)}"
                     )
-            if key == ROW_MOMENT and torch.is_tensor(value) and owner_rule[id(p)][0] == "normuon":
+            if key == ROW_MOMENT and torch.is_tensor(value) and rule_named(owner_rule[id(p)][0]).row_moments:
                 want = row_moment_shape(owner_rule[id(p)][1], tuple(p.shape))
                 if tuple(value.shape) != want and not is_dtensor(value) and value.numel() == math.prod(want):
                     entry[key] = value.reshape(want)  # the flat format of an earlier version

@@ -1,9 +1,6 @@
-"""Update rules of :class:`~equiopt.optim.EquivariantOptimizer` and their group defaults.
-
-A matrix rule maps the (momentum) direction's work matrices ``D`` to an update ``U`` of
-the same shape with one of the pure maps of :mod:`equiopt.maps`; the element-wise rules
-(``adamw``, ``sgd``) act on the stored tensor directly.
-"""
+"""A group's map as a key: :class:`MapKey` (what a rule's map depends on), and the calls
+the step makes through it: the map itself (:func:`factored_map`), whether it runs on a
+row split (:func:`reducible`), the shape factor of the learning rate (:func:`shape_factor`)."""
 
 from __future__ import annotations
 
@@ -12,8 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import maps
-from .fields import LR_SCALES, POLAR_RULES, RULE_FIELDS, check_settings, fill_defaults
+from ... import maps
+from .base import LR_SCALES, RuleNames, rule_named
 
 
 def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
@@ -34,9 +31,8 @@ def lr_scale_factor(kind: str, rows: int, cols: int) -> float:
 
 def shape_factor(group: dict, rows: int, cols: int) -> float:
     """The group's learning-rate factor for a work matrix of ``rows x cols``: the
-    ``lr_scale`` factor for the polar-factor rules (``spectral``, ``spectral_row``,
-    ``normuon``), 1 for every other rule."""
-    if group["rule"] not in POLAR_RULES:
+    ``lr_scale`` factor for the polar-factor rules (:attr:`Rule.polar`), 1 for every other rule."""
+    if not rule_named(group["rule"]).polar:
         return 1.0
     return lr_scale_factor(group["lr_scale"], rows, cols)
 
@@ -67,7 +63,7 @@ def map_key(group: dict) -> MapKey:
     eta = group["eta"]
     return MapKey(
         rule=rule,
-        order=group["order"] if rule == "hybrid" else None,
+        order=group["order"] if "order" in rule_named(rule).fields else None,
         center=bool(group["center"]),
         eps=float(group["eps"]),
         alpha=float(group["alpha"]),
@@ -88,8 +84,8 @@ PRECENTRED = "precentred"
 
 
 #: The rules whose polar factor ``factored_map(..., narrow=True)`` may return in its
-#: iteration's dtype: Muon's, and the direct route's of the one-sided maps and hybrids.
-NARROW_RULES = frozenset({"spectral", "right", "left", "hybrid"})
+#: iteration's dtype (:attr:`Rule.narrow`): Muon's, and the direct route's of the one-sided maps and hybrids.
+NARROW_RULES = RuleNames(lambda r: r.narrow)
 
 
 def precentred(key: MapKey) -> MapKey:
@@ -115,48 +111,9 @@ def factored_map(
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
     ``col_reducer``: the same for a split of the columns (row-norm only)."""
-    rule, order, center, eps, alpha, method, steps, _, polar_dtype, scale, damping, gram_dtype, route = key
-    done = center == PRECENTRED
-    center = bool(center)
-    if rule in POLAR_RULES:
-        if col_reducer is not None or (reducer is not None and (method != "gram_newton_schulz" or rule == "normuon")):
-            raise ValueError(
-                f"the {rule} map needs the whole matrix"
-                + (", or its rows split with method 'gram_newton_schulz'" if rule != "normuon" else "")
-            )
-        if rule == "spectral_row":
-            return maps.spectral_row_factored(
-                D, method=method, steps=steps, dtype=polar_dtype, eps=eps, reducer=reducer
-            )
-        # normuon: the polar factor; its row stage, which reads and updates the optimizer's
-        # state, is applied by the caller (maps.normuon_rows)
-        narrow = narrow and rule == "spectral"
-        return maps.Factored(
-            maps.spectral(D, method=method, steps=steps, dtype=polar_dtype, reducer=reducer, narrow=narrow)
-        )
-    # the settings the one-sided maps and the hybrids share
-    common = dict(
-        eps=eps,
-        alpha=alpha,
-        center=center,
-        method=method,
-        steps=steps,
-        scale=scale,
-        reducer=reducer,
-        centered_input=done,
-        damping=damping,
-        gram_dtype=gram_dtype,
-        route=route,
+    return rule_named(key.rule).factored(
+        key, eta, D, reducer=reducer, col_reducer=col_reducer, narrow=narrow, centred_input=key.center == PRECENTRED
     )
-    if rule in ("right", "left"):
-        return maps.one_sided_factored(D, narrow=narrow, **common)
-    if col_reducer is not None and rule != "row":
-        raise ValueError(f"the {rule!r} map needs whole rows; gather a column-split work matrix first")
-    if rule == "row":
-        return maps.row_norm_factored(
-            D, eps=eps, center=center, eta=eta, reducer=reducer, centered_input=done, col_reducer=col_reducer
-        )
-    return maps.hybrid_factored(D, order=order, eta=eta, narrow=narrow, **common)
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:
@@ -169,12 +126,7 @@ def reducible(key: MapKey, rows: int, cols: int) -> bool:
     one-sided maps' Gram Newton-Schulz and their ``route="direct"`` need the whole matrix
     (the engine gathers it to an owner rank). ``route="auto"`` is reducible: given a
     reducer, the map keeps the Gram route (:func:`equiopt.maps.one_sided_route`)."""
-    rule, method = key.rule, key.method
-    if rule == "row":
-        return True
-    if rule in ("right", "left", "hybrid"):
-        return method != "gram_newton_schulz" and key.route != "direct" and maps.gram_side(rows, cols) == "right"
-    return rule in ("spectral", "spectral_row") and method == "gram_newton_schulz" and rows >= cols
+    return rule_named(key.rule).reducible(key, rows, cols)
 
 
 def apply_map(key: MapKey, eta, D: torch.Tensor) -> torch.Tensor:
@@ -186,6 +138,8 @@ def validate_group(group: dict, where: str) -> None:
     """Fill ``group``'s missing settings from the rule's defaults and check them in place:
     clear errors naming ``where`` and the setting for unknown names and out-of-range values
     (the checks of :data:`~equiopt.optim.fields.FIELDS`)."""
+    from ..fields import RULE_FIELDS, check_settings, fill_defaults
+
     try:
         fill_defaults(group)
     except ValueError as err:
