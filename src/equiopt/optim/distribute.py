@@ -378,13 +378,22 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
     def receive(members, pending):
         triples, stages = [], defaultdict(list)
         for t, u in zip(members, pending.wait()):
-            if t.second is not None:  # NorMuon: the polar factor's row stage on this rank's block
+            if t.second is not None:  # a row stage (NorMuon's) on this rank's block of the map
                 sharding, block = t.sharding, t.second[2]
-                alike = (t.layout, sharding.shape, block, id(sharding.mesh), sharding.dims, t.key.eps, u.dtype)
+                alike = (
+                    t.layout,
+                    sharding.shape,
+                    block,
+                    id(sharding.mesh),
+                    sharding.dims,
+                    t.key.eps,
+                    u.dtype,
+                    t.key.rule,
+                )
                 stages[alike].append((t, u))
             else:
                 triples.append((t.param, maps.Factored(u), t.coef))
-        for (layout, _, block, _, _, eps, _), tasks in stages.items():  # alike blocks stacked, in one go
+        for (layout, _, block, _, _, eps, _, rule), tasks in stages.items():  # alike blocks stacked, in one go
             t0 = tasks[0][0]
             done = block_row_stages(
                 [u for _, u in tasks],
@@ -394,6 +403,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None)
                 layout,
                 t0.sharding,
                 block,
+                rule_named(rule),
             )
             triples.extend((t.param, maps.Factored(u), t.coef) for (t, _), u in zip(tasks, done))
         add(triples)

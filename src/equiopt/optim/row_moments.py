@@ -1,6 +1,7 @@
-"""NorMuon's row second moments: where they live and how the row stage runs on a block.
+"""Row second moments (a rule's :attr:`~equiopt.optim.rules.Rule.row_moments`, NorMuon's):
+where they live and how the row stage runs on a block.
 
-NorMuon (rule ``normuon``) keeps one second-moment entry per work-matrix row. Its state
+Such a rule keeps one second-moment entry per work-matrix row. Its state
 ``row_second_moment`` has the parameter's leading batch dimensions (experts, extra
 leading axes) and then one entry per row of the rest, in the work matrices' row order:
 ``(m,)`` for a ``(m, n)`` matrix, ``(E, m)`` for a stack of experts.
@@ -18,13 +19,15 @@ the columns, the per-matrix Frobenius sums over those that cut the rows.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..layouts import Layout
-from ..maps import normuon_moments_
 from .sharded import _dim_roles
+
+if TYPE_CHECKING:
+    from .rules import Rule
 
 __all__ = [
     "ROW_MOMENT",
@@ -155,7 +158,7 @@ def _sum(t: torch.Tensor, sharding, axes: tuple[int, ...]) -> torch.Tensor:
 
 
 def block_row_stage(
-    o: torch.Tensor, second: torch.Tensor, weight, eps: float, layout: Layout, sharding, block
+    o: torch.Tensor, second: torch.Tensor, weight, eps: float, layout: Layout, sharding, block, rule: Rule
 ) -> torch.Tensor:
     """NorMuon's row stage (:func:`equiopt.maps.normuon_rows`) on this rank's ``block`` of a
     parameter's polar factors ``o`` (stored layout), updating ``second`` (this rank's block
@@ -164,28 +167,38 @@ def block_row_stage(
     Each row's mean square needs its whole row: the row sums are all-reduced over the mesh
     axes that cut the columns. Each work matrix's rescaling (its Frobenius norm kept) needs
     all its rows: the two totals per work matrix are all-reduced over the axes that cut the
-    rows. The result equals the row stage of the whole matrix on one rank."""
+    rows. The result equals the row stage of the whole matrix on one rank. ``rule``: the
+    rule whose :meth:`~equiopt.optim.rules.Rule.row_moments_` updates the moments."""
     if row_axes(layout, sharding.shape).row is None:
-        return _fused_row_stage(o, second, weight, eps, layout, sharding, block)
-    return _row_stage(o, second, weight, eps, layout, sharding, block, 0)
+        return _fused_row_stage(o, second, weight, eps, layout, sharding, block, rule)
+    return _row_stage(o, second, weight, eps, layout, sharding, block, 0, rule)
 
 
 def block_row_stages(
-    os: list[torch.Tensor], seconds: list[torch.Tensor], weights: list, eps: float, layout: Layout, sharding, block
+    os: list[torch.Tensor],
+    seconds: list[torch.Tensor],
+    weights: list,
+    eps: float,
+    layout: Layout,
+    sharding,
+    block,
+    rule: Rule,
 ) -> list[torch.Tensor]:
     """:func:`block_row_stage` of several parameters whose blocks, layouts and placements are
     alike (a model's layers), stacked: one set of operators and one all-reduce of each kind
     for all of them (the same bytes as one each); their row moments are written back."""
     if len(os) == 1 or row_axes(layout, sharding.shape).row is None:
-        return [block_row_stage(*a, eps, layout, sharding, block) for a in zip(os, seconds, weights)]
+        return [block_row_stage(*a, eps, layout, sharding, block, rule) for a in zip(os, seconds, weights)]
     second = torch.stack(seconds)
     weight = torch.stack([w if torch.is_tensor(w) else torch.tensor(w) for w in weights])
-    out = _row_stage(torch.stack(os), second, weight.view(-1, *[1] * seconds[0].ndim), eps, layout, sharding, block, 1)
+    out = _row_stage(
+        torch.stack(os), second, weight.view(-1, *[1] * seconds[0].ndim), eps, layout, sharding, block, 1, rule
+    )
     torch._foreach_copy_(seconds, list(second.unbind(0)))
     return list(out.unbind(0))
 
 
-def _row_stage(o, second, weight, eps: float, layout: Layout, sharding, block, extra: int) -> torch.Tensor:
+def _row_stage(o, second, weight, eps: float, layout: Layout, sharding, block, extra: int, rule: Rule) -> torch.Tensor:
     """:func:`block_row_stage` on ``o`` with ``extra`` leading dimensions of stacked blocks."""
     axes = row_axes(layout, sharding.shape)
     assert axes.row is not None
@@ -193,7 +206,7 @@ def _row_stage(o, second, weight, eps: float, layout: Layout, sharding, block, e
     row_cut, col_cut = stage_axes(layout, sharding)
     o_sq = o.square().sum(dim=cols)  # (*stack, *batch, rows of the block)
     o_sq = _sum(o_sq, sharding, col_cut)
-    d = normuon_moments_(o_sq / math.prod(sharding.shape[c] for c in axes.cols), second, weight, eps, o.dtype)
+    d = rule.row_moments_(o_sq / math.prod(sharding.shape[c] for c in axes.cols), second, weight, eps, o.dtype)
     start, rows = block[axes.row][0], o.shape[row]
     segments = torch.arange(start, start + rows, device=o.device) // axes.segment
     totals = o_sq.new_zeros(*o_sq.shape[:-1], sharding.shape[axes.row] // axes.segment, 2)
@@ -204,7 +217,7 @@ def _row_stage(o, second, weight, eps: float, layout: Layout, sharding, block, e
     return o * scale.reshape([o.shape[k] if k < batch or k == row else 1 for k in range(o.ndim)])
 
 
-def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block) -> torch.Tensor:
+def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block, rule: Rule) -> torch.Tensor:
     """:func:`block_row_stage` for a fused layout, whose work rows mix stored axes: the
     block is placed in a zero tensor of its batch entries' whole matrices (one per rank,
     for the moment), whose work rows give this rank's share of every row sum; those are
@@ -218,7 +231,7 @@ def _fused_row_stage(o, second, weight, eps, layout: Layout, sharding, block) ->
     flat = [w.sum(dim=-1).reshape(*o.shape[:lead], -1) for w in works]
     o_sq = _sum(torch.cat(flat, dim=-1), sharding, stage_axes(layout, sharding)[1])
     counts = torch.cat([o_sq.new_full((f.shape[-1],), float(w.shape[-1])) for f, w in zip(flat, works)])
-    d = normuon_moments_(o_sq / counts, second, weight, eps, o.dtype)
+    d = rule.row_moments_(o_sq / counts, second, weight, eps, o.dtype)
     scales, at = [], 0
     for w in works:  # each work matrix's rescaling from its rows' totals
         rows = w.shape[:-1]

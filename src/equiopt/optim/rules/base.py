@@ -115,6 +115,14 @@ class Rule:
         (``(N, m, 1)``) in place with ``weight``; only where ``row_moments``."""
         raise NotImplementedError(f"rule {self.name!r} has no row stage")
 
+    def row_moments_(
+        self, mean_sq: torch.Tensor, second: torch.Tensor, weight: Any, eps: float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The part of :meth:`row_stage` a row stage on sharded blocks shares: the row moments
+        ``second`` updated in place from the rows' mean squares ``mean_sq`` (summed over
+        every shard of the row), and the rows' scales in ``dtype`` before any rescaling."""
+        raise NotImplementedError(f"rule {self.name!r} has no row stage")
+
     def __repr__(self) -> str:
         return f"<rule {self.name!r}>"
 

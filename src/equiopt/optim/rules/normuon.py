@@ -33,3 +33,7 @@ class NorMuon(PolarRule):
         scales = maps.normuon_rows(x, second, weight, eps).row
         assert scales is not None
         return scales
+
+    def row_moments_(self, mean_sq, second, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        """``v <- v + weight (mean_sq - v)`` in place and ``1 / (sqrt(v) + eps)`` (:func:`equiopt.maps.normuon_moments_`)."""
+        return maps.normuon_moments_(mean_sq, second, weight, eps, dtype)
