@@ -21,6 +21,7 @@ from __future__ import annotations
 from .base import (
     LR_SCALES,
     MOMENTUM_FIELDS,
+    PeerRule,
     Rule,
     RuleNames,
     check_fields,
@@ -58,6 +59,7 @@ __all__ = [
     "NARROW_RULES",
     "PRECENTRED",
     "MapKey",
+    "PeerRule",
     "Rule",
     "RuleNames",
     "apply_map",

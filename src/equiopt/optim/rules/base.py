@@ -19,6 +19,7 @@ from ... import maps
 
 __all__ = [
     "Rule",
+    "PeerRule",
     "register",
     "unregister",
     "registered",
@@ -125,6 +126,27 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"<rule {self.name!r}>"
+
+
+class PeerRule(Rule):
+    """A rule that hands its param group to a torch optimizer (:mod:`equiopt.optim.peers`
+    steps it): :meth:`build` makes the optimizer, :meth:`hyper` gives its settings from the
+    group's (read every step), :meth:`step` steps it, :meth:`check_param` refuses by name a
+    parameter it cannot step."""
+
+    kind = "peer"
+
+    def check_param(self, p: torch.Tensor, name: str, sharded: bool) -> None:
+        return None
+
+    def hyper(self, group: dict) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def build(self, group: dict) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def step(self, inner: torch.optim.Optimizer, group: dict) -> None:
+        inner.step()
 
 
 _REGISTRY: dict[str, Rule] = {}
