@@ -20,6 +20,7 @@ class UnitRMS(Rule):
     (equivariant under ``O(m) x O(n)``); its sum of squares completes over row shards."""
 
     name = "unit_rms"
+    doc = "each work matrix to RMS one"
     fields = MOMENTUM_FIELDS + ("eps",)
     defaults = {"nesterov": True}
 
@@ -71,7 +72,9 @@ def test_a_rule_of_this_file_steps_as_its_float64_formula_and_shows_in_the_table
             "lazy",
         )
         assert fields.RULE_DEFAULTS["unit_rms"]["nesterov"] is True  # its own default, not the table's
-        assert "unit_rms" in fields.fields_table().split("| `eps` |")[1].split("\n")[0]
+        table = fields.fields_table()
+        assert "unit_rms" in table.split("| `eps` |")[1].split("\n")[0]
+        assert "unit_rms (each work matrix to RMS one)" in table.split("| `rule` |")[1].split("\n")[0]
         opt = EquivariantOptimizer(
             [{"params": params, "layouts": layouts}],
             rule="unit_rms",

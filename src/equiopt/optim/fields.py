@@ -259,9 +259,7 @@ FIELDS: dict[str, Field] = {
             "rule",
             None,
             _choice("rule", RULES),
-            "spectral (Muon), right / left (Right/LeftPolarGradM), row (RowNormM), hybrid (HybridPolarGradM), "
-            "spectral_row (polar factor, then rows normalised), normuon (NorMuon: polar factor, then rows "
-            "normalised by their second-moment EMA), adamw, sgd; torch_adamw, torch_muon (torch's own optimizers, as peer arms)",
+            "the update rule: one of the registered rules (equiopt.optim.rules), listed in the table with what each is",
         ),
         Field("lr", 1e-3, _learning_rate, "learning rate (a recipe must give it; a float or a 1-element tensor)"),
         Field("weight_decay", 0.0, _at_least(0.0, strict=False), "decoupled weight decay, multiplied by lr"),
@@ -437,7 +435,8 @@ def fields_table() -> str:
     """The table as Markdown: each setting, the rules that read it, its default(s), meaning."""
     lines = ["| setting | rules | default | meaning |", "|---|---|---|---|"]
     for name, f in FIELDS.items():
-        rules = "all" if f.rules == RULES else ", ".join(f.rules)
+        readers = "all" if f.rules == RULES else ", ".join(f.rules)
+        doc = f.doc if name != "rule" else "; ".join(f"{r.name} ({r.doc})" if r.doc else r.name for r in rules())
         if any(name in rule_named(r).defaults for r in f.rules):
             values = [f.default_for(r) for r in f.rules]
             usual = max(values, key=values.count)
@@ -447,5 +446,5 @@ def fields_table() -> str:
             shown = (
                 "required in a recipe; 1e-3 by hand" if name == "lr" else ("-" if name == "rule" else repr(f.default))
             )
-        lines.append(f"| `{name}` | {rules} | {shown}{' (optional)' if f.optional else ''} | {f.doc} |")
+        lines.append(f"| `{name}` | {readers} | {shown}{' (optional)' if f.optional else ''} | {doc} |")
     return "\n".join(lines)

@@ -57,7 +57,7 @@ class TorchAdamW(PeerRule):
     fields = ("betas", "adam_eps")
     state = ADAM_STATE
     complex = True
-    doc = "torch.optim.AdamW"
+    doc = "torch.optim.AdamW, as a peer arm"
 
     def hyper(self, group: dict) -> dict[str, Any]:
         return {**_common(group), "betas": tuple(group["betas"]), "eps": float(group["adam_eps"])}
@@ -75,7 +75,7 @@ class TorchMuon(PeerRule):
     defaults = {"nesterov": True}
     # torch's Muon knows Jordan's factor ("original") and Moonlight's ("match_rms_adamw") only
     lr_scales = ("spectral", "match_adamw")
-    doc = "torch.optim.Muon"
+    doc = "torch.optim.Muon, as a peer arm"
 
     def flops(self, key, batch: int, m: int, n: int, gram_rows: int | None) -> int:
         return polar_flops(key, batch, m, n)
