@@ -135,6 +135,42 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+def test_a_row_norm_part_reads_its_rows_norms_off_the_momentum_stage(nesterov):
+    """RowNormM on matrices stored as their work matrices: the momentum stage sums the
+    squares of the direction's rows as it writes them (``equiopt::momentum_stage_sums``), so
+    the map reads the direction no more for its norms; the step equals the per-parameter
+    path's."""
+    from equiopt.roofline import count_step
+
+    def run(nonfinite: str, steps: int):
+        g = torch.Generator().manual_seed(12)
+        params = [torch.nn.Parameter(torch.randn(40, 16, generator=g)) for _ in range(3)]
+        group = {"params": params, "rule": "row", "nesterov": nesterov, "nonfinite": nonfinite}
+        opt = EquivariantOptimizer(
+            [group, {"params": [torch.nn.Parameter(torch.randn(40, 16))], "rule": "row"}], lr=0.01, weight_decay=0.1
+        )
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.param_groups[1]["params"][0].grad = torch.randn(40, 16, generator=g)
+            opt.step()
+        return params, opt
+
+    params, opt = run("skip", 1)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    counter = count_step(opt.step, warmup=0)
+    names = [o.name for o in counter.ops]
+    assert names.count("momentum_stage_sums") == 2 and "momentum_stage" not in names, names
+    directions = [o for o in counter.ops if o.stage.startswith("maps.row")]
+    assert not [o for o in directions if o.read >= 40 * 16 * 4], [(o.name, o.read) for o in directions]
+    bucketed, _ = run("skip", 3)
+    single, _ = run("raise", 3)
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
 def test_a_strided_gradient_is_stacked_and_steps_as_a_contiguous_one():
     """A part's gradients are read where they are only when each is contiguous: a member's
     strided gradient (of the same values) is stacked first, and the step is the same."""

@@ -104,6 +104,35 @@ def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
 
 
 @interpreted
+@pytest.mark.parametrize("direction", [True, False], ids=["direction", "momentum-only"])
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+@pytest.mark.parametrize("row_len", [kernels.BLOCK, 125], ids=["rows-of-a-block", "rows-across-blocks"])
+def test_momentum_stage_sums_the_rows_of_the_direction_it_writes(row_len, nesterov, direction):
+    """``equiopt::momentum_stage_sums``: the momentum stage as without the sums, and each
+    row's sum of squares of the direction (the momentum where none is written), rows of a
+    whole block (one atomic add per block) or straddling blocks, NaN and Inf gradients among
+    them; the kernel against the operator's CPU implementation and a float64 sum."""
+    rows = 3
+    n = rows * row_len
+    g = _gradients(5, n)
+    ok = torch.tensor([True, False, True, False, True])
+    momentum = torch.randn(5, n, generator=torch.Generator().manual_seed(2))
+    found = []
+    for run in (ops.momentum_stage_sums, kernels.momentum_stage):
+        m, scratch, sums = momentum.clone(), torch.full_like(g, 7.0), torch.full((5, rows), 3.0)
+        run(_given(g, "members"), scratch, m, ok, 0.9, nesterov, direction, sums)
+        found.append((m, scratch, sums))
+    (m_eager, s_eager, sums_eager), (m_kernel, s_kernel, sums_kernel) = found
+    plain_m, plain_s = momentum.clone(), torch.full_like(g, 7.0)
+    ops.momentum_stage(_given(g, "members"), plain_s, plain_m, ok, 0.9, nesterov, direction)
+    assert torch.equal(m_eager, plain_m) and torch.equal(s_eager, plain_s)  # the sums change nothing else
+    torch.testing.assert_close(m_kernel, m_eager, rtol=1e-6, atol=1e-7)
+    written = (s_eager if direction else m_eager).double().view(5, rows, row_len)
+    torch.testing.assert_close(sums_eager.double(), written.square().sum(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(sums_kernel, sums_eager, rtol=1e-5, atol=0)
+
+
+@interpreted
 @pytest.mark.parametrize("decay", [True, False], ids=["decay", "no-decay"])
 def test_decay_add_kernel_equals_eager(decay):
     gen = torch.Generator().manual_seed(3)

@@ -71,6 +71,26 @@ def test_polar_express_products_of_one_matrix_by_formula(nesterov):
     assert flags.read == 4 * m * n + 4 and flags.written == 4  # the gradient; the skip counter
 
 
+@pytest.mark.parametrize("nesterov", [False, True], ids=["ema", "nesterov"])
+def test_row_norm_on_a_vocabulary_moves_what_fused_adamw_moves_beside_its_row_scalars(nesterov):
+    """RowNormM on a 32768 x 1024 embedding, counted as CUDA runs it: one read of the gradient
+    for its flags, one momentum stage that also sums the direction's rows, one update add;
+    beyond fused AdamW's bytes on the same matrix only its per-row scalars (a few dozen
+    bytes a row); with Nesterov the direction is written too, and the add reads it instead
+    of the momentum."""
+    m, n = 32768, 1024
+    w, a = torch.nn.Parameter(_meta(m, n)), torch.nn.Parameter(_meta(m, n))
+    w.grad, a.grad = torch.empty_like(w), torch.empty_like(a)
+    with decide_as("cuda"):
+        opt = EquivariantOptimizer([w], lr=1e-3, rule="row", nesterov=nesterov, compile=False)
+        c = count_step(opt.step)
+    adamw = count_step(fused_adamw_step([a])).bytes
+    assert adamw == 28 * m * n + 12  # (and its step counter)
+    extra = 4 * m * n if nesterov else 0  # the direction, written by the stage (the add reads it, not the momentum)
+    assert 0 < c.bytes - adamw - extra <= 96 * m, (c.bytes - adamw - extra) / m
+    assert _only(c, "momentum_stage_sums").written == (8 if nesterov else 4) * m * n + 4 * m
+
+
 def test_fused_adamw_reads_four_and_writes_three_tensors():
     params = [_meta(100, 10), _meta(300)]
     c = count_step(fused_adamw_step(params))

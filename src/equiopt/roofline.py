@@ -186,6 +186,8 @@ _WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
     "_fused_adam_": (0, 2, 3, 4),
     # equiopt::momentum_stage without a direction writes the momentum alone
     "momentum_stage": lambda args: (1, 2) if len(args) < 7 or args[6] else (2,),
+    # equiopt::momentum_stage_sums: the same, and its rows' sums
+    "momentum_stage_sums": lambda args: (1, 2, 7) if args[6] else (2, 7),
     # equiopt::factor_add_'s place is workspace of its CPU implementation
     "factor_add_": (0,),
 }
@@ -193,6 +195,7 @@ _WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
 _UNREAD: dict[str, Callable[[tuple], list]] = {
     # equiopt::momentum_stage given gradients of its own overwrites the scratch with them
     "momentum_stage": lambda args: [args[1]] if args and args[0] else [],
+    "momentum_stage_sums": lambda args: [args[1], args[7]] if args[0] else [args[7]],
     "factor_add_": lambda args: [args[4]],
 }
 

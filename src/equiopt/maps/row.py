@@ -75,15 +75,19 @@ def _row_factors(
     centered: bool,
     reducer: RowReducer | None = None,
     col_reducer: RowReducer | None = None,
+    norms: torch.Tensor | None = None,
 ) -> Factored:
-    """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``.
+    """``Pi Diag(eta(||x_i:||)) x`` for an ``x`` that is already centred when ``centered``
+    (``norms``: the row norms, where they are known).
 
     The final projection subtracts the column means ``s^T x / m`` of the scaled rows,
     computed as one vector-matrix product instead of a second pass over the matrix.
     ``col_reducer``: ``x`` holds some of the columns (a split of the work columns); the
     squared row norms, one per row, are completed by it (its ``count`` is the column count).
     """
-    if col_reducer is None:
+    if norms is not None:
+        n = x.shape[-1]
+    elif col_reducer is None:
         norms, n = _row_norms(x), x.shape[-1]
     else:
         norms, n = col_reducer.sum(x.square().sum(dim=-1, keepdim=True)).sqrt(), col_reducer.count
@@ -129,6 +133,7 @@ def row_norm_factored(
     reducer: RowReducer | None = None,
     centered_input: bool = False,
     col_reducer: RowReducer | None = None,
+    row_sq: torch.Tensor | None = None,
 ) -> Factored:
     """:func:`row_norm` in factored form, in the compute dtype (float32 or float64).
 
@@ -148,9 +153,17 @@ def row_norm_factored(
             ``centred_input=`` is a deprecated alias (it warns); passing both raises
             :class:`TypeError`.
         col_reducer: completes the row norms of a ``D`` split by columns.
+        row_sq: the sums of squares of ``D``'s rows, ``(..., m, 1)``, where they are known
+            already (whole rows of an uncentred ``D`` only): the norms are their square roots.
 
     Returns:
         The update as a :class:`Factored`.
     """
+    if row_sq is not None and (center or col_reducer is not None or row_sq.shape != (*D.shape[:-1], 1)):
+        raise ValueError(
+            f"row_sq: the sums of squares of whole rows of an uncentred D, shape {(*D.shape[:-1], 1)}; "
+            f"got {tuple(row_sq.shape)}" + (" with center=True" if center else "")
+        )
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
-    return _row_factors(x, eta, eps, center, reducer, col_reducer)
+    norms = None if row_sq is None else row_sq.to(x.dtype).sqrt()
+    return _row_factors(x, eta, eps, center, reducer, col_reducer, norms)

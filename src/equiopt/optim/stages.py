@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import maps
-from ..layouts import Layout
+from ..layouts import Layout, Row
 from .apply import GRAD_LIMIT, _add_
 from .fused import ops as fused
 from .rules import PRECENTRED, MapKey, rule_named
@@ -158,6 +158,19 @@ def _side_by_side(
             place.copy_(w)
 
 
+def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> bool:
+    """Whether the momentum stage also sums the squares of the direction's rows for the map: a
+    row-wise map (:attr:`Rule.row_wise`, RowNormM) not centred, on a float32 matrix stored as
+    its work matrix (layout ``row``), whose rows are the stored rows in order."""
+    return (
+        not key.center
+        and rule_named(key.rule).row_wise
+        and isinstance(spec.layout, Row)
+        and len(spec.shape) == 2
+        and momentum.dtype == torch.float32
+    )
+
+
 def _placed_directly(key: MapKey, spec: Spec) -> bool:
     """Whether the fused operators of :mod:`.fused` write a part's direction straight into
     its place in the map's input: a stack whose work matrices are the stack itself, not
@@ -215,6 +228,7 @@ def bucket_core(
     or a narrow factor and its scales, ``(X, k)``, which the part's finish adds as ``k X``;
     the skip flags in the learning rates' dtype, and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
+    row_sqs: list[torch.Tensor | None] = []  # the direction's rows' sums of squares, where the momentum stage made them
     placed = [_placed_directly(key, spec) for spec in specs]
     target: torch.Tensor | None = None
     for i, spec in enumerate(specs):
@@ -258,9 +272,16 @@ def bucket_core(
             # without Nesterov the direction is the momentum: the map reads it there unless it
             # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1) or straight is not None
-            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written)
+            if _sums_by_the_way(key, spec, buf):
+                sums = buf.new_empty(spec.members, spec.shape[0])
+                fused.momentum_stage_sums(given, target, buf, ok, spec.beta, spec.nesterov, written, sums)
+                row_sqs.append(sums.view(spec.members, spec.shape[0], 1))
+            else:
+                fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written)
+                row_sqs.append(None)
             direction = target if written else buf
         else:
+            row_sqs.append(None)
             buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
             if spec.nesterov:
                 direction = torch.lerp(grads, buf, spec.beta) if apart else grads.lerp_(buf, spec.beta)
@@ -289,7 +310,10 @@ def bucket_core(
     # update widens it as it scales it (one pass fewer over the bucket than a cast back)
     rule = rule_named(key.rule)
     narrow = rule.narrow
-    f = map_fn(key, eta, x, narrow=True) if narrow else map_fn(key, eta, x)
+    hints = {}
+    if row_sqs and all(r is not None for r in row_sqs):  # the rows' norms need no pass of their own
+        hints["row_sq"] = row_sqs[0] if len(row_sqs) == 1 else torch.cat(row_sqs)  # type: ignore[arg-type]
+    f = map_fn(key, eta, x, narrow=True, **hints) if narrow else map_fn(key, eta, x, **hints)
     cdtype = torch.promote_types(x.dtype, f.x.dtype)  # (the scale in the dtype the update is formed in)
     if seconds is not None:
         # the rule's row stage (NorMuon's), part by part on its own state (views of the stacks)

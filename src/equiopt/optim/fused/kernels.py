@@ -71,8 +71,13 @@ def _momentum_kernel(
     ss0,
     ss1,
     ss2,
+    sums,
+    row_len,
+    rows,
     NESTEROV: tl.constexpr,
     DIRECTION: tl.constexpr,
+    SUMS: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -88,12 +93,22 @@ def _momentum_kernel(
     w = tl.load(weights + m)
     new = _lerp(old, g, w).to(mom.dtype.element_ty)
     tl.store(mom + at, new, mask=mask)
+    written = new.to(tl.float32)  # the direction as the map will read it
     if DIRECTION:
         if NESTEROV:
             direction = _lerp_scalar(g, new.to(tl.float32), beta, rest)
         else:
             direction = new.to(tl.float32)
-        tl.store(scratch + put, direction.to(scratch.dtype.element_ty), mask=mask)
+        stored = direction.to(scratch.dtype.element_ty)
+        tl.store(scratch + put, stored, mask=mask)
+        written = stored.to(tl.float32)
+    if SUMS:  # the rows' sums of squares, as the direction is written
+        sq = tl.where(mask, written * written, 0.0)
+        if WHOLE_ROWS:  # every block lies within one row: one atomic add per block
+            row = (b * BLOCK) // row_len
+            tl.atomic_add(sums + m.to(tl.int64) * rows + row, tl.sum(sq, axis=0))
+        else:
+            tl.atomic_add(sums + m.to(tl.int64) * rows + i // row_len, sq, mask=mask)
 
 
 @triton.jit
@@ -187,9 +202,11 @@ def momentum_stage(
     beta: float,
     nesterov: bool,
     direction: bool = True,
+    sums: torch.Tensor | None = None,
 ) -> None:
     """:func:`.ops.momentum_stage` in one kernel (``momentum`` contiguous; ``scratch``
-    contiguous, or ``(B, rows, cols)`` strided where the gradients are each member's own)."""
+    contiguous, or ``(B, rows, cols)`` strided where the gradients are each member's own);
+    with ``sums`` (``(B, rows)`` float32), :func:`.ops.momentum_stage_sums`."""
     members = momentum.shape[0]
     n = momentum.numel() // members
     base, starts, _ = _members(sources or [scratch], members)
@@ -203,6 +220,14 @@ def momentum_stage(
             f"got shape {tuple(scratch.shape)}, strides {scratch.stride()}"
         )
     weights = ok.to(scratch.dtype) * (1.0 - beta)  # as the eager stage rounds them
+    rows = 1 if sums is None else sums.shape[1]
+    row_len = n // rows
+    if sums is not None:
+        if sums.shape != (members, rows) or rows * row_len != n or not sums.is_contiguous():
+            raise ValueError(
+                f"momentum_stage: sums must be ({members}, rows) dividing {n} entries, got {tuple(sums.shape)}"
+            )
+        sums.zero_()
     _momentum_kernel[_grid(n, members)](
         base,
         starts,
@@ -214,8 +239,13 @@ def momentum_stage(
         _rest(beta),
         place.shape[-1],
         *place.stride(),
+        sums if sums is not None else weights,
+        row_len,
+        rows,
         NESTEROV=nesterov,
         DIRECTION=direction,
+        SUMS=sums is not None,
+        WHOLE_ROWS=row_len % BLOCK == 0,
         BLOCK=BLOCK,
     )
 

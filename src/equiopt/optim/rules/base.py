@@ -56,7 +56,9 @@ class Rule:
       real views; ``row_moments``: it keeps one second moment per work-matrix row and
       applies :meth:`row_stage` after its map; ``row_wise``: its map reads each row by
       itself (sums within rows only), so it also runs on a split of the columns, gains
-      nothing from batching, and replicas gain nothing by dividing its sums.
+      nothing from batching, and replicas gain nothing by dividing its sums; its
+      :meth:`factored` also takes ``row_sq``, the sums of squares of ``D``'s rows where the
+      step made them as it wrote ``D`` (then it reads ``D`` once less).
     """
 
     name: ClassVar[str]

@@ -101,6 +101,7 @@ def factored_map(
     reducer: maps.RowReducer | None = None,
     col_reducer: maps.RowReducer | None = None,
     narrow: bool = False,
+    row_sq: torch.Tensor | None = None,
 ) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype
@@ -110,9 +111,19 @@ def factored_map(
 
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
-    ``col_reducer``: the same for a split of the columns (row-norm only)."""
+    ``col_reducer``: the same for a split of the columns (row-norm only). ``row_sq``: the
+    sums of squares of ``D``'s rows, ``(..., m, 1)``, where the step made them as it wrote
+    ``D`` (row-wise rules only, :attr:`Rule.row_wise`)."""
+    hints = {} if row_sq is None else {"row_sq": row_sq}
     return rule_named(key.rule).factored(
-        key, eta, D, reducer=reducer, col_reducer=col_reducer, narrow=narrow, centred_input=key.center == PRECENTRED
+        key,
+        eta,
+        D,
+        reducer=reducer,
+        col_reducer=col_reducer,
+        narrow=narrow,
+        centred_input=key.center == PRECENTRED,
+        **hints,
     )
 
 

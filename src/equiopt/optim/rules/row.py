@@ -19,7 +19,9 @@ class RowNorm(Rule):
     def reducible(self, key, rows: int, cols: int) -> bool:
         return True  # sums of squares over rows, over columns when they are split
 
-    def factored(self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input) -> maps.Factored:
+    def factored(
+        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, row_sq=None
+    ) -> maps.Factored:
         return maps.row_norm_factored(
             D,
             eps=key.eps,
@@ -28,6 +30,7 @@ class RowNorm(Rule):
             reducer=reducer,
             centered_input=centred_input,
             col_reducer=col_reducer,
+            row_sq=row_sq,
         )
 
 
