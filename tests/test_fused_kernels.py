@@ -108,7 +108,7 @@ def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
 @pytest.mark.parametrize("row_len", [kernels.BLOCK, 125], ids=["rows-of-a-block", "rows-across-blocks"])
 def test_momentum_stage_sums_the_rows_of_the_direction_it_writes(row_len, nesterov, direction):
-    """``equiopt::momentum_stage_sums``: the momentum stage as without the sums, and each
+    """``equiopt::momentum_stage`` given ``sums``: the stage as without them, and each
     row's sum of squares of the direction (the momentum where none is written), rows of a
     whole block (one atomic add per block) or straddling blocks, NaN and Inf gradients among
     them; the kernel against the operator's CPU implementation and a float64 sum."""
@@ -118,7 +118,7 @@ def test_momentum_stage_sums_the_rows_of_the_direction_it_writes(row_len, nester
     ok = torch.tensor([True, False, True, False, True])
     momentum = torch.randn(5, n, generator=torch.Generator().manual_seed(2))
     found = []
-    for run in (ops.momentum_stage_sums, kernels.momentum_stage):
+    for run in (ops.momentum_stage, kernels.momentum_stage):
         m, scratch, sums = momentum.clone(), torch.full_like(g, 7.0), torch.full((5, rows), 3.0)
         run(_given(g, "members"), scratch, m, ok, 0.9, nesterov, direction, sums)
         found.append((m, scratch, sums))

@@ -184,18 +184,15 @@ _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_z
 _WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
     "_fused_adamw_": (0, 2, 3, 4),
     "_fused_adam_": (0, 2, 3, 4),
-    # equiopt::momentum_stage without a direction writes the momentum alone
-    "momentum_stage": lambda args: (1, 2) if len(args) < 7 or args[6] else (2,),
-    # equiopt::momentum_stage_sums: the same, and its rows' sums
-    "momentum_stage_sums": lambda args: (1, 2, 7) if args[6] else (2, 7),
+    # equiopt::momentum_stage without a direction writes the momentum alone (and its sums)
+    "momentum_stage": lambda args: ((1, 2) if len(args) < 7 or args[6] else (2,)) + ((7,) if len(args) > 7 else ()),
     # equiopt::factor_add_'s place is workspace of its CPU implementation
     "factor_add_": (0,),
 }
 # arguments an operator writes without reading them, by the arguments it was given
 _UNREAD: dict[str, Callable[[tuple], list]] = {
     # equiopt::momentum_stage given gradients of its own overwrites the scratch with them
-    "momentum_stage": lambda args: [args[1]] if args and args[0] else [],
-    "momentum_stage_sums": lambda args: [args[1], args[7]] if args[0] else [args[7]],
+    "momentum_stage": lambda args: ([args[1]] if args and args[0] else []) + list(args[7:8]),
     "factor_add_": lambda args: [args[4]],
 }
 

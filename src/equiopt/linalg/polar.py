@@ -152,6 +152,7 @@ def polar(
     out: torch.Tensor | None = None,
     row: torch.Tensor | None = None,
     shift: torch.Tensor | None = None,
+    sq_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype
     (``narrow``: in the iteration's, where that is narrower).
@@ -184,6 +185,9 @@ def polar(
         shift: ``(..., 1, n)``: the polar factor of ``Diag(row) X - 1 shift^T`` (a centred
             row stage), formed the same way; its Frobenius norm is summed a block of rows
             at a time.
+        sq_norm: ``(..., 1, 1)``: each matrix's squared Frobenius norm where it is known
+            (the normalisation before the iterations then reads ``X`` no more for it);
+            without ``row`` and ``shift``.
 
     Returns:
         ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape (and dtype, unless
@@ -245,7 +249,8 @@ def polar(
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
         offset = None
         if row is None and shift is None:
-            scale = NORM_MARGIN * torch.linalg.matrix_norm(wide, keepdim=True) + NORM_FLOOR
+            fro = torch.linalg.matrix_norm(wide, keepdim=True) if sq_norm is None else sq_norm.to(wide.dtype).sqrt()
+            scale = NORM_MARGIN * fro + NORM_FLOOR
         else:
             # the division by scale / r scales the rows; the shift over scale is subtracted
             r = None if row is None else (row.mT if tall else row).to(wide.dtype)

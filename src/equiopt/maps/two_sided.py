@@ -18,6 +18,7 @@ def spectral(
     dtype: torch.dtype | None = None,
     reducer: RowReducer | None = None,
     narrow: bool = False,
+    sq_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
 
@@ -32,12 +33,13 @@ def spectral(
             rows; ``method="gram_newton_schulz"`` only: the ``n x n`` Grams are summed).
         narrow: keep the iteration's dtype where it is narrower than ``D``'s (see
             :func:`equiopt.linalg.polar`).
+        sq_norm: each matrix's squared Frobenius norm, ``(..., 1, 1)``, where it is known.
 
     Returns:
         The polar factor, of ``D``'s shape and dtype (unless ``narrow``).
     """
     _check(D, "spectral")
-    return polar(D, method=method, steps=steps, dtype=dtype, reducer=reducer, narrow=narrow)
+    return polar(D, method=method, steps=steps, dtype=dtype, reducer=reducer, narrow=narrow, sq_norm=sq_norm)
 
 
 def _frobenius_rescale(o_sq: torch.Tensor, d: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:

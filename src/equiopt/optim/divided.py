@@ -113,7 +113,8 @@ class DividedMap:
         self.ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def __call__(self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False) -> maps.Factored:
+    def __call__(self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None) -> maps.Factored:
+        # (``sums``, the momentum stage's by-product, is not used: each share's map reads its own)
         count = x.shape[0]
         if self.ranks < 2:
             return map_share(key, eta, x, narrow)
@@ -162,6 +163,6 @@ class GramDivided:
         self.group = group
         self.part = (dist.get_rank(group), dist.get_world_size(group))
 
-    def __call__(self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False) -> maps.Factored:
+    def __call__(self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None) -> maps.Factored:
         sums = ShardSum(self.group, x.shape[-2], self.part, divide=True)
         return factored_map(key, eta, x, sums, None, narrow=narrow)

@@ -158,17 +158,19 @@ def _side_by_side(
             place.copy_(w)
 
 
-def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> bool:
-    """Whether the momentum stage also sums the squares of the direction's rows for the map: a
-    row-wise map (:attr:`Rule.row_wise`, RowNormM) not centred, on a float32 matrix stored as
-    its work matrix (layout ``row``), whose rows are the stored rows in order."""
-    return (
-        not key.center
-        and rule_named(key.rule).row_wise
-        and isinstance(spec.layout, Row)
-        and len(spec.shape) == 2
-        and momentum.dtype == torch.float32
-    )
+def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> int:
+    """How many sums of squares per member the momentum stage makes for the map as it writes
+    the direction (0: none), in float32 and uncentred maps only: each row's for
+    ``Rule.sums == "rows"`` (RowNormM) on a matrix stored as its work matrix (layout
+    ``row``: the work rows are the stored rows in order); the whole member's for
+    ``"matrices"`` (Muon's normalisation) where a member is one work matrix, in any layout
+    (a transpose keeps its Frobenius norm)."""
+    wanted = rule_named(key.rule).sums
+    if key.center or momentum.dtype != torch.float32 or spec.flat or wanted is None:
+        return 0
+    if wanted == "rows":
+        return spec.shape[0] if isinstance(spec.layout, Row) and len(spec.shape) == 2 else 0
+    return 1 if wanted == "matrices" and spec.per_member == 1 else 0
 
 
 def _placed_directly(key: MapKey, spec: Spec) -> bool:
@@ -228,7 +230,7 @@ def bucket_core(
     or a narrow factor and its scales, ``(X, k)``, which the part's finish adds as ``k X``;
     the skip flags in the learning rates' dtype, and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
-    row_sqs: list[torch.Tensor | None] = []  # the direction's rows' sums of squares, where the momentum stage made them
+    made_sums: list[torch.Tensor | None] = []  # what the map reads first (Rule.sums), where the momentum stage made it
     placed = [_placed_directly(key, spec) for spec in specs]
     target: torch.Tensor | None = None
     for i, spec in enumerate(specs):
@@ -272,16 +274,17 @@ def bucket_core(
             # without Nesterov the direction is the momentum: the map reads it there unless it
             # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1) or straight is not None
-            if _sums_by_the_way(key, spec, buf):
-                sums = buf.new_empty(spec.members, spec.shape[0])
-                fused.momentum_stage_sums(given, target, buf, ok, spec.beta, spec.nesterov, written, sums)
-                row_sqs.append(sums.view(spec.members, spec.shape[0], 1))
+            per_member = _sums_by_the_way(key, spec, buf)
+            if per_member:
+                sums = buf.new_empty(spec.members, per_member)
+                fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums)
+                made_sums.append(sums.view(spec.members, per_member, 1))
             else:
                 fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written)
-                row_sqs.append(None)
+                made_sums.append(None)
             direction = target if written else buf
         else:
-            row_sqs.append(None)
+            made_sums.append(None)
             buf.lerp_(grads, _lead(spec, okf * (1.0 - spec.beta), buf.ndim))
             if spec.nesterov:
                 direction = torch.lerp(grads, buf, spec.beta) if apart else grads.lerp_(buf, spec.beta)
@@ -311,8 +314,8 @@ def bucket_core(
     rule = rule_named(key.rule)
     narrow = rule.narrow
     hints = {}
-    if row_sqs and all(r is not None for r in row_sqs):  # the rows' norms need no pass of their own
-        hints["row_sq"] = row_sqs[0] if len(row_sqs) == 1 else torch.cat(row_sqs)  # type: ignore[arg-type]
+    if made_sums and all(t is not None for t in made_sums):  # the map reads D once less
+        hints["sums"] = made_sums[0] if len(made_sums) == 1 else torch.cat(made_sums)  # type: ignore[arg-type]
     f = map_fn(key, eta, x, narrow=True, **hints) if narrow else map_fn(key, eta, x, **hints)
     cdtype = torch.promote_types(x.dtype, f.x.dtype)  # (the scale in the dtype the update is formed in)
     if seconds is not None:

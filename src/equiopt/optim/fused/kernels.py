@@ -206,7 +206,7 @@ def momentum_stage(
 ) -> None:
     """:func:`.ops.momentum_stage` in one kernel (``momentum`` contiguous; ``scratch``
     contiguous, or ``(B, rows, cols)`` strided where the gradients are each member's own);
-    with ``sums`` (``(B, rows)`` float32), :func:`.ops.momentum_stage_sums`."""
+    with ``sums`` (``(B, rows)`` float32), each row's sum of squares of the direction too."""
     members = momentum.shape[0]
     n = momentum.numel() // members
     base, starts, _ = _members(sources or [scratch], members)

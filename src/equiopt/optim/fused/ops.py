@@ -13,9 +13,8 @@ what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one 
   bucket's buffer where the map reads it (one read of the gradients, read where autograd
   left them, and of the momentum, one write of the momentum and the direction; no direction
   where the map reads the momentum): a part's gradients are never stacked first;
-- ``equiopt::momentum_stage_sums``: the same, and the sums of squares of the direction's
-  rows as it writes them (a few bytes per row), the row norms a row-wise map would
-  otherwise read the whole direction again for;
+  given ``sums``, also the sums of squares of the direction's rows or matrices as it writes
+  them (a few bytes each), what the map would otherwise read the whole direction again for;
 - ``equiopt::decay_add_``: ``W <- f W + U`` for every member (``f = 1 - lr wd ok``, or no
   decay), the update read from one stack (one read of weights and update, one write of
   the weights);
@@ -37,7 +36,7 @@ from torch import Tensor
 
 from ..apply import GRAD_LIMIT, finite_flags
 
-__all__ = ["grad_flags", "momentum_stage", "momentum_stage_sums", "decay_add_", "factor_add_"]
+__all__ = ["grad_flags", "momentum_stage", "decay_add_", "factor_add_"]
 
 
 @torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters",))
@@ -77,7 +76,7 @@ def _(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: 
     return _combine(kernels.finite_flags(sources, members), counters, present)
 
 
-@torch.library.custom_op("equiopt::momentum_stage", mutates_args=("scratch", "momentum"))
+@torch.library.custom_op("equiopt::momentum_stage", mutates_args=("scratch", "momentum", "sums"))
 def momentum_stage(
     sources: list[Tensor],
     scratch: Tensor,
@@ -86,6 +85,7 @@ def momentum_stage(
     beta: float,
     nesterov: bool,
     direction: bool = True,
+    sums: Tensor | None = None,
 ) -> None:
     """The gradients sanitised, the momentum EMA with weight ``ok (1 - beta)`` per member (a
     skipped member's momentum stays bit for bit) and the direction into ``scratch``:
@@ -95,8 +95,13 @@ def momentum_stage(
     where ``sources`` is empty, else their stack (one tensor) or each member's own (``B``
     tensors), read where they are. Without ``direction`` (where the caller reads the momentum itself) nothing is
     kept in ``scratch``: the kernel neither writes it nor, given ``sources``, reads it; here
-    it serves as the sanitised gradients' workspace."""
+    it serves as the sanitised gradients' workspace. ``sums`` (``(B, k)``): each member's
+    direction (the momentum where none is written), its entries in order as ``k`` rows of
+    equal length, gets each row's sum of squares."""
     _momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction)
+    if sums is not None:
+        d = scratch if direction else momentum
+        sums.copy_(torch.linalg.vector_norm(d.reshape(sums.shape[0], sums.shape[1], -1), dim=-1).square())
 
 
 def _momentum_stage(
@@ -129,6 +134,7 @@ def _(
     beta: float,
     nesterov: bool,
     direction: bool = True,
+    sums: Tensor | None = None,
 ) -> None:
     return None
 
@@ -142,56 +148,7 @@ def _(
     beta: float,
     nesterov: bool,
     direction: bool = True,
-) -> None:
-    from . import kernels
-
-    kernels.momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction)
-
-
-@torch.library.custom_op("equiopt::momentum_stage_sums", mutates_args=("scratch", "momentum", "sums"))
-def momentum_stage_sums(
-    sources: list[Tensor],
-    scratch: Tensor,
-    momentum: Tensor,
-    ok: Tensor,
-    beta: float,
-    nesterov: bool,
-    direction: bool,
-    sums: Tensor,
-) -> None:
-    """:func:`momentum_stage`, and into ``sums`` (``(B, rows)``) the sums of squares of the
-    direction's rows: each member's entries, in order, as ``rows`` rows of equal length (the
-    direction is ``scratch`` where it is written, else the momentum)."""
-    _momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction)
-    d = scratch if direction else momentum
-    rows = d.reshape(sums.shape[0], sums.shape[1], -1)
-    sums.copy_(torch.linalg.vector_norm(rows, dim=-1).square())
-
-
-@momentum_stage_sums.register_fake
-def _(
-    sources: list[Tensor],
-    scratch: Tensor,
-    momentum: Tensor,
-    ok: Tensor,
-    beta: float,
-    nesterov: bool,
-    direction: bool,
-    sums: Tensor,
-) -> None:
-    return None
-
-
-@momentum_stage_sums.register_kernel("cuda")
-def _(
-    sources: list[Tensor],
-    scratch: Tensor,
-    momentum: Tensor,
-    ok: Tensor,
-    beta: float,
-    nesterov: bool,
-    direction: bool,
-    sums: Tensor,
+    sums: Tensor | None = None,
 ) -> None:
     from . import kernels
 

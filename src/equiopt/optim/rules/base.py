@@ -56,9 +56,12 @@ class Rule:
       real views; ``row_moments``: it keeps one second moment per work-matrix row and
       applies :meth:`row_stage` after its map; ``row_wise``: its map reads each row by
       itself (sums within rows only), so it also runs on a split of the columns, gains
-      nothing from batching, and replicas gain nothing by dividing its sums; its
-      :meth:`factored` also takes ``row_sq``, the sums of squares of ``D``'s rows where the
-      step made them as it wrote ``D`` (then it reads ``D`` once less).
+      nothing from batching, and replicas gain nothing by dividing its sums.
+    - ``sums``: what its map reads of ``D`` before anything else, which the momentum stage
+      can sum as it writes ``D`` (then the map reads ``D`` once less): ``"rows"``, each work
+      row's sum of squares (RowNormM's norms), ``"matrices"``, each work matrix's (the
+      polar iteration's normalisation); its :meth:`factored` then takes ``sums``,
+      ``(..., m, 1)`` or ``(..., 1, 1)``.
     """
 
     name: ClassVar[str]
@@ -74,6 +77,7 @@ class Rule:
     complex: ClassVar[bool] = False
     row_moments: ClassVar[bool] = False
     row_wise: ClassVar[bool] = False
+    sums: ClassVar[str | None] = None
     doc: ClassVar[str] = ""
 
     @property

@@ -101,7 +101,7 @@ def factored_map(
     reducer: maps.RowReducer | None = None,
     col_reducer: maps.RowReducer | None = None,
     narrow: bool = False,
-    row_sq: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
 ) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype
@@ -111,10 +111,10 @@ def factored_map(
 
     ``reducer``: the :class:`~equiopt.maps.RowReducer` when ``D`` holds one shard of the
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
-    ``col_reducer``: the same for a split of the columns (row-norm only). ``row_sq``: the
-    sums of squares of ``D``'s rows, ``(..., m, 1)``, where the step made them as it wrote
-    ``D`` (row-wise rules only, :attr:`Rule.row_wise`)."""
-    hints = {} if row_sq is None else {"row_sq": row_sq}
+    ``col_reducer``: the same for a split of the columns (row-norm only). ``sums``: the sums
+    of squares the rule's map reads first (:attr:`Rule.sums`), where the step made them as
+    it wrote ``D``."""
+    hints = {} if sums is None else {"sums": sums}
     return rule_named(key.rule).factored(
         key,
         eta,

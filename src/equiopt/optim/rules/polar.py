@@ -44,12 +44,23 @@ class Spectral(PolarRule):
 
     name = "spectral"
     narrow = True
+    sums = "matrices"
     doc = "Muon: polar factor"
 
-    def factored(self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input) -> maps.Factored:
+    def factored(
+        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, sums=None
+    ) -> maps.Factored:
         whole_or_gram_rows(self, key, reducer, col_reducer)
         return maps.Factored(
-            maps.spectral(D, method=key.method, steps=key.steps, dtype=key.polar_dtype, reducer=reducer, narrow=narrow)
+            maps.spectral(
+                D,
+                method=key.method,
+                steps=key.steps,
+                dtype=key.polar_dtype,
+                reducer=reducer,
+                narrow=narrow,
+                sq_norm=sums,
+            )
         )
 
 

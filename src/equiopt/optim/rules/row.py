@@ -14,13 +14,14 @@ class RowNorm(Rule):
     name = "row"
     fields = ("beta", "nesterov", "center", "eps", "eta", "nonfinite", "lazy")
     row_wise = True
+    sums = "rows"
     doc = "RowNormM"
 
     def reducible(self, key, rows: int, cols: int) -> bool:
         return True  # sums of squares over rows, over columns when they are split
 
     def factored(
-        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, row_sq=None
+        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, sums=None
     ) -> maps.Factored:
         return maps.row_norm_factored(
             D,
@@ -30,7 +31,7 @@ class RowNorm(Rule):
             reducer=reducer,
             centered_input=centred_input,
             col_reducer=col_reducer,
-            row_sq=row_sq,
+            row_sq=sums,
         )
 
 
