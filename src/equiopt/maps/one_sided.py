@@ -379,8 +379,9 @@ def _each(f: Factored, fn) -> Factored:
 def _dots(a: torch.Tensor, b: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
     """``tr(a_k^T Diag(row_k) b_k)`` of each matrix pair of two ``(B, m, n)`` batches (``row``:
     ``(B, m, 1)``, or none), as ``(B, 1, 1)`` in ``b``'s dtype: one matrix-vector product per
-    block of rows, ``a`` widened (and the rows of ``b`` scaled) a block of rows at a time
-    (:func:`equiopt.linalg.chunks`), no elementwise product formed whole."""
+    block of rows, ``a`` widened a block of rows at a time (:func:`equiopt.linalg.chunks`)
+    and scaled by ``row`` in the same pass; ``b`` is read where it is, no elementwise
+    product formed whole."""
     if not b.is_contiguous():
         if b.mT.is_contiguous():
             a, b = a.mT, b.mT
@@ -392,9 +393,11 @@ def _dots(a: torch.Tensor, b: torch.Tensor, row: torch.Tensor | None = None) -> 
     for block in chunks(b.shape[-2], b.shape[0] * b.shape[-1] * b.element_size()):
         i, j = block.start, block.stop
         x = b[:, i:j]
-        if row is not None:
-            x = x * (row[:, i:j] if per_row else row)
-        w = a[:, i:j].to(b.dtype, memory_format=torch.contiguous_format)
+        if row is None:
+            w = a[:, i:j].to(b.dtype, memory_format=torch.contiguous_format)
+        else:  # the product widens a as it scales it, into a contiguous block: the cast's one pass
+            w = torch.empty(x.shape, dtype=b.dtype, device=b.device)
+            torch.mul(a[:, i:j], (row[:, i:j] if per_row else row).to(b.dtype), out=w)
         dot = torch.bmm(w.reshape(b.shape[0], 1, -1), x.reshape(b.shape[0], -1, 1))
         total = dot if total is None else total.add_(dot)
         del x, w  # (one block's temporaries at a time)
