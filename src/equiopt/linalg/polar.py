@@ -186,8 +186,8 @@ def polar(
             row stage), formed the same way; its Frobenius norm is summed a block of rows
             at a time.
         sq_norm: ``(..., 1, 1)``: each matrix's squared Frobenius norm where it is known
-            (the normalisation before the iterations then reads ``X`` no more for it);
-            without ``row`` and ``shift``.
+            (the normalisation before the iterations then reads ``X`` no more for it): of
+            ``X``, or with ``row`` of ``Diag(row) X``; not with ``shift``.
 
     Returns:
         ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape (and dtype, unless
@@ -254,7 +254,9 @@ def polar(
         else:
             # the division by scale / r scales the rows; the shift over scale is subtracted
             r = None if row is None else (row.mT if tall else row).to(wide.dtype)
-            if shift is None:  # ||Diag(r) X||_F from X's row norms
+            if shift is None and sq_norm is not None:  # ||Diag(r) X||_F^2, known
+                fro = sq_norm.to(wide.dtype).sqrt()
+            elif shift is None:  # ||Diag(r) X||_F from X's row norms
                 norms = torch.linalg.vector_norm(wide, dim=-2 if tall else -1, keepdim=True)
                 fro = (norms * r).square().sum(dim=(-2, -1), keepdim=True).sqrt()
             else:

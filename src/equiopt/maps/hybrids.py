@@ -290,10 +290,15 @@ def hybrid_factored(
     if order == "row_then_right" and route == "direct":
         # the row stage is formed a chunk of the batch at a time, as the polar factor is
         rows_of = _soft_rows if scale == "rms" else None
-        stage = _row_factors(x, eta, eps, center, reducer)
+        # the rows' norms serve the row stage and the stage's Frobenius norm: D is read once for both
+        norms = _row_norms(x) if reducer is None and not center else None
+        stage = _row_factors(x, eta, eps, center, reducer, norms=norms)
+        stage_sq = None
+        if norms is not None and stage.row is not None:
+            stage_sq = (norms * stage.row).square().sum(dim=(-2, -1), keepdim=True)
         return _one_sided(
             stage, eps, alpha, method, steps, center, gram, scale, None, reducer, damping, gram_dtype, route,
-            narrow=narrow, rows_of=rows_of,
+            narrow=narrow, rows_of=rows_of, stage_sq=stage_sq,
         )  # fmt: skip
     if order == "row_then_right":
         z = materialize(_row_factors(x, eta, eps, center, reducer))

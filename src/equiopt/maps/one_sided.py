@@ -124,6 +124,7 @@ def _one_sided(
     route: str = "gram",
     narrow: bool = False,
     rows_of=None,
+    stage_sq: torch.Tensor | None = None,
 ) -> Factored:
     """``nu^alpha D (D^T D + eps I)^(-1/2)``, which equals ``nu^alpha (D D^T + eps I)^(-1/2) D``.
 
@@ -162,7 +163,7 @@ def _one_sided(
     _check_settings(scale, damping)
     if route == "direct" and method != "gram_newton_schulz":
         return _one_sided_polar(
-            x, eps, alpha, steps, centered, scale, rows, _DIRECT_METHODS[method], None, narrow, rows_of
+            x, eps, alpha, steps, centered, scale, rows, _DIRECT_METHODS[method], None, narrow, rows_of, stage_sq
         )
     if isinstance(x, Factored):
         x = materialize(x)
@@ -300,6 +301,7 @@ def _one_sided_polar(
     dtype: torch.dtype | None = torch.float32,
     narrow: bool = False,
     rows_of=None,
+    stage_sq: torch.Tensor | None = None,
 ) -> Factored:
     """The one-sided map from the undamped polar factor ``U`` of ``D`` computed directly,
     with ``nu = tr(U^T D)``, the nuclear norm, which is ``tr(C R)`` at ``eps = 0``.
@@ -338,10 +340,11 @@ def _one_sided_polar(
             shift = None if flat.shift is None else flat.shift[part]
         else:
             D, row = materialize(_each(flat, lambda t: t[part])), None
+        sq = None if stage_sq is None or not staged or shift is not None else stage_sq.reshape(-1, 1, 1)[part]
         if narrow:
-            u = polar(D, method=method, steps=steps, dtype=dtype, out=out[part], row=row, shift=shift)
+            u = polar(D, method=method, steps=steps, dtype=dtype, out=out[part], row=row, shift=shift, sq_norm=sq)
         else:
-            u = polar(D, method=method, steps=steps, dtype=dtype, row=row, shift=shift).to(wide)
+            u = polar(D, method=method, steps=steps, dtype=dtype, row=row, shift=shift, sq_norm=sq).to(wide)
         if not scaled:
             if not narrow:
                 out[part] = u
