@@ -136,21 +136,20 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
 
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
-def test_a_row_norm_part_reads_its_rows_norms_off_the_momentum_stage(nesterov):
-    """RowNormM on matrices stored as their work matrices: the momentum stage sums the
-    squares of the direction's rows as it writes them (``equiopt::momentum_stage`` given
-    ``sums``), so
-    the map reads the direction no more for its norms; the step equals the per-parameter
-    path's."""
+@pytest.mark.parametrize("rule", ["row", "hybrid"])
+def test_a_row_norm_part_reads_its_rows_norms_off_the_momentum_stage(nesterov, rule):
+    """RowNormM, and the hybrid's row stage, on matrices stored as their work matrices: the
+    momentum stage sums the squares of the direction's rows as it writes them
+    (``equiopt::momentum_stage`` given ``sums``), so the map reads the direction no more
+    for its norms; the step equals the per-parameter path's."""
     from equiopt.roofline import count_step
 
     def run(nonfinite: str, steps: int):
         g = torch.Generator().manual_seed(12)
         params = [torch.nn.Parameter(torch.randn(40, 16, generator=g)) for _ in range(3)]
-        group = {"params": params, "rule": "row", "nesterov": nesterov, "nonfinite": nonfinite}
-        opt = EquivariantOptimizer(
-            [group, {"params": [torch.nn.Parameter(torch.randn(40, 16))], "rule": "row"}], lr=0.01, weight_decay=0.1
-        )
+        group = {"params": params, "rule": rule, "nesterov": nesterov, "nonfinite": nonfinite}
+        other = {"params": [torch.nn.Parameter(torch.randn(40, 16))], "rule": rule}
+        opt = EquivariantOptimizer([group, other], lr=0.01, weight_decay=0.1)
         for _ in range(steps):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g)

@@ -75,18 +75,24 @@ def test_polar_express_products_of_one_matrix_by_formula(nesterov):
     assert flags.read == 4 * m * n + 4 and flags.written == 4  # the gradient; the skip counter
 
 
-def test_a_hybrid_on_the_direct_route_reads_its_rows_norms_once():
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_a_hybrid_on_the_direct_route_reads_its_rows_norms_once(layout):
     """HybridPolarGradM (``row_then_right``) on CUDA's direct route: the rows' norms serve the
-    row stage and the polar iteration's normalisation of ``Diag(r) D``; one pass over ``D``
-    for them, and one ``tr(U^T Diag(r) D)`` that widens and scales ``U`` in one product."""
+    row stage and the polar iteration's normalisation of ``Diag(r) D``, summed by the
+    momentum stage where the work rows are the stored rows (``row``), else one pass over
+    ``D``; and one ``tr(U^T Diag(r) D)`` that widens and scales ``U`` in one product."""
     m, n = 64, 256
     w = torch.nn.Parameter(_meta(m, n))
     w.grad = torch.empty_like(w)
     with decide_as("cuda"):
-        opt = EquivariantOptimizer([w], lr=1e-3, rule="hybrid", order="row_then_right", route="direct", compile=False)
+        opt = EquivariantOptimizer(
+            [w], lr=1e-3, rule="hybrid", order="row_then_right", route="direct", layout=layout, compile=False
+        )
         c = count_step(opt.step)
     norms = [o for o in c.ops if o.name == "linalg_vector_norm" and o.read >= 4 * m * n]
-    assert len(norms) == 1, [(o.name, o.stage) for o in norms]
+    assert len(norms) == (0 if layout == "row" else 1), [(o.name, o.stage) for o in norms]
+    rows = m if layout == "row" else 0  # (the momentum stage's sums, 4 bytes a row)
+    assert _only(c, "momentum_stage").written == 4 * m * n + 4 * rows
     dots = [o for o in c.ops if o.stage == "maps.one_sided._dots" and o.kernel]
     assert sorted(o.name for o in dots) == ["bmm", "mul"], [(o.name, o.read, o.written) for o in dots]
 

@@ -248,6 +248,7 @@ def hybrid_factored(
     gram_dtype: str | None = None,
     route: str = "gram",
     narrow: bool = False,
+    row_sq: torch.Tensor | None = None,
 ) -> Factored:
     """:func:`hybrid` in factored form: the first stage is materialised, the second is not.
 
@@ -275,23 +276,28 @@ def hybrid_factored(
         narrow: on the direct route of ``"row_then_right"``, the polar factor in its
             iteration's dtype with the scale as a row factor (see
             :func:`~equiopt.maps.one_sided._one_sided_polar`).
+        row_sq: ``"row_then_right"`` of an uncentred, whole ``D``: the sums of squares of its
+            rows, ``(..., m, 1)``, where they are known (the row stage's norms are their
+            square roots).
 
     Returns:
         The update as a :class:`Factored`.
     """
     if order not in HYBRID_ORDERS:
         raise ValueError(f"unknown hybrid order {order!r}; valid: {', '.join(HYBRID_ORDERS)}")
+    if row_sq is not None and (order != "row_then_right" or center or reducer is not None):
+        raise ValueError("row_sq: the rows' sums of squares of a whole, uncentred D, for order 'row_then_right'")
     # whichever stage is one-sided has x's shape, dtype and device: one route decision serves
     x, route = _one_sided_input(D, center, reducer, centered_input, route, method, steps, gram_dtype)
+    known = None if row_sq is None else row_sq.to(x.dtype).sqrt()
     if order == "row_then_right" and route == "gram" and unformed_stage(x, gram, method, gram_dtype, reducer):
-        return _row_then_right(
-            x, _row_factors(x, eta, eps, center, reducer), eps, alpha, method, steps, center, scale, reducer, damping
-        )
+        stage = _row_factors(x, eta, eps, center, reducer, norms=known)
+        return _row_then_right(x, stage, eps, alpha, method, steps, center, scale, reducer, damping)
     if order == "row_then_right" and route == "direct":
         # the row stage is formed a chunk of the batch at a time, as the polar factor is
         rows_of = _soft_rows if scale == "rms" else None
         # the rows' norms serve the row stage and the stage's Frobenius norm: D is read once for both
-        norms = _row_norms(x) if reducer is None and not center else None
+        norms = known if known is not None else _row_norms(x) if reducer is None and not center else None
         stage = _row_factors(x, eta, eps, center, reducer, norms=norms)
         stage_sq = None
         if norms is not None and stage.row is not None:
@@ -301,7 +307,7 @@ def hybrid_factored(
             narrow=narrow, rows_of=rows_of, stage_sq=stage_sq,
         )  # fmt: skip
     if order == "row_then_right":
-        z = materialize(_row_factors(x, eta, eps, center, reducer))
+        z = materialize(_row_factors(x, eta, eps, center, reducer, norms=known))
         rows = None
         if scale == "rms":  # the rows the row-norm stage left nonzero, see hybrid
             rows = _soft_rows(z, reducer)

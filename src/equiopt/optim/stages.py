@@ -165,7 +165,7 @@ def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> int:
     ``row``: the work rows are the stored rows in order); the whole member's for
     ``"matrices"`` (Muon's normalisation) where a member is one work matrix, in any layout
     (a transpose keeps its Frobenius norm)."""
-    wanted = rule_named(key.rule).sums
+    wanted = rule_named(key.rule).sums_for(key)
     if key.center or momentum.dtype != torch.float32 or spec.flat or wanted is None:
         return 0
     if wanted == "rows":

@@ -90,6 +90,10 @@ class Rule:
         setting on a rule that reads it and is not built on the polar factor)."""
         return bool(group.get("center")) and "center" in self.fields and not self.polar
 
+    def sums_for(self, key: Any) -> str | None:
+        """:attr:`sums` for the map of ``key`` (a rule whose first read depends on its settings says so here)."""
+        return self.sums
+
     def factored(
         self,
         key: Any,

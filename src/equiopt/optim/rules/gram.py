@@ -87,7 +87,15 @@ class Hybrid(GramRule):
     extra_passes = 1
     doc = "HybridPolarGradM, with order"
 
-    def factored(self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input) -> maps.Factored:
+    def sums_for(self, key: Any) -> str | None:
+        """Its row stage first (``row_then_right``, uncentred): the rows' sums of squares."""
+        return "rows" if key.order == "row_then_right" and not key.center else None
+
+    def factored(
+        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, sums=None
+    ) -> maps.Factored:
         if col_reducer is not None:
             raise ValueError("the 'hybrid' map needs whole rows; gather a column-split work matrix first")
-        return maps.hybrid_factored(D, order=key.order, eta=eta, narrow=narrow, **common(key, reducer, centred_input))
+        return maps.hybrid_factored(
+            D, order=key.order, eta=eta, narrow=narrow, row_sq=sums, **common(key, reducer, centred_input)
+        )
