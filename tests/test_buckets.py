@@ -135,6 +135,22 @@ def test_every_part_takes_its_gradients_in_through_the_fused_operators(settings)
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 
 
+def _counted_then_alike(run):
+    """The operators of one eager step after ``run("skip", 1)``; and, checked here, three
+    bucketed steps (``"skip"``) equal to three per-parameter ones (``"raise"``)."""
+    from equiopt.roofline import count_step
+
+    params, opt = run("skip", 1)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    counter = count_step(opt.step, warmup=0)
+    bucketed, _ = run("skip", 3)
+    single, _ = run("raise", 3)
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+    return counter
+
+
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
 @pytest.mark.parametrize("rule", ["row", "hybrid"])
 def test_a_row_norm_part_reads_its_rows_norms_off_the_momentum_stage(nesterov, rule):
@@ -142,7 +158,6 @@ def test_a_row_norm_part_reads_its_rows_norms_off_the_momentum_stage(nesterov, r
     momentum stage sums the squares of the direction's rows as it writes them
     (``equiopt::momentum_stage`` given ``sums``), so the map reads the direction no more
     for its norms; the step equals the per-parameter path's."""
-    from equiopt.roofline import count_step
 
     def run(nonfinite: str, steps: int):
         g = torch.Generator().manual_seed(12)
@@ -157,19 +172,12 @@ def test_a_row_norm_part_reads_its_rows_norms_off_the_momentum_stage(nesterov, r
             opt.step()
         return params, opt
 
-    params, opt = run("skip", 1)
-    for p in params:
-        p.grad = torch.randn(p.shape)
-    counter = count_step(opt.step, warmup=0)
+    counter = _counted_then_alike(run)
     stages = [o for o in counter.ops if o.name == "momentum_stage"]
     assert len(stages) == 2  # one a part, each writing its rows' sums (4 bytes a row) beside the momentum
     assert sorted(o.written % (4 * 40 * 16) for o in stages) == [4 * 40, 4 * 40 * 3]
     directions = [o for o in counter.ops if o.stage.startswith("maps.row")]
     assert not [o for o in directions if o.read >= 40 * 16 * 4], [(o.name, o.read) for o in directions]
-    bucketed, _ = run("skip", 3)
-    single, _ = run("raise", 3)
-    for a, b in zip(bucketed, single):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 
 
 def test_a_strided_gradient_is_stacked_and_steps_as_a_contiguous_one():
@@ -197,7 +205,6 @@ def test_a_part_centred_in_place_takes_the_fused_operators_eagerly(nesterov):
     """A centred row-norm head (its momentum centred in place) takes its flags, sanitising
     and momentum through the fused operators in an eager step (under compile it keeps the
     unfused ones, see docs/step.md), and steps as the per-parameter path does."""
-    from equiopt.roofline import count_step
 
     def run(nonfinite: str, steps: int):
         g = torch.Generator().manual_seed(11)
@@ -210,18 +217,11 @@ def test_a_part_centred_in_place_takes_the_fused_operators_eagerly(nesterov):
             opt.step()
         return params, opt
 
-    params, opt = run("skip", 1)
-    for p in params:
-        p.grad = torch.randn(p.shape)
-    counter = count_step(opt.step, warmup=0)
+    counter = _counted_then_alike(run)
     names = [o.name for o in counter.ops if o.stage in ("optim.stages.bucket_core", "optim.stages._gradients")]
     assert names.count("grad_flags") == names.count("momentum_stage") == 1, names
     for unfused in ("amin", "amax", "nan_to_num", "nan_to_num_", "lerp", "lerp_"):
         assert unfused not in names, (unfused, names)
-    bucketed, _ = run("skip", 3)
-    single, _ = run("raise", 3)
-    for a, b in zip(bucketed, single):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("settings", PART_RULES[:2], ids=["nesterov", "ema"])

@@ -185,14 +185,16 @@ _WRITES: dict[str, tuple | Callable[[tuple], tuple]] = {
     "_fused_adamw_": (0, 2, 3, 4),
     "_fused_adam_": (0, 2, 3, 4),
     # equiopt::momentum_stage without a direction writes the momentum alone (and its sums)
-    "momentum_stage": lambda args: ((1, 2) if len(args) < 7 or args[6] else (2,)) + ((7,) if len(args) > 7 else ()),
+    "momentum_stage": lambda args: (
+        ((1, 2) if len(args) < 7 or args[6] else (2,)) + ((7,) if len(args) > 7 and args[7] is not None else ())
+    ),
     # equiopt::factor_add_'s place is workspace of its CPU implementation
     "factor_add_": (0,),
 }
 # arguments an operator writes without reading them, by the arguments it was given
 _UNREAD: dict[str, Callable[[tuple], list]] = {
     # equiopt::momentum_stage given gradients of its own overwrites the scratch with them
-    "momentum_stage": lambda args: ([args[1]] if args and args[0] else []) + list(args[7:8]),
+    "momentum_stage": lambda args: ([args[1]] if args and args[0] else []) + [t for t in args[7:8] if t is not None],
     "factor_add_": lambda args: [args[4]],
 }
 

@@ -67,7 +67,7 @@ def prepare_group(opt: EquivariantOptimizer, group: dict, index: int) -> None:
     rule = group["rule"]
     for j, p in enumerate(params):
         if p.is_complex():
-            if rule not in COMPLEX_RULES:
+            if not rule_of(group).complex:
                 raise UnsupportedTensorError(
                     f"rule {rule!r} does not support complex parameters: parameter {names[j]!r} has dtype "
                     f"{p.dtype} (its maps act on real matrices); give it rule 'adamw' or 'sgd', which step "

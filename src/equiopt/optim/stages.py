@@ -275,13 +275,9 @@ def bucket_core(
             # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1) or straight is not None
             per_member = _sums_by_the_way(key, spec, buf)
-            if per_member:
-                sums = buf.new_empty(spec.members, per_member)
-                fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums)
-                made_sums.append(sums.view(spec.members, per_member, 1))
-            else:
-                fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written)
-                made_sums.append(None)
+            sums = buf.new_empty(spec.members, per_member) if per_member else None
+            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums)
+            made_sums.append(None if sums is None else sums.view(spec.members, per_member, 1))
             direction = target if written else buf
         else:
             made_sums.append(None)

@@ -9,11 +9,9 @@ from typing import Any
 import torch
 
 from ... import maps
-from .base import Rule, polar_flops
+from .base import MOMENTUM_FIELDS, Rule, polar_flops
 
-GRAM_FIELDS: tuple[str, ...] = (
-    "beta",
-    "nesterov",
+GRAM_FIELDS: tuple[str, ...] = MOMENTUM_FIELDS + (
     "center",
     "alpha",
     "eps",
@@ -23,8 +21,6 @@ GRAM_FIELDS: tuple[str, ...] = (
     "damping",
     "gram_dtype",
     "route",
-    "nonfinite",
-    "lazy",
 )
 
 

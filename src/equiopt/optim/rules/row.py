@@ -12,7 +12,7 @@ from .base import MOMENTUM_FIELDS, Rule
 
 class RowNorm(Rule):
     name = "row"
-    fields = ("beta", "nesterov", "center", "eps", "eta", "nonfinite", "lazy")
+    fields = MOMENTUM_FIELDS + ("center", "eps", "eta")
     row_wise = True
     sums = "rows"
     doc = "RowNormM"
@@ -33,6 +33,3 @@ class RowNorm(Rule):
             col_reducer=col_reducer,
             row_sq=sums,
         )
-
-
-assert set(MOMENTUM_FIELDS) <= set(RowNorm.fields)
