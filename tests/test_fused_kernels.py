@@ -133,6 +133,29 @@ def test_momentum_stage_sums_the_rows_of_the_direction_it_writes(row_len, nester
 
 
 @interpreted
+@pytest.mark.parametrize("run", [kernels.BLOCK, 128, 125], ids=["runs-of-a-block", "runs-within-a-block", "runs-across"])
+def test_momentum_stage_sums_runs_in_turn(run):
+    """``sums`` with ``run``: entry ``e`` of a member counts in sum ``(e // run) % k`` (the
+    heads of a weight split along its columns, each row a run per head, in turn); the
+    kernel against the operator's CPU implementation and a float64 sum, NaN and Inf among
+    the gradients."""
+    k, cycles = 4, 3
+    n = run * k * cycles
+    g = _gradients(5, n)
+    ok = torch.tensor([True, False, True, False, True])
+    momentum = torch.randn(5, n, generator=torch.Generator().manual_seed(2))
+    found = []
+    for stage in (ops.momentum_stage, kernels.momentum_stage):
+        m, scratch, sums = momentum.clone(), torch.full_like(g, 7.0), torch.full((5, k), 3.0)
+        stage(_given(g, "members"), scratch, m, ok, 0.9, True, True, sums, run)
+        found.append((scratch, sums))
+    (s_eager, sums_eager), (_, sums_kernel) = found
+    expected = s_eager.double().view(5, cycles, k, run).square().sum(dim=(1, 3))
+    torch.testing.assert_close(sums_eager.double(), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(sums_kernel, sums_eager, rtol=1e-5, atol=0)
+
+
+@interpreted
 @pytest.mark.parametrize("decay", [True, False], ids=["decay", "no-decay"])
 def test_decay_add_kernel_equals_eager(decay):
     gen = torch.Generator().manual_seed(3)
@@ -144,6 +167,27 @@ def test_decay_add_kernel_equals_eager(decay):
     kernels.decay_add_(params, update, factors)
     for a, b in zip(params, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@interpreted
+@pytest.mark.parametrize("shift", [True, False], ids=["shift", "no-shift"])
+@pytest.mark.parametrize("form", ["matrix", "transposed", "stack"])
+def test_row_add_kernel_equals_eager(form, shift):
+    """``W <- W + Diag(k) X - 1 t^T`` (a centred row map's update) in one pass, rounded as the
+    two eager operators round it: a matrix, a transposed view of the weight (work matrices
+    that are not its storage order) and a stack of matrices, from a bfloat16 ``X``."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(3, 40, 1100, generator=gen)  # several blocks per matrix, the last partial
+    weight = {"matrix": base[0], "transposed": base[0].mT, "stack": base}[form]
+    x = torch.randn(weight.shape, generator=gen).bfloat16()
+    row = torch.randn(*weight.shape[:-1], 1, generator=gen) * 1e-2
+    t = torch.randn(*weight.shape[:-2], 1, weight.shape[-1], generator=gen) * 1e-3 if shift else None
+    eager = weight.clone()
+    ops.row_add_(eager, x, row, t)
+    expected = weight.double() + row.double() * x.double() - (0 if t is None else t.double())
+    torch.testing.assert_close(eager.double(), expected, rtol=0, atol=1e-5)
+    kernels.row_add_(weight, x, row, t)
+    torch.testing.assert_close(weight, eager, rtol=1e-6, atol=1e-7)
 
 
 @interpreted

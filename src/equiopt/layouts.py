@@ -188,6 +188,13 @@ class Layout:
         shapes = [_shape(s) for s in work_shapes]
         return self._check_work(shapes)
 
+    def segments(self, shape) -> tuple[int, int] | None:
+        """How the entries of a stored tensor of ``shape``, in storage order, fall into its
+        work matrices where that is periodic: ``(run, count)``, entry ``e`` lies in work
+        matrix ``(e // run) % count`` (runs of ``run`` entries, cycling over ``count``
+        matrices); None where the layout does not split its entries that way."""
+        return None
+
     # -- helpers --------------------------------------------------------------------
     def _check_work(self, shapes: list[Shape]) -> Shape:
         problem = None
@@ -248,6 +255,9 @@ class Row(Layout):
     def _from_work(self, work):
         return work[0]
 
+    def segments(self, shape):
+        return (math.prod(shape), 1)
+
     def _work_shapes(self, shape):
         return [shape]
 
@@ -272,6 +282,9 @@ class Col(Layout):
 
     def _to_work(self, t):
         return [t.transpose(-2, -1)]
+
+    def segments(self, shape):
+        return (math.prod(shape), 1)
 
     def _from_work(self, work):
         return work[0].transpose(-2, -1)
@@ -316,6 +329,14 @@ class Heads(Layout):
             where = "row" if self.axis == "rows" else "column"
             return f"{where} count {size} is not divisible by head_dim {self.head_dim}"
         return None
+
+    def segments(self, shape):
+        hd = self.head_dim
+        if self.axis == "rows":  # each head a run of its rows
+            return (math.prod(shape) // (shape[-2] // hd), shape[-2] // hd)
+        if len(shape) != 2:
+            return None
+        return (hd, shape[-1] // hd)  # each row's columns: a run per head, in turn
 
     def _to_work(self, t):
         hd = self.head_dim

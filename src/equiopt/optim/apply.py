@@ -239,6 +239,12 @@ def _add_(pw: torch.Tensor, f: Factored, coef: torch.Tensor) -> None:
         for a, b, z in row_scaled_blocks(f.x, f.row):
             if not gemm_(pw[..., a:b, :], z, right):
                 pw[..., a:b, :].add_(z @ right)
+    elif f.row is not None and f.shift is not None:
+        from .fused.ops import row_add_  # (the fused operators read this module's constants)
+
+        # a centred row map: its rows scaled and its shift subtracted in one pass over the weights
+        row_add_(pw, f.x, f.row * coef, f.shift * coef)
+        return
     elif f.row is not None:
         pw.addcmul_(f.x, f.row * coef)
     elif f.right is not None:

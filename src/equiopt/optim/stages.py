@@ -11,6 +11,7 @@ moments. A part's constants are its :class:`Spec`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -158,19 +159,29 @@ def _side_by_side(
             place.copy_(w)
 
 
-def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> int:
-    """How many sums of squares per member the momentum stage makes for the map as it writes
-    the direction (0: none), in float32 and uncentred maps only: each row's for
-    ``Rule.sums == "rows"`` (RowNormM) on a matrix stored as its work matrix (layout
-    ``row``: the work rows are the stored rows in order); the whole member's for
-    ``"matrices"`` (Muon's normalisation) where a member is one work matrix, in any layout
-    (a transpose keeps its Frobenius norm)."""
+def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> tuple[int, int]:
+    """``(k, run)``: the ``k`` sums of squares per member the momentum stage makes for the map
+    as it writes the direction (``k`` 0: none; ``run``: its entries counted in runs, in turn,
+    0 for ``k`` equal consecutive pieces), in float32 and uncentred maps only: each row's for
+    ``Rule.sums == "rows"`` (RowNormM) on a matrix stored as its work matrix (layout ``row``:
+    the work rows are the stored rows in order); each work matrix's for ``"matrices"``
+    (Muon's normalisation) where a member is one work matrix, in any layout (a transpose
+    keeps its Frobenius norm), or several whose entries its layout places in runs
+    (:meth:`~equiopt.layouts.Layout.segments`: heads along rows or columns)."""
     wanted = rule_named(key.rule).sums_for(key)
     if key.center or momentum.dtype != torch.float32 or spec.flat or wanted is None:
-        return 0
+        return 0, 0
     if wanted == "rows":
-        return spec.shape[0] if isinstance(spec.layout, Row) and len(spec.shape) == 2 else 0
-    return 1 if wanted == "matrices" and spec.per_member == 1 else 0
+        return (spec.shape[0], 0) if isinstance(spec.layout, Row) and len(spec.shape) == 2 else (0, 0)
+    if wanted != "matrices":
+        return 0, 0
+    if spec.per_member == 1:
+        return 1, 0
+    runs = None if spec.layout is None else spec.layout.segments(spec.shape)
+    if runs is None or runs[1] != spec.per_member:
+        return 0, 0
+    run, count = runs
+    return count, 0 if run * count == math.prod(spec.shape) else run
 
 
 def _placed_directly(key: MapKey, spec: Spec) -> bool:
@@ -274,10 +285,12 @@ def bucket_core(
             # without Nesterov the direction is the momentum: the map reads it there unless it
             # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1) or straight is not None
-            per_member = _sums_by_the_way(key, spec, buf)
-            sums = buf.new_empty(spec.members, per_member) if per_member else None
-            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums)
-            made_sums.append(None if sums is None else sums.view(spec.members, per_member, 1))
+            k, run = _sums_by_the_way(key, spec, buf)
+            sums = buf.new_empty(spec.members, k) if k else None
+            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums, run)
+            if sums is not None:  # (B, rows, 1) for a row map, else (B P, 1, 1): one per work matrix
+                sums = sums.view(-1, 1, 1) if spec.per_member > 1 else sums.view(spec.members, k, 1)
+            made_sums.append(sums)
             direction = target if written else buf
         else:
             made_sums.append(None)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..apply import GRAD_LIMIT
 
-__all__ = ["BLOCK", "finite_flags", "momentum_stage", "decay_add_", "factor_add_"]
+__all__ = ["BLOCK", "finite_flags", "momentum_stage", "decay_add_", "factor_add_", "row_add_"]
 
 #: Elements per program.
 BLOCK = 1024
@@ -78,6 +78,7 @@ def _momentum_kernel(
     DIRECTION: tl.constexpr,
     SUMS: tl.constexpr,
     WHOLE_ROWS: tl.constexpr,
+    RUN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -102,13 +103,17 @@ def _momentum_kernel(
         stored = direction.to(scratch.dtype.element_ty)
         tl.store(scratch + put, stored, mask=mask)
         written = stored.to(tl.float32)
-    if SUMS:  # the rows' sums of squares, as the direction is written
+    if SUMS:  # the sums of squares of the rows (entry i in row (i // row_len) % rows), as the direction is written
         sq = tl.where(mask, written * written, 0.0)
         if WHOLE_ROWS:  # every block lies within one row: one atomic add per block
-            row = (b * BLOCK) // row_len
+            row = ((b * BLOCK) // row_len) % rows
             tl.atomic_add(sums + m.to(tl.int64) * rows + row, tl.sum(sq, axis=0))
+        elif RUN > 0:  # a block holds whole rows of RUN entries: one atomic add per row
+            part = tl.sum(tl.reshape(sq, (BLOCK // RUN, RUN)), axis=1)
+            row = ((b * BLOCK) // RUN + tl.arange(0, BLOCK // RUN)) % rows
+            tl.atomic_add(sums + m.to(tl.int64) * rows + row, part)
         else:
-            tl.atomic_add(sums + m.to(tl.int64) * rows + i // row_len, sq, mask=mask)
+            tl.atomic_add(sums + m.to(tl.int64) * rows + (i // row_len) % rows, sq, mask=mask)
 
 
 @triton.jit
@@ -168,6 +173,39 @@ def _factor_add_kernel(
     _decay_add(where, mask, u, factors + m, DECAY)
 
 
+@triton.jit
+def _row_add_kernel(
+    w,
+    x,
+    row,
+    shift,
+    n,
+    rows,
+    cols,
+    ws0,
+    ws1,
+    ws2,
+    xs0,
+    xs1,
+    xs2,
+    SHIFT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < n
+    size = rows * cols
+    h = j // size  # the matrix, then its row and column
+    r = (j % size) // cols
+    c = j % cols
+    u = tl.load(x + h * xs0 + r * xs1 + c * xs2, mask=mask, other=0.0).to(tl.float32)
+    u = u * tl.load(row + h * rows + r, mask=mask, other=0.0)
+    where = w + h * ws0 + r * ws1 + c * ws2
+    v = (tl.load(where, mask=mask, other=0.0).to(tl.float32) + u).to(w.dtype.element_ty)  # (rounded as addcmul_)
+    if SHIFT:
+        v = (v.to(tl.float32) - tl.load(shift + h * cols + c, mask=mask, other=0.0)).to(w.dtype.element_ty)
+    tl.store(where, v, mask=mask)
+
+
 def _grid(n: int, members: int) -> tuple[int, int]:
     return (triton.cdiv(n, BLOCK), members)
 
@@ -203,10 +241,12 @@ def momentum_stage(
     nesterov: bool,
     direction: bool = True,
     sums: torch.Tensor | None = None,
+    run: int = 0,
 ) -> None:
     """:func:`.ops.momentum_stage` in one kernel (``momentum`` contiguous; ``scratch``
     contiguous, or ``(B, rows, cols)`` strided where the gradients are each member's own);
-    with ``sums`` (``(B, rows)`` float32), each row's sum of squares of the direction too."""
+    with ``sums`` (``(B, rows)`` float32), each row's sum of squares of the direction too
+    (with ``run``, entry ``e`` in row ``(e // run) % rows``)."""
     members = momentum.shape[0]
     n = momentum.numel() // members
     base, starts, _ = _members(sources or [scratch], members)
@@ -221,11 +261,12 @@ def momentum_stage(
         )
     weights = ok.to(scratch.dtype) * (1.0 - beta)  # as the eager stage rounds them
     rows = 1 if sums is None else sums.shape[1]
-    row_len = n // rows
+    row_len = run or n // rows
     if sums is not None:
-        if sums.shape != (members, rows) or rows * row_len != n or not sums.is_contiguous():
+        if sums.shape != (members, rows) or n % (rows * row_len) or not sums.is_contiguous():
             raise ValueError(
-                f"momentum_stage: sums must be ({members}, rows) dividing {n} entries, got {tuple(sums.shape)}"
+                f"momentum_stage: sums must be ({members}, rows) dividing {n} entries in runs of {row_len}, "
+                f"got {tuple(sums.shape)}"
             )
         sums.zero_()
     _momentum_kernel[_grid(n, members)](
@@ -246,6 +287,7 @@ def momentum_stage(
         DIRECTION=direction,
         SUMS=sums is not None,
         WHOLE_ROWS=row_len % BLOCK == 0,
+        RUN=row_len if BLOCK % row_len == 0 and row_len < BLOCK else 0,
         BLOCK=BLOCK,
     )
 
@@ -351,5 +393,30 @@ def factor_add_(
         *factor.stride(),
         *strides,
         DECAY=factors is not None,
+        BLOCK=BLOCK,
+    )
+
+
+def row_add_(weight: torch.Tensor, x: torch.Tensor, row: torch.Tensor, shift: torch.Tensor | None) -> None:
+    """:func:`.ops.row_add_` in one kernel (weight and ``x`` of any strides, viewed as
+    ``(B, m, n)``)."""
+    rows, cols = weight.shape[-2:]
+    w3 = weight if weight.dim() == 3 else weight.view(-1, rows, cols) if weight.dim() > 3 else weight.unsqueeze(0)
+    x3 = x.expand(weight.shape)
+    x3 = x3 if x3.dim() == 3 else x3.reshape(-1, rows, cols) if x3.dim() > 3 else x3.unsqueeze(0)
+    k = row.expand(*weight.shape[:-1], 1).reshape(-1).float().contiguous()
+    t = None if shift is None else shift.expand(*weight.shape[:-2], 1, cols).reshape(-1).float().contiguous()
+    n = w3.numel()
+    _row_add_kernel[(triton.cdiv(n, BLOCK),)](
+        w3,
+        x3,
+        k,
+        t if t is not None else k,
+        n,
+        rows,
+        cols,
+        *w3.stride(),
+        *x3.stride(),
+        SHIFT=t is not None,
         BLOCK=BLOCK,
     )

@@ -21,7 +21,11 @@ what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one 
 - ``equiopt::factor_add_``: the same with ``U = k X`` formed as it is read, ``X`` a narrow
   map result (Muon's bfloat16 polar factor) in work layout, read as 0 where not finite,
   and ``k`` each work matrix's scale (one read of weights and factor, one write of the
-  weights: no update is formed, and the guard does not clean the factor first).
+  weights: no update is formed, and the guard does not clean the factor first);
+- ``equiopt::row_add_``: ``W <- W + Diag(k) X - 1 t^T`` for a row-scaled map with a column
+  shift (a centred row-norm map's update, paper section 3.3), formed as it is read (one read
+  of weights and ``X``, one write of the weights, where the unfused stages pass over the
+  weights twice).
 
 The CPU implementation of each is the eager code of :mod:`equiopt.optim.buckets` (results
 bitwise as before); CUDA's runs the Triton kernels of :mod:`.kernels`. None reads a tensor
@@ -36,7 +40,7 @@ from torch import Tensor
 
 from ..apply import GRAD_LIMIT, finite_flags
 
-__all__ = ["grad_flags", "momentum_stage", "decay_add_", "factor_add_"]
+__all__ = ["grad_flags", "momentum_stage", "decay_add_", "factor_add_", "row_add_"]
 
 
 @torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters",))
@@ -86,6 +90,7 @@ def momentum_stage(
     nesterov: bool,
     direction: bool = True,
     sums: Tensor | None = None,
+    run: int = 0,
 ) -> None:
     """The gradients sanitised, the momentum EMA with weight ``ok (1 - beta)`` per member (a
     skipped member's momentum stays bit for bit) and the direction into ``scratch``:
@@ -97,11 +102,16 @@ def momentum_stage(
     kept in ``scratch``: the kernel neither writes it nor, given ``sources``, reads it; here
     it serves as the sanitised gradients' workspace. ``sums`` (``(B, k)``): each member's
     direction (the momentum where none is written), its entries in order as ``k`` rows of
-    equal length, gets each row's sum of squares."""
+    equal length, gets each row's sum of squares; with ``run``, entry ``e`` counts in sum
+    ``(e // run) % k`` instead (runs of ``run`` entries, in turn: heads along columns)."""
     _momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction)
     if sums is not None:
         d = scratch if direction else momentum
-        sums.copy_(torch.linalg.vector_norm(d.reshape(sums.shape[0], sums.shape[1], -1), dim=-1).square())
+        if run:
+            sq = d.reshape(sums.shape[0], -1, sums.shape[1], run).square().sum(dim=(1, 3))
+        else:
+            sq = torch.linalg.vector_norm(d.reshape(sums.shape[0], sums.shape[1], -1), dim=-1).square()
+        sums.copy_(sq)
 
 
 def _momentum_stage(
@@ -135,6 +145,7 @@ def _(
     nesterov: bool,
     direction: bool = True,
     sums: Tensor | None = None,
+    run: int = 0,
 ) -> None:
     return None
 
@@ -149,10 +160,11 @@ def _(
     nesterov: bool,
     direction: bool = True,
     sums: Tensor | None = None,
+    run: int = 0,
 ) -> None:
     from . import kernels
 
-    kernels.momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction, sums)
+    kernels.momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction, sums, run)
 
 
 @torch.library.custom_op("equiopt::decay_add_", mutates_args=("params",))
@@ -228,3 +240,26 @@ def _(
     from . import kernels
 
     kernels.factor_add_(params, factor, scales, factors, strides)
+
+
+@torch.library.custom_op("equiopt::row_add_", mutates_args=("weight",))
+def row_add_(weight: Tensor, x: Tensor, row: Tensor, shift: Tensor | None) -> None:
+    """``weight <- weight + row * x - shift``: ``weight`` and ``x`` of one shape ``(..., m,
+    n)`` (any strides), ``row`` its rows' factors ``(..., m, 1)`` and ``shift`` ``(..., 1,
+    n)`` or None, both already scaled by the step's coefficient. Rounded as the two
+    unfused operators round it: the row-scaled add first, then the shift."""
+    weight.addcmul_(x, row)
+    if shift is not None:
+        weight.sub_(shift)
+
+
+@row_add_.register_fake
+def _(weight: Tensor, x: Tensor, row: Tensor, shift: Tensor | None) -> None:
+    return None
+
+
+@row_add_.register_kernel("cuda")
+def _(weight: Tensor, x: Tensor, row: Tensor, shift: Tensor | None) -> None:
+    from . import kernels
+
+    kernels.row_add_(weight, x, row, shift)
