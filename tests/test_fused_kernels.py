@@ -133,7 +133,9 @@ def test_momentum_stage_sums_the_rows_of_the_direction_it_writes(row_len, nester
 
 
 @interpreted
-@pytest.mark.parametrize("run", [kernels.BLOCK, 128, 125], ids=["runs-of-a-block", "runs-within-a-block", "runs-across"])
+@pytest.mark.parametrize(
+    "run", [kernels.BLOCK, 128, 125], ids=["runs-of-a-block", "runs-within-a-block", "runs-across"]
+)
 def test_momentum_stage_sums_runs_in_turn(run):
     """``sums`` with ``run``: entry ``e`` of a member counts in sum ``(e // run) % k`` (the
     heads of a weight split along its columns, each row a run per head, in turn); the
