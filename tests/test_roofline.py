@@ -117,6 +117,26 @@ def test_row_norm_on_a_vocabulary_moves_what_fused_adamw_moves_beside_its_row_sc
     assert _only(c, "momentum_stage").written == (8 if nesterov else 4) * m * n + 4 * m
 
 
+def test_a_centred_row_map_adds_its_update_in_one_pass_over_the_weights():
+    """Centred RowNormM (an LM head) on a 32768 x 1024 matrix: its update, rows scaled and
+    column shift subtracted, is one read of the weights and the momentum and one write of
+    the weights (``equiopt::row_add_``), no second pass for the shift; beside fused AdamW's
+    bytes, only the centring's (the column means, their subtraction), the row norms and the
+    shift's column sums, and the row scalars."""
+    m, n = 32768, 1024
+    w, a = torch.nn.Parameter(_meta(m, n)), torch.nn.Parameter(_meta(m, n))
+    w.grad, a.grad = torch.empty_like(w), torch.empty_like(a)
+    with decide_as("cuda"):
+        opt = EquivariantOptimizer([w], lr=1e-3, rule="row", center=True, nesterov=False, compile=False)
+        c = count_step(opt.step)
+    add = _only(c, "row_add_")
+    assert add.written == 4 * m * n and 8 * m * n < add.read <= 8 * m * n + 8 * (m + n)
+    adds = [o.name for o in c.ops if o.stage == "optim.apply._add_" and o.written >= 4 * m * n]
+    assert adds == ["row_add_"], adds
+    adamw = count_step(fused_adamw_step([a])).bytes
+    assert 0 < c.bytes - adamw - 20 * m * n <= 96 * m, (c.bytes - adamw) / (m * n)
+
+
 def test_fused_adamw_reads_four_and_writes_three_tensors():
     params = [_meta(100, 10), _meta(300)]
     c = count_step(fused_adamw_step(params))
