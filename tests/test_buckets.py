@@ -224,6 +224,67 @@ def test_a_part_centred_in_place_takes_the_fused_operators_eagerly(nesterov):
         assert unfused not in names, (unfused, names)
 
 
+def _centred_run(params, nonfinite, state=None, steps=2, seed=12, nesterov=False):
+    group = {"params": params, "rule": "row", "center": True, "nesterov": nesterov, "nonfinite": nonfinite}
+    opt = EquivariantOptimizer([group], lr=0.01, beta=0.9)
+    if state is not None:
+        opt.load_state_dict(state)
+        opt.param_groups[0]["nonfinite"] = nonfinite  # (the loaded group's setting otherwise)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) + torch.linspace(-2.0, 2.0, p.shape[-1])  # column means
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+def test_a_centred_part_keeps_its_momentum_in_the_quotient(nesterov):
+    """A centred row-norm part lets each gradient into its momentum centred (column sums
+    taken with the flags, subtracted as the momentum stage reads the gradient): its
+    momentum stays centred though the gradients are not, and a momentum adopted uncentred
+    (loaded from a run without ``center``) is centred first, so the steps equal the
+    per-parameter path's, which centres in place every step."""
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(40, 16, generator=g) for _ in range(3)]
+    uncentred = _centred_run([torch.nn.Parameter(t.clone()) for t in start], "skip").state_dict()
+    for entry in uncentred["state"].values():
+        entry["momentum_buffer"] += torch.linspace(0.5, 1.5, 16)  # columns far from centred
+    found = []
+    for nonfinite in ("skip", "raise"):  # the bucket's fused path, the per-parameter path
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = _centred_run(params, nonfinite, state=uncentred, nesterov=nesterov)
+        assert bool(opt._buckets is not None and opt._buckets.covered) == (nonfinite == "skip")
+        found.append((params, opt))
+    (bucketed, opt), (single, ref) = found
+    for a, b in zip(bucketed, single):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+        momentum = opt.state[a]["momentum_buffer"]
+        assert momentum.mean(dim=0).abs().max() < 1e-6 * momentum.abs().max()
+
+
+def test_adopting_a_centred_momentum_changes_no_bit():
+    """Resuming a centred part from its own state dict: the momentum it adopts is centred
+    already, so the step after the load is bit for bit the uninterrupted run's."""
+    g = torch.Generator().manual_seed(4)
+    start = [torch.randn(40, 16, generator=g) for _ in range(2)]
+    straight = [torch.nn.Parameter(t.clone()) for t in start]
+    _centred_run(straight, "skip", steps=3)
+    resumed = [torch.nn.Parameter(t.clone()) for t in start]
+    saved = _centred_run(resumed, "skip", steps=2).state_dict()
+    group = {"params": resumed, "rule": "row", "center": True, "nesterov": False, "nonfinite": "skip"}
+    opt = EquivariantOptimizer([group], lr=0.01, beta=0.9)
+    opt.load_state_dict(saved)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) + torch.linspace(-2.0, 2.0, p.shape[-1]) for p in resumed]
+    for p, grad in zip(resumed, grads):
+        p.grad = grad
+    opt.step()
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("settings", PART_RULES[:2], ids=["nesterov", "ema"])
 def test_a_step_holds_no_more_than_its_map_does(settings):
     """The map's input (the parts' work matrices side by side) and each part's update are

@@ -67,6 +67,59 @@ def test_finite_flags_kernel_equals_eager(present, how):
 
 
 @interpreted
+@pytest.mark.parametrize("how", ["stack", "members"])
+@pytest.mark.parametrize("cols", [300, 1024], ids=["partial-tiles", "whole-tiles"])
+def test_finite_flags_kernel_sums_the_columns_it_reads(cols, how):
+    """``equiopt::grad_flags`` given ``col_sums``: the same flags, and each finite gradient's
+    column sums (tiles of whole rows, the last one partial; the kernel reads NaN and Inf as
+    0); the kernel against the operator's CPU implementation and a float64 sum."""
+    rows = 3 * kernels.TILE_ROWS + 5
+    g = _gradients(5, rows * cols)
+    found = []
+    for flags in (
+        lambda src, c: ops.grad_flags(src, torch.zeros(5), None, 5, c)[0],
+        lambda src, c: kernels.finite_flags(src, 5, c),
+    ):
+        sums = torch.full((5, cols), 3.0)
+        found.append((flags(_given(g, how), sums), sums))
+    (ok_eager, sums_eager), (ok_kernel, sums_kernel) = found
+    assert ok_eager.tolist() == ok_kernel.tolist() == [True, False, False, False, False]
+    clean = torch.nan_to_num(g.double(), nan=0.0, posinf=0.0, neginf=0.0).view(5, rows, cols)
+    torch.testing.assert_close(sums_eager[:1].double(), clean[:1].sum(dim=1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sums_kernel.double(), clean.sum(dim=1), rtol=1e-5, atol=1e-4)
+
+
+@interpreted
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
+def test_momentum_stage_takes_the_gradient_in_less_its_column_shift(nesterov):
+    """``equiopt::momentum_stage`` given ``shift``: each gradient row less the shift, NaN and
+    Inf read as 0 (also where the shift is not finite), before the EMA and the direction; a
+    skipped member's momentum stays bit for bit; kernel against the CPU implementation and
+    both against the unshifted stage on shifted gradients."""
+    rows, cols = 7, 300
+    g = _gradients(5, rows * cols)
+    ok = torch.tensor([True, False, True, False, True])
+    shift = torch.randn(5, cols, generator=torch.Generator().manual_seed(8))
+    shift[3, 5] = float("inf")  # (a skipped member's column sums may overflow)
+    momentum = torch.randn(5, rows * cols, generator=torch.Generator().manual_seed(2))
+    found = []
+    for stage in (ops.momentum_stage, kernels.momentum_stage):
+        m, scratch = momentum.clone(), torch.full_like(g, 7.0)
+        stage(_given(g, "members"), scratch, m, ok, 0.9, nesterov, True, None, 0, shift)
+        found.append((m, scratch))
+    (m_eager, s_eager), (m_kernel, s_kernel) = found
+    clean = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0).view(5, rows, cols) - shift.unsqueeze(1)
+    clean = torch.nan_to_num(clean, nan=0.0, posinf=0.0, neginf=0.0).view(5, -1)
+    plain_m, plain_s = momentum.clone(), torch.full_like(g, 7.0)
+    ops.momentum_stage([t.clone() for t in clean.unbind(0)], plain_s, plain_m, ok, 0.9, nesterov, True)
+    assert torch.equal(m_eager, plain_m) and torch.equal(s_eager, plain_s)
+    assert torch.equal(m_eager[~ok], momentum[~ok])
+    torch.testing.assert_close(m_kernel, m_eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(s_kernel, s_eager, rtol=1e-6, atol=1e-7)
+    assert torch.equal(m_kernel[~ok], momentum[~ok])
+
+
+@interpreted
 @pytest.mark.parametrize("direction", [True, False], ids=["direction", "momentum-only"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
 @pytest.mark.parametrize("given", ["in-buffer", "own-gradient", "members", "members-into-transposed"])
@@ -258,9 +311,9 @@ def _steps(settings, through_kernels, steps=4):
     calls = []
     if through_kernels:
 
-        def flags(sources, counters, present, members):
+        def flags(sources, counters, present, members, col_sums=None):
             calls.append("grad_flags")
-            return ops._combine(kernels.finite_flags(sources, members), counters, present)
+            return ops._combine(kernels.finite_flags(sources, members, col_sums), counters, present)
 
         def momentum(*args):
             calls.append("momentum_stage")

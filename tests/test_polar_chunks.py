@@ -66,3 +66,25 @@ def test_the_iteration_holds_the_result_and_one_chunks_iterates(monkeypatch):
     # in quarters: the result, a spare quarter the iterates alternate with, a quarter's two Grams
     quarters = iterate + (iterate + 2 * gram) // 4
     assert quarters <= peak(iterate // 4) <= quarters + small
+
+
+@pytest.mark.parametrize("method", ["polar_express", "newton_schulz", "newton_schulz_torch", "exact"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(7, 12, 20), (7, 20, 12)], ids=["wide", "tall"])
+def test_the_iterations_say_which_factors_are_finite(monkeypatch, method, dtype, shape):
+    """``polar(finite=...)``: each matrix's flag equals whether its factor is free of NaN and
+    Inf, over chunks of the batch, with NaN, +Inf and a huge finite entry in the inputs (the
+    quintic iterations read it from their last small factor, the others from the result)."""
+    X = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    if method != "exact":  # (an SVD refuses what is not finite)
+        X[1, 2, 3] = float("nan")
+        X[3, 0, 0] = float("inf")
+        X[5, 1, 1] = 3e38  # finite, its square is not: the norm overflows, the factor is 0
+    monkeypatch.setattr(polar_module, "CHUNK_BYTES", 3 * 12 * 20 * 4)
+    with decide_as("cuda"):  # (bfloat16 iterations as a GPU runs them, emulated)
+        flags = torch.ones(7, dtype=torch.bool)
+        flags[::2] = False  # (every flag is written)
+        factor = polar(X, method=method, dtype=dtype, narrow=True, finite=flags)
+    expected = torch.isfinite(factor.double()).flatten(1).all(dim=1)
+    assert flags.tolist() == expected.tolist()
+    assert expected[[0, 2, 4, 6]].all() and expected[[1, 3]].any() == (method == "exact")

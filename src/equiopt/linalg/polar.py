@@ -153,6 +153,7 @@ def polar(
     row: torch.Tensor | None = None,
     shift: torch.Tensor | None = None,
     sq_norm: torch.Tensor | None = None,
+    finite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``X`` (shape ``(..., m, n)``), in ``X``'s dtype
     (``narrow``: in the iteration's, where that is narrower).
@@ -188,6 +189,13 @@ def polar(
         sq_norm: ``(..., 1, 1)``: each matrix's squared Frobenius norm where it is known
             (the normalisation before the iterations then reads ``X`` no more for it): of
             ``X``, or with ``row`` of ``Diag(row) X``; not with ``shift``.
+        finite: ``(N,)`` bool for the ``N`` matrices of ``X`` (its leading dimensions
+            flattened): each is set to whether that matrix's factor is free of NaN and Inf.
+            The quintic iterations read it from the diagonal of their last small factor
+            ``b G + c G^2``: a normalised iterate stays bounded, so only a NaN or Inf
+            carried from the input makes the result non-finite, and one in a row of the
+            iterate reaches that row's diagonal entry of every later Gram and small factor
+            (no pass over the result); the other methods sum the result.
 
     Returns:
         ``U V^T`` for ``X = U S V^T``, approximately, of ``X``'s shape (and dtype, unless
@@ -196,6 +204,40 @@ def polar(
     Raises:
         ValueError: for an unknown method, ``steps < 1`` or fewer than two dimensions.
     """
+    if finite is not None and method in _QUINTIC and reducer is None:
+        return _polar(X, method, steps, dtype, restart_every, reducer, narrow, out, row, shift, sq_norm, finite)
+    result = _polar(X, method, steps, dtype, restart_every, reducer, narrow, out, row, shift, sq_norm, None)
+    if finite is not None:
+        finite.copy_(_finite_sums(result.reshape(-1, *result.shape[-2:])))
+    return result
+
+
+#: The methods whose iterations report each factor's finiteness from their small factors.
+_QUINTIC = ("polar_express", "newton_schulz", "newton_schulz_torch")
+
+
+def _finite_sums(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(N,)``: whether each of the ``N`` matrices of ``t`` is free of NaN and Inf (a sum
+    carries any; ``s - s`` is 0 exactly where ``s`` is finite), written into ``out`` if given."""
+    s = t.sum(dim=(-2, -1), dtype=torch.float32)
+    return torch.eq(s - s, 0, out=out) if out is not None else (s - s) == 0
+
+
+def _polar(
+    X: torch.Tensor,
+    method: str,
+    steps: int,
+    dtype: torch.dtype | None,
+    restart_every: int,
+    reducer,
+    narrow: bool,
+    out: torch.Tensor | None,
+    row: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    sq_norm: torch.Tensor | None,
+    finite: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`polar`; ``finite`` given only for a quintic method without ``reducer``."""
     if method not in POLAR_METHODS:
         raise ValueError(f"unknown polar method {method!r}; valid: {', '.join(POLAR_METHODS)}")
     if X.ndim < 2:
@@ -244,7 +286,8 @@ def polar(
         x = rounded(x.float()) if emulated else x.to(dtype)
         x = rounded(x / rounded(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp_min(TORCH_NORM_EPS))
         place = None if out is None else (out.mT if tall else out).reshape(-1, *x.shape[-2:])
-        x = _iterate(x.reshape(-1, *x.shape[-2:]), None, coeffs, dtype, x.dtype, rounded, place).reshape(x.shape)
+        batch = x.reshape(-1, *x.shape[-2:])
+        x = _iterate(batch, None, coeffs, dtype, x.dtype, rounded, place, finite=finite).reshape(x.shape)
     else:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
         offset = None
@@ -274,7 +317,7 @@ def polar(
             divisor = scale.expand(*wide.shape[:-2], *scale.shape[-2:]).reshape(-1, *scale.shape[-2:])
             if offset is not None:
                 offset = offset.expand(*wide.shape[:-2], *offset.shape[-2:]).reshape(-1, *offset.shape[-2:])
-            x = _iterate(wide.reshape(flat), divisor, coeffs, dtype, held, rounded, place, offset)
+            x = _iterate(wide.reshape(flat), divisor, coeffs, dtype, held, rounded, place, offset, finite)
             x = x.reshape(wide.shape)
     x = x.mT if tall else x
     if out is not None:
@@ -321,6 +364,7 @@ def _iterate(
     rounded,
     out: torch.Tensor | None = None,
     offset: torch.Tensor | None = None,
+    finite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The quintic iteration on the matrices ``x`` (``(batch, m, n)``, ``m <= n``), one
     chunk of the batch at a time (:func:`chunks`), each chunk's last iterate written into
@@ -330,7 +374,8 @@ def _iterate(
     normalised iterate already). ``dtype``: the iteration's precision; ``held``: the dtype
     its values are held in (float32 where bfloat16 is emulated, ``rounded`` then rounds);
     ``out``: the result's place (else one is made); ``offset``: subtracted from each
-    quotient as it is cast (a centred row stage's shift over its scale)."""
+    quotient as it is cast (a centred row stage's shift over its scale); ``finite``: each
+    matrix's flag, from its last small factor (see :func:`polar`)."""
     parts = chunks(x.shape[0], x[0].numel() * held.itemsize)
     # one chunk: its last iterate is the result (no buffer held from the start)
     if out is None and len(parts) > 1:
@@ -364,6 +409,10 @@ def _iterate(
             g = rounded(torch.bmm(y, y.mT))
             h = rounded(torch.baddbmm(g, g, g, beta=b, alpha=c))
             del g  # (a chunk holds at most two Grams, and one beside two iterates)
+            if finite is not None and k == steps:
+                # what is not finite in a row of y is in G's diagonal entry of that row, and so in
+                # h's (b, c != 0): the diagonal says it (y is bounded: nothing else overflows)
+                _finite_sums(h.diagonal(dim1=-2, dim2=-1).unsqueeze(-1), out=finite[part])
             if fold:
                 h.diagonal(dim1=-2, dim2=-1).add_(a)
                 y = torch.bmm(h, y, **into(k))

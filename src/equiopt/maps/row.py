@@ -154,15 +154,19 @@ def row_norm_factored(
             :class:`TypeError`.
         col_reducer: completes the row norms of a ``D`` split by columns.
         row_sq: the sums of squares of ``D``'s rows, ``(..., m, 1)``, where they are known
-            already (whole rows of an uncentred ``D`` only): the norms are their square roots.
+            already (whole rows of ``D`` as the map reads it: uncentred, or with
+            ``centered_input``): the norms are their square roots.
 
     Returns:
         The update as a :class:`Factored`.
     """
-    if row_sq is not None and (center or col_reducer is not None or row_sq.shape != (*D.shape[:-1], 1)):
+    if row_sq is not None and (
+        (center and not centered_input) or col_reducer is not None or row_sq.shape != (*D.shape[:-1], 1)
+    ):
         raise ValueError(
-            f"row_sq: the sums of squares of whole rows of an uncentred D, shape {(*D.shape[:-1], 1)}; "
-            f"got {tuple(row_sq.shape)}" + (" with center=True" if center else "")
+            f"row_sq: the sums of squares of whole rows of D as the map reads it (uncentred, or centred "
+            f"already), shape {(*D.shape[:-1], 1)}; got {tuple(row_sq.shape)}"
+            + (" with center=True on an input not centred" if center and not centered_input else "")
         )
     x = _maybe_center(D.to(_compute_dtype(D)), center, reducer, centered_input)
     norms = None if row_sq is None else row_sq.to(x.dtype).sqrt()

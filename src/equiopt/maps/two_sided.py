@@ -19,6 +19,7 @@ def spectral(
     reducer: RowReducer | None = None,
     narrow: bool = False,
     sq_norm: torch.Tensor | None = None,
+    finite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Orthogonal polar factor ``U V^T`` of ``D`` (Muon / PolarGrad; bi-orthogonally equivariant).
 
@@ -34,12 +35,16 @@ def spectral(
         narrow: keep the iteration's dtype where it is narrower than ``D``'s (see
             :func:`equiopt.linalg.polar`).
         sq_norm: each matrix's squared Frobenius norm, ``(..., 1, 1)``, where it is known.
+        finite: ``(N,)`` bool, set to whether each factor is free of NaN and Inf (see
+            :func:`equiopt.linalg.polar`).
 
     Returns:
         The polar factor, of ``D``'s shape and dtype (unless ``narrow``).
     """
     _check(D, "spectral")
-    return polar(D, method=method, steps=steps, dtype=dtype, reducer=reducer, narrow=narrow, sq_norm=sq_norm)
+    return polar(
+        D, method=method, steps=steps, dtype=dtype, reducer=reducer, narrow=narrow, sq_norm=sq_norm, finite=finite
+    )
 
 
 def _frobenius_rescale(o_sq: torch.Tensor, d: torch.Tensor, reducer: RowReducer | None) -> torch.Tensor:

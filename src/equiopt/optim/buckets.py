@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from .. import maps
-from ..layouts import Layout
+from ..layouts import Layout, Row
 from .apply import GRAD_LIMIT
 from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
@@ -77,6 +77,10 @@ __all__ = [
 
 #: The state entries a part stacks, per rule kind.
 MOMENTUM_KEYS = ("momentum_buffer",)
+#: A centred momentum's column means, relative to its RMS, below which it counts as centred
+#: (:meth:`Part.keep_centred`): far above float32 rounding's residue, far below any mean a
+#: momentum stepped uncentred carries.
+CENTRED_TOLERANCE = 1e-4
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
 
 #: AdamW parameters of at most this many entries share one flat part whatever their
@@ -155,6 +159,36 @@ class Part:
         self._work_strides: list[int] | None = None  # a member's weight as its work matrices
         # the decay and the update add in one operator where every weight is contiguous
         self._fused_finish = not self.adamw and not flat and all(p.is_contiguous() for p in self.params)
+        self._unit: torch.Tensor | None = None
+        if (
+            not self.adamw
+            and not flat
+            and rule.centres_in_place(group)
+            and isinstance(layout, Row)
+            and len(self.shape) == 2
+        ):
+            self.keep_centred()
+
+    def _one(self, like: torch.Tensor) -> torch.Tensor:
+        """A ``1`` of ``like``'s dtype and device, made once."""
+        if self._unit is None or self._unit.dtype != like.dtype or self._unit.device != like.device:
+            self._unit = torch.ones((), dtype=like.dtype, device=like.device)
+        return self._unit
+
+    def keep_centred(self) -> None:
+        """Centre the momentum of a part whose rule keeps it in the quotient, ``Pi M`` (paper
+        section 3.3), where it is made or adopted: the step then lets each gradient in
+        centred (:func:`~.stages.bucket_core`), so a momentum adopted from elsewhere (another
+        recipe's, or one stepped uncentred) must start there. A column whose mean is within
+        :data:`CENTRED_TOLERANCE` of the member's RMS is left as it is (what rounding leaves
+        in a centred momentum, so adopting one that is centred changes no bit)."""
+        work = self.stacks[MOMENTUM_KEYS[0]]  # (B, m, n): a row layout's work matrices
+        if work.dtype != torch.float32:
+            return
+        with torch.no_grad():
+            mean = work.mean(dim=-2, keepdim=True)
+            rms = work.square().mean(dim=(-2, -1), keepdim=True).sqrt()
+            work.sub_(torch.where(mean.abs() > CENTRED_TOLERANCE * rms, mean, 0.0))
 
     @property
     def spec(self) -> Spec:
@@ -326,13 +360,13 @@ class Part:
 
     def finish(self, update: Any, okl: torch.Tensor, lr: torch.Tensor) -> None:
         """After the core (eager): the decay ``W <- (1 - lr wd) W`` of every member (exactly 1
-        where skipped) and the update's add: a stack, the core's update in the scratch (None),
+        where skipped: ``okl`` the skip flags, bool or 0 and 1 in any dtype) and the update's add: a stack, the core's update in the scratch (None),
         or a narrow factor and its scales (a pair) formed as they are added; a single-member
         part's core did both."""
         if self.spec.single and not self.adamw:
             return
         wd = self.group["weight_decay"]
-        decay = 1.0 - (lr * wd) * okl if wd else None
+        decay = torch.addcmul(self._one(lr), lr, okl, value=-wd) if wd else None  # 1 - lr wd ok, one operator
         if isinstance(update, tuple):
             assert self._work_strides is not None
             factor, scales = update

@@ -33,7 +33,7 @@ from .. import maps
 from ..distributed.collectives import equal_shares, gather_shares
 from ..linalg.device_choices import decide_as, decides_like
 from .costs import CostModel, replica_division
-from .rules import MapKey, factored_map, reducible, rule_named
+from .rules import MapKey, factor_flags, factored_map, reducible, rule_named
 from .sharded import ShardSum
 
 __all__ = ["replica_group", "Divisions", "DividedMap", "GramDivided", "division", "map_share"]
@@ -113,11 +113,14 @@ class DividedMap:
         self.ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def __call__(self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None) -> maps.Factored:
-        # (``sums``, the momentum stage's by-product, is not used: each share's map reads its own)
+    def __call__(
+        self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None, finite=None
+    ) -> maps.Factored:
+        # (``sums``, the momentum stage's by-product, is not used: each share's map reads its own;
+        # ``finite`` is read from the gathered factors)
         count = x.shape[0]
         if self.ranks < 2:
-            return map_share(key, eta, x, narrow)
+            return factored_map(key, eta, x, narrow=narrow, finite=finite)
         share, first, real = equal_shares(count, self.ranks, self.rank)
         # a rank past the end maps nothing: its factors' shapes come from the meta device
         if real:
@@ -136,7 +139,10 @@ class DividedMap:
             else:
                 rows = t if real else torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=x.device)
                 out[name] = gather_shares(rows, share, count, self.group)
-        return maps.Factored(**out)  # type: ignore[arg-type]  # (x is always set)
+        result = maps.Factored(**out)  # type: ignore[arg-type]  # (x is always set)
+        if finite is not None:
+            finite.copy_(factor_flags(result))
+        return result
 
 
 def _is_input(t: torch.Tensor, mine: torch.Tensor) -> bool:
@@ -163,6 +169,8 @@ class GramDivided:
         self.group = group
         self.part = (dist.get_rank(group), dist.get_world_size(group))
 
-    def __call__(self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None) -> maps.Factored:
+    def __call__(
+        self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None, finite=None
+    ) -> maps.Factored:
         sums = ShardSum(self.group, x.shape[-2], self.part, divide=True)
-        return factored_map(key, eta, x, sums, None, narrow=narrow)
+        return factored_map(key, eta, x, sums, None, narrow=narrow, finite=finite)

@@ -58,6 +58,15 @@ def _lead(spec: Spec, t: torch.Tensor, ndim: int, sizes: torch.Tensor | None = N
     return t.view(-1, *([1] * (ndim - 1)))
 
 
+def _leads(spec: Spec, values: list[torch.Tensor], ndim: int, sizes: torch.Tensor | None) -> list[torch.Tensor]:
+    """:func:`_lead` of several ``(B,)`` values: for a flat part, spread in one operator
+    (stacked where they share a dtype)."""
+    if not spec.flat or len({v.dtype for v in values}) > 1:
+        return [_lead(spec, v, ndim, sizes) for v in values]
+    spread = torch.repeat_interleave(torch.stack(values), sizes, dim=1, output_size=spec.numel)  # type: ignore[arg-type]
+    return list(spread.unbind(0))
+
+
 def _gradients(
     spec: Spec,
     source: torch.Tensor,
@@ -103,24 +112,38 @@ def _scaled(f: maps.Factored, c: torch.Tensor) -> maps.Factored:
     return f._replace(x=f.x * c, shift=shift)
 
 
+def _matrix_sums(t: torch.Tensor) -> torch.Tensor:
+    """Each matrix's sum, in float32 or wider (a bfloat16 factor's sum does not overflow)."""
+    return t.sum(dim=(-2, -1), dtype=torch.promote_types(t.dtype, torch.float32))
+
+
 def _finite(t: torch.Tensor) -> torch.Tensor:
     """``t.isfinite()`` in two operators (``t - t`` is 0 exactly where ``t`` is finite)."""
     return (t - t) == 0
 
 
-def guard(f: maps.Factored, made: bool = False, clean: bool = True) -> tuple[maps.Factored, torch.Tensor]:
+def guard(
+    f: maps.Factored, made: bool = False, clean: bool = True, known: torch.Tensor | None = None
+) -> tuple[maps.Factored, torch.Tensor]:
     """``f`` (a batch of ``N`` updates) with its non-finite entries zeroed, and each update's
     finite flag (``(N,)`` bool), read from its small factors, or from the update itself when
     it is given whole (then cleaned in place: it is always a fresh tensor). ``made``: ``f.x``
     is a tensor the map made (a narrow polar factor beside its scale), not its input, so it
     is read and cleaned too. Without ``clean`` a made ``f.x`` is read, not cleaned: its
     reader zeroes what is not finite as it reads it (:func:`~.fused.ops.factor_add_`).
-    The batched form of :func:`~.apply._guarded`."""
+    ``known``: ``f.x``'s flags where the map knew them (:attr:`~.rules.Rule.checks`): it is
+    not read for them. The batched form of :func:`~.apply._guarded`."""
     names = [k for k in ("row", "left", "right", "shift") if getattr(f, k) is not None]
-    checked = [getattr(f, k) for k in names] + ([f.x] if made and names else []) or [f.x]
-    ok: Any = None
-    for t in checked:
-        flag = _finite(t.sum(dim=(-2, -1)))  # a sum carries any NaN or Inf (one pass)
+    checked = [getattr(f, k) for k in names] + ([f.x] if made and names and known is None else [])
+    if not checked and known is None:
+        checked = [f.x]
+    ok: Any = known
+    if checked:
+        # a sum carries any NaN or Inf (one pass each), and so does a sum of the sums
+        total = _matrix_sums(checked[0])
+        for t in checked[1:]:
+            total = total + _matrix_sums(t)
+        flag = _finite(total)
         ok = flag if ok is None else ok & flag
     if names:
         if f.low is not None:
@@ -159,6 +182,21 @@ def _side_by_side(
             place.copy_(w)
 
 
+def _centred_as_read(key: MapKey, spec: Spec, momentum: torch.Tensor) -> bool:
+    """Whether a part centred in place (``PRECENTRED``) takes its gradient in centred instead:
+    a float32 stack of 2-D matrices stored as their work matrices (layout ``row``), whose
+    column sums the flags operator makes as it reads the gradients and the momentum stage
+    subtracts as it reads them; its momentum, kept in the quotient, then stays there
+    (:meth:`~.buckets.Part.keep_centred` centres it where it is made or adopted)."""
+    return (
+        key.center == PRECENTRED
+        and momentum.dtype == torch.float32
+        and not spec.flat
+        and isinstance(spec.layout, Row)
+        and len(spec.shape) == 2
+    )
+
+
 def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> tuple[int, int]:
     """``(k, run)``: the ``k`` sums of squares per member the momentum stage makes for the map
     as it writes the direction (``k`` 0: none; ``run``: its entries counted in runs, in turn,
@@ -169,7 +207,8 @@ def _sums_by_the_way(key: MapKey, spec: Spec, momentum: torch.Tensor) -> tuple[i
     keeps its Frobenius norm), or several whose entries its layout places in runs
     (:meth:`~equiopt.layouts.Layout.segments`: heads along rows or columns)."""
     wanted = rule_named(key.rule).sums_for(key)
-    if key.center or momentum.dtype != torch.float32 or spec.flat or wanted is None:
+    centred = key.center and not _centred_as_read(key, spec, momentum)
+    if centred or momentum.dtype != torch.float32 or spec.flat or wanted is None:
         return 0, 0
     if wanted == "rows":
         return (spec.shape[0], 0) if isinstance(spec.layout, Row) and len(spec.shape) == 2 else (0, 0)
@@ -239,8 +278,9 @@ def bucket_core(
     the part's scratch (its :meth:`Part.finish` adds it from there) or, for a
     single-member part, the core applied its decay and update to ``weights[i]`` in place,
     or a narrow factor and its scales, ``(X, k)``, which the part's finish adds as ``k X``;
-    the skip flags in the learning rates' dtype, and the flags the step reports."""
+    the skip flags (bool: True where the member steps), and the flags the step reports."""
     works, coefs, okls, reported, weights2 = [], [], [], [], []
+    steps: dict[tuple[int, float], torch.Tensor] = {}
     made_sums: list[torch.Tensor | None] = []  # what the map reads first (Rule.sums), where the momentum stage made it
     placed = [_placed_directly(key, spec) for spec in specs]
     target: torch.Tensor | None = None
@@ -250,24 +290,27 @@ def bucket_core(
         # misorders the fused momentum stage's write of the momentum and the centring's
         # in-place update after it; it fuses those operators itself there)
         fused_in = not spec.flat and (key.center != PRECENTRED or not torch.compiler.is_compiling())
+        # (a centred part whose gradient enters its momentum centred: column sums with the flags)
+        centred_in = fused_in and _centred_as_read(key, spec, buf)
         if fused_in:
             # flags, sanitising, momentum and direction in two fused operators (the direction
             # lands in the part's scratch, which is its place in the map's input where ``placed``)
             # (a list: each member's gradient where autograd left it, read there, never stacked)
             src = sources[i]
+            cols = buf.new_empty(spec.members, spec.shape[-1]) if centred_in else None
             ok, flags = fused.grad_flags(
-                src if isinstance(src, list) else [src], counters[i], presents[i], spec.members
+                src if isinstance(src, list) else [src], counters[i], presents[i], spec.members, cols
             )
             grads = scratches[i]
         else:
             grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
         reported.append(flags)
-        okf = ok.to(grads.dtype)
-        okl = okf.to(lrs[i].dtype)
-        okls.append(okl)
+        okls.append(ok)  # (a product with the flags is exactly the factor, or 0: they multiply as they are)
+        # in the gradients' dtype where an unfused stage, a centring or a row stage reads them
+        okf = ok.to(grads.dtype) if not fused_in or key.center == PRECENTRED or seconds is not None else ok
         weight = weights[i]
         if weight is not None and spec.weight_decay:
-            weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * okl[0])
+            weight.mul_(1.0 - (lrs[i] * spec.weight_decay) * ok[0])
         # EMA momentum M <- beta M + (1 - beta) G (weight 0 where skipped); Nesterov's direction
         # over G. A transposed one beside other parts goes into the bucket's buffer over this
         # part's own gradients: it is made apart first, in a fresh tensor copied there below,
@@ -285,11 +328,12 @@ def bucket_core(
             # without Nesterov the direction is the momentum: the map reads it there unless it
             # must be in the part's place beside other parts
             written = spec.nesterov or (placed[i] and len(specs) > 1) or straight is not None
-            k, run = _sums_by_the_way(key, spec, buf)
-            sums = buf.new_empty(spec.members, k) if k else None
-            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums, run)
+            per, run = _sums_by_the_way(key, spec, buf)
+            sums = buf.new_empty(spec.members, per) if per else None
+            shift = None if cols is None else cols / spec.shape[0]  # the gradients' column means
+            fused.momentum_stage(given, target, buf, ok, spec.beta, spec.nesterov, written, sums, run, shift)
             if sums is not None:  # (B, rows, 1) for a row map, else (B P, 1, 1): one per work matrix
-                sums = sums.view(-1, 1, 1) if spec.per_member > 1 else sums.view(spec.members, k, 1)
+                sums = sums.view(-1, 1, 1) if spec.per_member > 1 else sums.view(spec.members, per, 1)
             made_sums.append(sums)
             direction = target if written else buf
         else:
@@ -300,11 +344,14 @@ def bucket_core(
             else:
                 direction = buf
         work = spec.layout.stacked_to_work(direction)[0]  # type: ignore[union-attr]
-        if key.center == PRECENTRED:
+        if key.center == PRECENTRED and not centred_in:
             # D <- Pi D in place (see the engine's _centre_in_place); a skipped member stays
             work.sub_(work.mean(dim=-2, keepdim=True).mul_(_lead(spec, okf, work.ndim)))
         works.append(work.reshape(-1, *spec.work_shape[-2:]))
-        coef = (lrs[i] * -spec.factor) * okl
+        step = steps.get((id(lrs[i]), spec.factor))  # a learning rate times a shape factor, once a bucket
+        if step is None:
+            step = steps[(id(lrs[i]), spec.factor)] = lrs[i] * -spec.factor
+        coef = torch.mul(ok, step)
         coefs.append(coef.repeat_interleave(spec.per_member) if spec.per_member > 1 else coef)
         if seconds is not None:
             w2 = okf * (1.0 - spec.beta2)
@@ -325,6 +372,8 @@ def bucket_core(
     hints = {}
     if made_sums and all(t is not None for t in made_sums):  # the map reads D once less
         hints["sums"] = made_sums[0] if len(made_sums) == 1 else torch.cat(made_sums)  # type: ignore[arg-type]
+    if rule.checks and narrow:  # the map says which factors are finite (the guard reads none for it)
+        hints["finite"] = torch.empty(x.shape[0], dtype=torch.bool, device=x.device)
     f = map_fn(key, eta, x, narrow=True, **hints) if narrow else map_fn(key, eta, x, **hints)
     cdtype = torch.promote_types(x.dtype, f.x.dtype)  # (the scale in the dtype the update is formed in)
     if seconds is not None:
@@ -340,16 +389,16 @@ def bucket_core(
     made = narrow and f.x is not x  # the map's own tensor (a narrow factor), not its input
     adds = [_adds_factor(spec, f, made, places is not None and spec.update_in_place) for spec in specs]
     # (where every part's finish reads the factor, it zeroes what is not finite as it reads)
-    f, ok = guard(f, made=made, clean=not all(adds))
+    f, ok = guard(f, made=made, clean=not all(adds), known=hints.get("finite") if made else None)
     coef = coefs[0] if len(coefs) == 1 else torch.cat(coefs)
-    skips.add_((~ok & (coef != 0)).sum())
-    coef = coef * ok
+    skips.add_(coef.masked_fill(ok, 0).count_nonzero())  # the refused matrices that had a step
+    coef = (coef * ok).to(cdtype)  # (every part's scales in one conversion)
     updates: list[Any] = []
     at = 0
     for i, (spec, w, weight) in enumerate(zip(specs, works, weights)):
         n = w.shape[0]
         piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
-        c = coef.narrow(0, at, n).to(cdtype).view(-1, 1, 1)
+        c = coef.narrow(0, at, n).view(-1, 1, 1)
         at += n
         if weight is not None:
             # one parameter: the factored update goes straight into its work views
@@ -412,19 +461,22 @@ def adamw_core(
     grads, ok, reported = _gradients(spec, source, scratch, present, finite, counters)
     okf = ok.to(grads.dtype)
     steps.add_(okf)
-    exp_avg.lerp_(grads, _lead(spec, okf * (1.0 - b1), exp_avg.ndim, sizes))
-    # a skipped gradient may hold entries whose square overflows: squares are capped
-    sq = torch.mul(grads, grads, out=grads).clamp_(max=torch.finfo(grads.dtype).max)
-    exp_avg_sq.lerp_(sq, _lead(spec, okf * (1.0 - b2), exp_avg_sq.ndim, sizes))
-    denom = torch.sqrt(exp_avg_sq, out=sq)
     counts = steps.clamp(min=1.0).to(exp_avg.dtype)
     bc1 = 1.0 - torch.pow(b1, counts)
     c = torch.sqrt(1.0 - torch.pow(b2, counts))
-    # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)):
-    # a skipped step divides by 0 (m / inf = 0)
-    denom.add_(_lead(spec, c * spec.adam_eps, denom.ndim, sizes))
     okl = okf.to(lr.dtype)
     size = (okl * -lr) * c.to(lr.dtype) / bc1.to(lr.dtype)
-    denom.div_(_lead(spec, size.to(denom.dtype), denom.ndim, sizes))
+    # m / (sqrt(v / bc2) + eps) * (-lr ok / bc1) = m / ((sqrt(v) + c eps) / (-lr ok c / bc1)):
+    # a skipped step divides by 0 (m / inf = 0); each member's four factors spread at once
+    w1, w2, shift, scale = _leads(
+        spec, [okf * (1.0 - b1), okf * (1.0 - b2), c * spec.adam_eps, size.to(grads.dtype)], exp_avg.ndim, sizes
+    )
+    exp_avg.lerp_(grads, w1)
+    # a skipped gradient may hold entries whose square overflows: squares are capped
+    sq = torch.mul(grads, grads, out=grads).clamp_(max=torch.finfo(grads.dtype).max)
+    exp_avg_sq.lerp_(sq, w2)
+    denom = torch.sqrt(exp_avg_sq, out=sq)
+    denom.add_(shift)
+    denom.div_(scale)
     update = None if spec.dtype == exp_avg.dtype else torch.div(exp_avg, denom).to(spec.dtype)
     return update, okl, reported

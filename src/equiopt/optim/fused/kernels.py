@@ -44,6 +44,24 @@ def _flags_kernel(src, starts, bad, n, nblocks, limit, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _flags_cols_kernel(src, starts, bad, sums, rows, cols, nblocks, limit, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # a block of ROWS whole rows: its bad flag, and its column sums added once per column
+    b = tl.program_id(0)
+    m = tl.program_id(1)
+    r = (b * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    base = src + tl.load(starts + m)
+    worst = tl.zeros((ROWS, COLS), dtype=tl.int32)
+    for c0 in range(0, cols, COLS):
+        c = c0 + tl.arange(0, COLS)
+        mask = (r < rows) & (c[None, :] < cols)
+        x = tl.load(base + r * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        worst = tl.maximum(worst, ((x != x) | (x < -limit) | (x > limit)).to(tl.int32))
+        x = tl.where((x - x) == 0.0, x, 0.0)  # NaN and Inf summed as 0
+        tl.atomic_add(sums + m.to(tl.int64) * cols + c, tl.sum(x, axis=0), mask=c < cols)
+    tl.store(bad + m.to(tl.int64) * nblocks + b, tl.max(tl.max(worst, axis=1), axis=0))
+
+
+@triton.jit
 def _lerp(start, end, weight):
     # torch.lerp: from the nearer end, with a fused multiply-add, as its CPU and CUDA kernels compute it
     diff = end - start
@@ -74,11 +92,14 @@ def _momentum_kernel(
     sums,
     row_len,
     rows,
+    shift,
+    shift_cols,
     NESTEROV: tl.constexpr,
     DIRECTION: tl.constexpr,
     SUMS: tl.constexpr,
     WHOLE_ROWS: tl.constexpr,
     RUN: tl.constexpr,
+    SHIFT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -90,6 +111,11 @@ def _momentum_kernel(
     g = tl.load(src + tl.load(starts + m) + i, mask=mask, other=0.0).to(tl.float32)
     g = tl.where((g - g) == 0.0, g, 0.0)  # NaN and Inf read as 0 (g - g is 0 exactly where g is finite)
     g = g.to(scratch.dtype.element_ty).to(tl.float32)  # the sanitised gradient as stored in the buffer
+    if SHIFT:  # less its column's shift, what is not finite after it read as 0
+        g = (g - tl.load(shift + m.to(tl.int64) * shift_cols + i % shift_cols, mask=mask, other=0.0)).to(
+            scratch.dtype.element_ty
+        )
+        g = tl.where((g - g) == 0.0, g, 0.0).to(tl.float32)
     old = tl.load(mom + at, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weights + m)
     new = _lerp(old, g, w).to(mom.dtype.element_ty)
@@ -222,13 +248,33 @@ def _members(sources: list[torch.Tensor], members: int) -> tuple[torch.Tensor, t
     return grads[0], _offsets(grads), grads[0].numel()
 
 
-def finite_flags(sources: list[torch.Tensor], members: int) -> torch.Tensor:
+#: Rows and columns of a tile of the column-summing flags kernel.
+TILE_ROWS, TILE_COLS = 32, 128
+
+
+def finite_flags(sources: list[torch.Tensor], members: int, col_sums: torch.Tensor | None = None) -> torch.Tensor:
     """``(members,)`` bool: each gradient (``sources``: their stack or each member's own)
-    free of NaN and Inf and within ``GRAD_LIMIT`` (one read of them)."""
+    free of NaN and Inf and within ``GRAD_LIMIT`` (one read of them); with ``col_sums``
+    (``(B, n)`` float32), each one's column sums as rows of ``n`` too (tiles of whole rows,
+    one atomic add per column a tile)."""
     base, starts, n = _members(sources, members)
-    grid = _grid(n, members)
+    if col_sums is None:
+        grid = _grid(n, members)
+        bad = torch.empty((members, grid[0]), dtype=torch.int32, device=base.device)
+        _flags_kernel[grid](base, starts, bad, n, grid[0], GRAD_LIMIT, BLOCK=BLOCK)
+        return bad.amax(dim=1) == 0
+    cols = col_sums.shape[1]
+    rows = n // cols
+    if col_sums.shape != (members, cols) or rows * cols != n or not col_sums.is_contiguous():
+        raise ValueError(
+            f"finite_flags: col_sums must be ({members}, cols) dividing {n} entries, got {tuple(col_sums.shape)}"
+        )
+    grid = (triton.cdiv(rows, TILE_ROWS), members)
     bad = torch.empty((members, grid[0]), dtype=torch.int32, device=base.device)
-    _flags_kernel[grid](base, starts, bad, n, grid[0], GRAD_LIMIT, BLOCK=BLOCK)
+    col_sums.zero_()
+    _flags_cols_kernel[grid](
+        base, starts, bad, col_sums, rows, cols, grid[0], GRAD_LIMIT, ROWS=TILE_ROWS, COLS=TILE_COLS
+    )
     return bad.amax(dim=1) == 0
 
 
@@ -242,6 +288,7 @@ def momentum_stage(
     direction: bool = True,
     sums: torch.Tensor | None = None,
     run: int = 0,
+    shift: torch.Tensor | None = None,
 ) -> None:
     """:func:`.ops.momentum_stage` in one kernel (``momentum`` contiguous; ``scratch``
     contiguous, or ``(B, rows, cols)`` strided where the gradients are each member's own);
@@ -283,11 +330,14 @@ def momentum_stage(
         sums if sums is not None else weights,
         row_len,
         rows,
+        shift.float().contiguous() if shift is not None else weights,
+        shift.shape[1] if shift is not None else 1,
         NESTEROV=nesterov,
         DIRECTION=direction,
         SUMS=sums is not None,
         WHOLE_ROWS=row_len % BLOCK == 0,
         RUN=row_len if BLOCK % row_len == 0 and row_len < BLOCK else 0,
+        SHIFT=shift is not None,
         BLOCK=BLOCK,
     )
 

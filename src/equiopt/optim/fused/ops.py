@@ -6,7 +6,8 @@ what it writes, counts it as the kernel it runs, and ``torch.compile`` sees one 
 
 - ``equiopt::grad_flags``: the finite flags of a part's gradients, stacked or each where
   it is (``(B,)`` bool: free of NaN and Inf and within ``GRAD_LIMIT``, and present), the
-  flags a step reports, and the skip counters (one read of the gradients);
+  flags a step reports, and the skip counters (one read of the gradients); given
+  ``col_sums``, also each finite gradient's column sums (a centred map's column means);
 - ``equiopt::momentum_stage``: the gradients sanitised (NaN and Inf read as 0), the
   momentum EMA ``M <- M + ok (1 - beta) (G - M)`` and the direction, Nesterov's
   ``G + beta (M - G)`` or the momentum itself, written into the part's place in the
@@ -43,18 +44,26 @@ from ..apply import GRAD_LIMIT, finite_flags
 __all__ = ["grad_flags", "momentum_stage", "decay_add_", "factor_add_", "row_add_"]
 
 
-@torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters",))
-def grad_flags(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("equiopt::grad_flags", mutates_args=("counters", "col_sums"))
+def grad_flags(
+    sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int, col_sums: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``(ok, reported)`` of ``members`` gradients, ``sources`` their stack (one tensor) or
     each member's own: ``ok`` is free of NaN and Inf, every entry within ``GRAD_LIMIT`` and
     present (``present``: None where all are); ``reported`` is True except for a present,
-    non-finite gradient, counted in ``counters``."""
+    non-finite gradient, counted in ``counters``. ``col_sums`` (``(B, n)`` float32): each
+    member's column sums, its entries read as rows of ``n``, summed as they are read (a
+    centred map's column means, without a pass of their own); unspecified for a member
+    whose flag is False (the step keeps its momentum and refuses its update)."""
     if len(sources) == 1:
         seen = sources[0].reshape(members, -1)
         # two reductions (aminmax along a dimension is many times slower on a CPU); NaN fails both
         finite = (seen.amin(dim=1) >= -GRAD_LIMIT) & (seen.amax(dim=1) <= GRAD_LIMIT)
     else:  # each one's least and largest entries, or its largest magnitude (NaN and Inf fail the bound)
         finite = finite_flags(sources)
+    if col_sums is not None:  # (no copy of a gradient: a member that is not finite is skipped anyway)
+        for k, g in enumerate(sources[0].reshape(members, -1) if len(sources) == 1 else sources):
+            torch.sum(g.reshape(-1, col_sums.shape[1]), dim=0, dtype=torch.float32, out=col_sums[k])
     return _combine(finite, counters, present)
 
 
@@ -69,15 +78,19 @@ def _combine(finite: Tensor, counters: Tensor, present: Tensor | None) -> tuple[
 
 
 @grad_flags.register_fake
-def _(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+def _(
+    sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int, col_sums: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     return sources[0].new_empty((members,), dtype=torch.bool), sources[0].new_empty((members,), dtype=torch.bool)
 
 
 @grad_flags.register_kernel("cuda")
-def _(sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int) -> tuple[Tensor, Tensor]:
+def _(
+    sources: list[Tensor], counters: Tensor, present: Tensor | None, members: int, col_sums: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     from . import kernels
 
-    return _combine(kernels.finite_flags(sources, members), counters, present)
+    return _combine(kernels.finite_flags(sources, members, col_sums), counters, present)
 
 
 @torch.library.custom_op("equiopt::momentum_stage", mutates_args=("scratch", "momentum", "sums"))
@@ -91,6 +104,7 @@ def momentum_stage(
     direction: bool = True,
     sums: Tensor | None = None,
     run: int = 0,
+    shift: Tensor | None = None,
 ) -> None:
     """The gradients sanitised, the momentum EMA with weight ``ok (1 - beta)`` per member (a
     skipped member's momentum stays bit for bit) and the direction into ``scratch``:
@@ -103,8 +117,11 @@ def momentum_stage(
     it serves as the sanitised gradients' workspace. ``sums`` (``(B, k)``): each member's
     direction (the momentum where none is written), its entries in order as ``k`` rows of
     equal length, gets each row's sum of squares; with ``run``, entry ``e`` counts in sum
-    ``(e // run) % k`` instead (runs of ``run`` entries, in turn: heads along columns)."""
-    _momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction)
+    ``(e // run) % k`` instead (runs of ``run`` entries, in turn: heads along columns).
+    ``shift`` (``(B, n)``): subtracted from each row of ``n`` entries of each member's
+    sanitised gradient as it is read (a centred map's column means: the gradient enters a
+    momentum kept in the quotient centred), what is not finite after it read as 0."""
+    _momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction, shift)
     if sums is not None:
         d = scratch if direction else momentum
         if run:
@@ -115,7 +132,14 @@ def momentum_stage(
 
 
 def _momentum_stage(
-    sources: list[Tensor], scratch: Tensor, momentum: Tensor, ok: Tensor, beta: float, nesterov: bool, direction: bool
+    sources: list[Tensor],
+    scratch: Tensor,
+    momentum: Tensor,
+    ok: Tensor,
+    beta: float,
+    nesterov: bool,
+    direction: bool,
+    shift: Tensor | None = None,
 ) -> None:
     if len(sources) == 1:  # copied and sanitised in one pass
         torch.nan_to_num(sources[0], nan=0.0, posinf=0.0, neginf=0.0, out=scratch.view(sources[0].shape))
@@ -125,6 +149,9 @@ def _momentum_stage(
         elif sources:  # a strided scratch: the direction's place seen in the stored layout
             torch._foreach_copy_(list(scratch.unbind(0)), [g.view(scratch.shape[1:]) for g in sources])
         torch.nan_to_num_(scratch, nan=0.0, posinf=0.0, neginf=0.0)
+    if shift is not None:
+        rows = scratch.view(shift.shape[0], -1, shift.shape[1])
+        torch.nan_to_num_(rows.sub_(shift.to(scratch.dtype).unsqueeze(1)), nan=0.0, posinf=0.0, neginf=0.0)
     weight = ok.to(scratch.dtype) * (1.0 - beta)
     momentum.lerp_(scratch, weight.view(-1, *([1] * (momentum.ndim - 1))))
     if not direction:
@@ -146,6 +173,7 @@ def _(
     direction: bool = True,
     sums: Tensor | None = None,
     run: int = 0,
+    shift: Tensor | None = None,
 ) -> None:
     return None
 
@@ -161,10 +189,11 @@ def _(
     direction: bool = True,
     sums: Tensor | None = None,
     run: int = 0,
+    shift: Tensor | None = None,
 ) -> None:
     from . import kernels
 
-    kernels.momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction, sums, run)
+    kernels.momentum_stage(sources, scratch, momentum, ok, beta, nesterov, direction, sums, run, shift)
 
 
 @torch.library.custom_op("equiopt::decay_add_", mutates_args=("params",))

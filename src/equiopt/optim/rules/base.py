@@ -61,7 +61,11 @@ class Rule:
       can sum as it writes ``D`` (then the map reads ``D`` once less): ``"rows"``, each work
       row's sum of squares (RowNormM's norms), ``"matrices"``, each work matrix's (the
       polar iteration's normalisation); its :meth:`factored` then takes ``sums``,
-      ``(..., m, 1)`` or ``(..., 1, 1)``.
+      ``(..., m, 1)`` or ``(..., 1, 1)``;
+    - ``checks``: its :meth:`factored` takes ``finite``, an ``(N,)`` bool it sets to
+      whether each of the ``N`` matrices' factor is free of NaN and Inf, known without
+      reading the factor (Muon's quintic iterations see it in their small factors), so
+      the guard reads no factor of the size of the bucket for it.
     """
 
     name: ClassVar[str]
@@ -78,6 +82,7 @@ class Rule:
     row_moments: ClassVar[bool] = False
     row_wise: ClassVar[bool] = False
     sums: ClassVar[str | None] = None
+    checks: ClassVar[bool] = False
     doc: ClassVar[str] = ""
 
     @property

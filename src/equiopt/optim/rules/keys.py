@@ -102,6 +102,7 @@ def factored_map(
     col_reducer: maps.RowReducer | None = None,
     narrow: bool = False,
     sums: torch.Tensor | None = None,
+    finite: torch.Tensor | None = None,
 ) -> maps.Factored:
     """The map identified by ``key`` (see :func:`map_key`, :func:`precentred`) on a batch
     of work matrices, in factored form (:class:`equiopt.maps.Factored`), in the compute dtype
@@ -113,9 +114,13 @@ def factored_map(
     rows (row-norm, and right-Gram one-sided and hybrid maps only; see :func:`reducible`);
     ``col_reducer``: the same for a split of the columns (row-norm only). ``sums``: the sums
     of squares the rule's map reads first (:attr:`Rule.sums`), where the step made them as
-    it wrote ``D``."""
-    hints = {} if sums is None else {"sums": sums}
-    return rule_named(key.rule).factored(
+    it wrote ``D``. ``finite``: an ``(N,)`` bool set to whether each matrix's factor is free
+    of NaN and Inf, by the map where it knows (:attr:`Rule.checks`), else from the factor."""
+    rule = rule_named(key.rule)
+    hints: dict = {} if sums is None else {"sums": sums}
+    if finite is not None and rule.checks:
+        hints["finite"] = finite
+    f = rule.factored(
         key,
         eta,
         D,
@@ -125,6 +130,21 @@ def factored_map(
         centred_input=key.center == PRECENTRED,
         **hints,
     )
+    if finite is not None and not rule.checks:
+        finite.copy_(factor_flags(f))
+    return f
+
+
+def factor_flags(f: maps.Factored) -> torch.Tensor:
+    """``(N,)``: whether each of the ``N`` updates of ``f`` is free of NaN and Inf, read from
+    its tensors (a sum of each carries any)."""
+    ok: Any = None
+    for t in f:
+        if t is not None and t.dim() >= 2:
+            s = t.sum(dim=(-2, -1), dtype=torch.float32).reshape(-1)
+            flag = (s - s) == 0
+            ok = flag if ok is None else ok & flag
+    return ok
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:

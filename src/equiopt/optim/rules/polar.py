@@ -45,10 +45,11 @@ class Spectral(PolarRule):
     name = "spectral"
     narrow = True
     sums = "matrices"
+    checks = True
     doc = "Muon: polar factor"
 
     def factored(
-        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, sums=None
+        self, key, eta, D: torch.Tensor, *, reducer, col_reducer, narrow, centred_input, sums=None, finite=None
     ) -> maps.Factored:
         whole_or_gram_rows(self, key, reducer, col_reducer)
         return maps.Factored(
@@ -60,6 +61,7 @@ class Spectral(PolarRule):
                 reducer=reducer,
                 narrow=narrow,
                 sq_norm=sums,
+                finite=finite,
             )
         )
 
