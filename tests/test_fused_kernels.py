@@ -156,6 +156,21 @@ def test_momentum_stage_kernel_equals_eager(nesterov, given, direction):
     assert torch.equal(m_kernel[skipped], momentum[skipped])  # bit for bit
 
 
+def _summed_both_ways(n, k, nesterov, direction, run=0):
+    """Five members of ``n`` entries (NaN and Inf gradients among them) through
+    ``equiopt::momentum_stage`` with ``k`` sums each, by the CPU implementation and by the
+    kernel: ``(g, ok, momentum, [(momentum, scratch, sums) eager, the same by the kernel])``."""
+    g = _gradients(5, n)
+    ok = torch.tensor([True, False, True, False, True])
+    momentum = torch.randn(5, n, generator=torch.Generator().manual_seed(2))
+    found = []
+    for stage in (ops.momentum_stage, kernels.momentum_stage):
+        m, scratch, sums = momentum.clone(), torch.full_like(g, 7.0), torch.full((5, k), 3.0)
+        stage(_given(g, "members"), scratch, m, ok, 0.9, nesterov, direction, sums, run)
+        found.append((m, scratch, sums))
+    return g, ok, momentum, found
+
+
 @interpreted
 @pytest.mark.parametrize("direction", [True, False], ids=["direction", "momentum-only"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "ema"])
@@ -167,14 +182,7 @@ def test_momentum_stage_sums_the_rows_of_the_direction_it_writes(row_len, nester
     them; the kernel against the operator's CPU implementation and a float64 sum."""
     rows = 3
     n = rows * row_len
-    g = _gradients(5, n)
-    ok = torch.tensor([True, False, True, False, True])
-    momentum = torch.randn(5, n, generator=torch.Generator().manual_seed(2))
-    found = []
-    for run in (ops.momentum_stage, kernels.momentum_stage):
-        m, scratch, sums = momentum.clone(), torch.full_like(g, 7.0), torch.full((5, rows), 3.0)
-        run(_given(g, "members"), scratch, m, ok, 0.9, nesterov, direction, sums)
-        found.append((m, scratch, sums))
+    g, ok, momentum, found = _summed_both_ways(n, rows, nesterov, direction)
     (m_eager, s_eager, sums_eager), (m_kernel, s_kernel, sums_kernel) = found
     plain_m, plain_s = momentum.clone(), torch.full_like(g, 7.0)
     ops.momentum_stage(_given(g, "members"), plain_s, plain_m, ok, 0.9, nesterov, direction)
@@ -196,15 +204,8 @@ def test_momentum_stage_sums_runs_in_turn(run):
     the gradients."""
     k, cycles = 4, 3
     n = run * k * cycles
-    g = _gradients(5, n)
-    ok = torch.tensor([True, False, True, False, True])
-    momentum = torch.randn(5, n, generator=torch.Generator().manual_seed(2))
-    found = []
-    for stage in (ops.momentum_stage, kernels.momentum_stage):
-        m, scratch, sums = momentum.clone(), torch.full_like(g, 7.0), torch.full((5, k), 3.0)
-        stage(_given(g, "members"), scratch, m, ok, 0.9, True, True, sums, run)
-        found.append((scratch, sums))
-    (s_eager, sums_eager), (_, sums_kernel) = found
+    *_, found = _summed_both_ways(n, k, True, True, run)
+    (_, s_eager, sums_eager), (_, _, sums_kernel) = found
     expected = s_eager.double().view(5, cycles, k, run).square().sum(dim=(1, 3))
     torch.testing.assert_close(sums_eager.double(), expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(sums_kernel, sums_eager, rtol=1e-5, atol=0)

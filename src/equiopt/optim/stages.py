@@ -21,7 +21,7 @@ from .. import maps
 from ..layouts import Layout, Row
 from .apply import GRAD_LIMIT, _add_
 from .fused import ops as fused
-from .rules import PRECENTRED, MapKey, rule_named
+from .rules import PRECENTRED, MapKey, finite_flags_of, rule_named
 
 __all__ = ["Spec", "guard", "bucket_core", "adamw_core"]
 
@@ -112,11 +112,6 @@ def _scaled(f: maps.Factored, c: torch.Tensor) -> maps.Factored:
     return f._replace(x=f.x * c, shift=shift)
 
 
-def _matrix_sums(t: torch.Tensor) -> torch.Tensor:
-    """Each matrix's sum, in float32 or wider (a bfloat16 factor's sum does not overflow)."""
-    return t.sum(dim=(-2, -1), dtype=torch.promote_types(t.dtype, torch.float32))
-
-
 def _finite(t: torch.Tensor) -> torch.Tensor:
     """``t.isfinite()`` in two operators (``t - t`` is 0 exactly where ``t`` is finite)."""
     return (t - t) == 0
@@ -139,11 +134,7 @@ def guard(
         checked = [f.x]
     ok: Any = known
     if checked:
-        # a sum carries any NaN or Inf (one pass each), and so does a sum of the sums
-        total = _matrix_sums(checked[0])
-        for t in checked[1:]:
-            total = total + _matrix_sums(t)
-        flag = _finite(total)
+        flag = finite_flags_of(checked)
         ok = flag if ok is None else ok & flag
     if names:
         if f.low is not None:

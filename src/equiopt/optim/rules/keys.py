@@ -137,14 +137,19 @@ def factored_map(
 
 def factor_flags(f: maps.Factored) -> torch.Tensor:
     """``(N,)``: whether each of the ``N`` updates of ``f`` is free of NaN and Inf, read from
-    its tensors (a sum of each carries any)."""
-    ok: Any = None
-    for t in f:
-        if t is not None and t.dim() >= 2:
-            s = t.sum(dim=(-2, -1), dtype=torch.float32).reshape(-1)
-            flag = (s - s) == 0
-            ok = flag if ok is None else ok & flag
-    return ok
+    its tensors (:func:`finite_flags_of`)."""
+    return finite_flags_of([t for t in f if t is not None])
+
+
+def finite_flags_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``(N,)``: whether each of the ``N`` matrices (leading dimensions flattened) is free of
+    NaN and Inf in every one of ``tensors``: each matrix's sum carries any, and so does a sum
+    of the sums (one pass over each tensor; sums in float32 or wider)."""
+    total: Any = None
+    for t in tensors:
+        s = t.sum(dim=(-2, -1), dtype=torch.promote_types(t.dtype, torch.float32)).reshape(-1)
+        total = s if total is None else total + s
+    return (total - total) == 0
 
 
 def reducible(key: MapKey, rows: int, cols: int) -> bool:
