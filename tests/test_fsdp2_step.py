@@ -173,7 +173,8 @@ def _check_communication(world):
 
 
 def _check_owner_based(world):
-    """Muon on row-sharded matrices: each is mapped whole on one owner rank (the work split
+    """Muon on unevenly row-sharded matrices (the per-parameter exchange; even ones share
+    their bucket's, :func:`_check_owner_buckets`): each is mapped whole on one owner rank (the work split
     among the ranks), with exactly two all-to-alls (rows to owners, update rows back)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -184,7 +185,7 @@ def _check_owner_based(world):
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(7)
-    shapes = [(50, 24)] * 4 + [(31, 64), (64, 31), (7, 5)]  # uneven and tiny shards included
+    shapes = [(49, 24)] * 4 + [(31, 64), (65, 31), (7, 5)]  # uneven over 2 and 3 ranks, tiny shards included
     bases = [torch.randn(s, generator=gen) for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
     params = [torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Shard(0)])) for b in bases]
@@ -208,6 +209,59 @@ def _check_owner_based(world):
         ref.grad = g.clone()
         EquivariantOptimizer([ref], **kw).step()
         assert rel(p.full_tensor(), ref.detach()) <= 1e-5
+
+
+def _check_owner_buckets(world):
+    """Muon on evenly row-sharded matrices of one shape: one bucket of their blocks
+    (:mod:`equiopt.optim.sharded_buckets`), its flags agreed in one all-reduce, each matrix
+    mapped whole on one owner rank in one all-to-all each way; the bytes are the planned
+    ones, the work is divided, a NaN in one rank's block skips that matrix on every rank,
+    and the state stays DTensors that are views of the bucket's stacks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from equiopt.distributed import record_collectives
+    from equiopt.optim import EquivariantOptimizer
+    from equiopt.optim.owners import map_cost
+    from equiopt.optim.planner import plan_step
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(8)
+    count, shape = 5, (6 * world, 20)
+    bases = [torch.randn(shape, generator=gen) for _ in range(count)]
+    grads = [[torch.randn(shape, generator=gen) for _ in range(count)] for _ in range(STEPS)]
+    grads[1][2][shape[0] - 1, 3] = float("nan")  # in the last rank's block only
+    params = [torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Shard(0)])) for b in bases]
+    refs = [torch.nn.Parameter(b.clone()) for b in bases]
+    kw = dict(lr=0.05, rule="spectral", polar_dtype=torch.float32, weight_decay=0.1)
+    opt, opt_ref = EquivariantOptimizer(params, **kw), EquivariantOptimizer(refs, **kw)
+    for step in range(STEPS):
+        for p, r, g in zip(params, refs, grads[step]):
+            p.grad, r.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
+        before = [p.full_tensor() for p in params]
+        with counting_map_work() as done, record_collectives() as log:
+            opt.step()
+        opt_ref.step()
+        assert log.ops() == ["all_reduce", "all_to_all", "all_to_all"], log.summary()
+        assert log.records[0].bytes == 4 * count  # one flag per member
+        block = params[0].to_local().numel()
+        assert log.records[1].bytes == count * block * 4  # every block out, once
+        assert log.total_bytes() == plan_step(opt, [dist.get_rank()]).per_rank[dist.get_rank()][0]
+        check_work_divided(done, [map_cost(shape)] * count)
+        for k, (p, r) in enumerate(zip(params, refs)):
+            assert rel(p.full_tensor(), r.detach()) <= 1e-5, (step, k)
+            if step == 1 and k == 2:  # skipped on every rank: untouched, counted once per rank
+                assert torch.equal(p.full_tensor(), before[k])
+                assert opt.state[p]["nonfinite"].item() == 1
+    (bucket,) = opt._buckets.matrix
+    assert bucket.map_fn is not None and len(bucket.parts[0].params) == count
+    assert opt.last_nonfinite == [opt.param_groups[0]["names"][2]] and opt.nonfinite_steps == 1
+    for p, r in zip(params, refs):
+        m = opt.state[p]["momentum_buffer"]
+        assert isinstance(m, DTensor) and m.placements == p.placements
+        stack = bucket.parts[0].stacks["momentum_buffer"]
+        assert m.to_local().untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+        assert rel(m.full_tensor(), opt_ref.state[r]["momentum_buffer"]) <= 1e-5
 
 
 def _check_gram_polar(world):
@@ -248,6 +302,7 @@ def _check_gram_polar(world):
 def _worker(rank, world):
     _check_gram_polar(world)
     _check_owner_based(world)
+    _check_owner_buckets(world)
     _check_equal_steps(world)
     return _check_communication(world) if world == 2 else None
 

@@ -47,7 +47,7 @@ import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,6 +57,8 @@ from .apply import GRAD_LIMIT
 from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
 from .rules import MapKey, factored_map, map_key, precentred, rule_named, rule_of, shape_factor
+from .sharded import local
+from .sharded_buckets import Agree, OwnerMap, Placed, shard_like
 from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
@@ -66,6 +68,9 @@ __all__ = [
     "Buckets",
     "Cores",
     "make_buckets",
+    "plan_buckets",
+    "BucketPlan",
+    "PartPlan",
     "bucket_core",
     "adamw_core",
     "run_bucket",
@@ -105,26 +110,30 @@ class Part:
         state_dtype: torch.dtype,
         flat: bool = False,
         index: int = 0,
+        placed: Placed | None = None,
     ):
         self.group = group
+        self.placed = placed  # a sharded part's placement (:mod:`.sharded_buckets`), None for a local one
+        self.agree = None if placed is None else Agree(placed.flags)
         self.index = index  # the group's position in param_groups (its learning rate's)
         self.params: list[torch.Tensor] = [group["params"][j] for j in members]
         self.names: list[str] = [group["names"][j] for j in members]
         self.layout = layout
         self.flat = flat
-        first = self.params[0]
+        first = local(self.params[0])  # (a sharded part stacks this rank's blocks)
         self.shape = tuple(first.shape)
         self.dtype, self.device, self.state_dtype = first.dtype, first.device, state_dtype
         rule = rule_of(group)
         self.adamw = rule.adam
         work = layout.work_shapes(self.shape)[0] if not self.adamw else (1, *self.shape)
         self.work_shape = tuple(work)  # one member's work tensor
+        self.global_work = self.work_shape if placed is None else placed.global_work
         self.work_is_view = self.adamw or _work_is_view(layout, self.shape)
         self.per_member = 1
         for size in self.work_shape[:-2]:
             self.per_member *= size
         self.structure = _structure(group)  # what the part was built for (checked each step)
-        self.sizes = [p.numel() for p in self.params]
+        self.sizes = [local(p).numel() for p in self.params]
         self.numel = sum(self.sizes)
         self._sizes = torch.tensor(self.sizes, device=self.device) if flat else None
         keys = ADAMW_KEYS if self.adamw else MOMENTUM_KEYS
@@ -141,10 +150,14 @@ class Part:
         for key in counters:
             self.stacks[key] = self._stack(state, key, torch.float32, scalar=True)
             self.views[key] = list(self.stacks[key].unbind(0))
-        # hand out the views: state[p][key] is member k's view of stacks[key]
+        # hand out the views: state[p][key] is member k's view of stacks[key] (a sharded
+        # member's entries shaped like it are DTensors placed as it is, around the view)
+        self.handed: dict[str, list[torch.Tensor]] = {
+            key: [self._handed(p, v) for p, v in zip(self.params, views)] for key, views in self.views.items()
+        }
         for k, p in enumerate(self.params):
             entry = state[p]
-            for key, views in self.views.items():
+            for key, views in self.handed.items():
                 entry[key] = views[k]
         self._zeros: dict[torch.Size, torch.Tensor] = {}  # the gradient of a member that has none
         self._scalars: tuple | None = None
@@ -158,7 +171,7 @@ class Part:
         self._update_stack: torch.Tensor | None = None  # the update in the buffer, as a stack
         self._work_strides: list[int] | None = None  # a member's weight as its work matrices
         # the decay and the update add in one operator where every weight is contiguous
-        self._fused_finish = not self.adamw and not flat and all(p.is_contiguous() for p in self.params)
+        self._fused_finish = not self.adamw and not flat and all(w.is_contiguous() for w in self.weights())
         self._unit: torch.Tensor | None = None
         if (
             not self.adamw
@@ -168,6 +181,15 @@ class Part:
             and len(self.shape) == 2
         ):
             self.keep_centred()
+
+    def _handed(self, p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        if self.placed is None or view.shape != self.shape:
+            return view
+        return shard_like(view, p)
+
+    def weights(self) -> list[torch.Tensor]:
+        """The members' weights as the step writes them: this rank's blocks of sharded ones."""
+        return self.params if self.placed is None else [local(p) for p in self.params]
 
     def _one(self, like: torch.Tensor) -> torch.Tensor:
         """A ``1`` of ``like``'s dtype and device, made once."""
@@ -212,7 +234,7 @@ class Part:
                 shape=self.shape,
                 work_shape=self.work_shape,
                 per_member=self.per_member,
-                factor=1.0 if self.adamw else shape_factor(g, *self.work_shape[-2:]),
+                factor=1.0 if self.adamw else shape_factor(g, *self.global_work[-2:]),
                 beta=float(g.get("beta") or 0.0),
                 nesterov=bool(g.get("nesterov")),
                 weight_decay=float(g["weight_decay"]),
@@ -263,7 +285,7 @@ class Part:
         """The strides of a member's weight seen as its ``(P, rows, cols)`` work matrices, where
         that is a view of it (the same for every member: contiguous weights of one shape);
         None where it is not (then :func:`~.fused.ops.factor_add_` does not serve the part)."""
-        p = self.params[0].detach()
+        p = self.weights()[0].detach()
         work = self.layout.to_work_list(p)
         if len(work) != 1 or not 2 <= work[0].dim() <= 3:
             return None
@@ -288,10 +310,10 @@ class Part:
             return torch.zeros(shape, dtype=dtype, device=self.device)
         have = next(t for t in found if t is not None)
         filled = [
-            t.to(self.device)
+            local(t).to(self.device)
             if t is not None
             else torch.zeros(
-                () if scalar else entry if entry is not None else p.shape, dtype=have.dtype, device=self.device
+                () if scalar else entry if entry is not None else local(p).shape, dtype=have.dtype, device=self.device
             )
             for p, t in zip(self.params, found)
         ]
@@ -308,7 +330,7 @@ class Part:
             entry = state.get(p)
             if entry is None:
                 return False
-            for key, views in self.views.items():
+            for key, views in self.handed.items():
                 if entry.get(key) is not views[k]:
                     return False
         return True
@@ -330,12 +352,13 @@ class Part:
             g = p.grad
             if g is None:
                 missing = True
-                g = self._zeros.get(p.shape)
+                shape = local(p).shape
+                g = self._zeros.get(shape)
                 if g is None:
-                    g = self._zeros[p.shape] = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
+                    g = self._zeros[shape] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             elif g.layout != torch.strided:  # (the step refuses these first, by rule and name)
                 raise ValueError(f"parameter {name!r}: sparse gradients are not supported")
-            grads.append(g)
+            grads.append(local(g))
         present = self._mask(tuple(p.grad is not None for p in self.params)) if missing else None
         scratch = self.stacked()
         if self.spec.single:
@@ -367,23 +390,24 @@ class Part:
             return
         wd = self.group["weight_decay"]
         decay = torch.addcmul(self._one(lr), lr, okl, value=-wd) if wd else None  # 1 - lr wd ok, one operator
+        weights = self.weights()
         if isinstance(update, tuple):
             assert self._work_strides is not None
             factor, scales = update
-            fused.factor_add_(self.params, factor, scales, decay, self.place, self._work_strides)
+            fused.factor_add_(weights, factor, scales, decay, self.place, self._work_strides)
             return
         stack = self._update_stack if update is None else update
         if self._fused_finish and stack is not None and stack.is_contiguous():
-            fused.decay_add_(self.params, stack, decay)
+            fused.decay_add_(weights, stack, decay)
             return
         if decay is not None:
-            torch._foreach_mul_(self.params, list(torch.unbind(decay, 0)))
+            torch._foreach_mul_(weights, list(torch.unbind(decay, 0)))
         if self.adamw and update is None:
-            torch._foreach_addcdiv_(self.params, self.views["exp_avg"], self._scratch_members)
+            torch._foreach_addcdiv_(weights, self.views["exp_avg"], self._scratch_members)
         elif update is not None:
-            torch._foreach_add_(self.params, self.members_of(update))
+            torch._foreach_add_(weights, self.members_of(update))
         else:  # the core left the update in the scratch
-            torch._foreach_add_(self.params, self._update_members)
+            torch._foreach_add_(weights, self._update_members)
 
     def stacked(self) -> torch.Tensor:
         """The buffer the gradients come in through (made with the buckets)."""
@@ -418,6 +442,13 @@ class Bucket:
         self.parts = parts
         self.division = division  # how replicas divide its map (:mod:`.divided`)
         self.eta = parts[0].group["eta"]
+        # parts of sharded parameters: their flags agree across ranks, so the bucket runs
+        # eagerly; an owner-mapped bucket's map exchanges its blocks (:mod:`.sharded_buckets`)
+        self.sharded = any(part.placed is not None for part in parts)
+        placed = parts[0].placed
+        self.map_fn: Callable[..., maps.Factored] | None = None
+        if placed is not None and placed.exchange is not None:
+            self.map_fn = OwnerMap(placed.flags, placed.axis)
         self.scratch: torch.Tensor | None = None  # its parts' places end to end (:class:`Buckets`)
 
 
@@ -464,20 +495,53 @@ def _structure(group: dict) -> tuple:
     return (rule, group["nonfinite"], group["lazy"], map_key(group) if not rule_named(rule).adam else None)
 
 
-def make_buckets(
+class PartPlan(NamedTuple):
+    """One part of a :class:`BucketPlan`: the positions ``members`` of the parameters of
+    ``group`` (``index`` in ``param_groups``) it stacks, their stored ``layout``, state
+    dtype, whether it is ``flat``, and a sharded part's :class:`~.sharded_buckets.Placed`."""
+
+    group: dict
+    index: int
+    members: list[int]
+    layout: Layout | None
+    state_dtype: torch.dtype
+    flat: bool
+    placed: Placed | None
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [self.group["params"][j] for j in self.members]
+
+
+class BucketPlan(NamedTuple):
+    """Which buckets a step makes, before anything is allocated: ``matrix`` as ``(key,
+    work shape, division, parts)``, the AdamW parts, and the ids of the parameters whose
+    bucket ``admit`` declined. :func:`make_buckets` builds from it; the step's plan
+    (:func:`~.planner.plan_step`) reads it."""
+
+    matrix: list[tuple[MapKey, tuple[int, int], str, list[PartPlan]]]
+    adamw: list[PartPlan]
+    declined: set[int]
+
+
+def plan_buckets(
     groups: Iterable[tuple[dict, list[int]]],
-    state: dict,
     state_dtype: Callable[[torch.Tensor], torch.dtype],
     admit: Callable[[MapKey, tuple[int, int], int], str | None] | None = None,
-) -> Buckets:
-    """Parts and buckets of ``(group, members)`` pairs, one per param group in order (members: positions of the group's
-    parameters that a part may stack), adopting any state the members already have.
+    placed: Callable[[dict, int], Placed | None] | None = None,
+) -> BucketPlan:
+    """The :class:`BucketPlan` of ``(group, members)`` pairs, one per param group in order
+    (members: positions of the group's parameters that a part may stack).
 
     ``admit(key, shape, count)``: how a bucket of ``count`` work matrices of ``shape`` under
     map ``key`` divides its map among replicas (:attr:`Bucket.division`: ``"local"``,
     ``"matrices"``, ``"gram"``, see :mod:`.divided`), or None where it is not made (without
     ``admit``: every bucket, local); the parameters of one it declines keep the
-    per-parameter step and are listed in :attr:`Buckets.declined`."""
+    per-parameter step.
+
+    ``placed(group, j)``: the :class:`~.sharded_buckets.Placed` of a sharded member (its
+    part stacks its blocks; an owner-mapped one shares a bucket only with parts of its
+    exchange), None for a local one."""
     by_part: dict[tuple, list[int]] = defaultdict(list)
     owners: dict[tuple, tuple[int, dict]] = {}
     for index, (group, members) in enumerate(groups):
@@ -485,17 +549,25 @@ def make_buckets(
             p = group["params"][j]
             layout = group["layouts"][j]
             flat = rule_of(group).adam and p.numel() <= FLAT_MAX
-            shape = None if flat else tuple(p.shape)
-            key = (id(group), shape, layout if not flat else None, p.dtype, p.device, state_dtype(p), flat)
+            where = None if placed is None else placed(group, j)
+            block = local(p)
+            shape = None if flat else tuple(block.shape)
+            key = (id(group), shape, layout if not flat else None, p.dtype, block.device, state_dtype(p), flat, where)
             by_part[key].append(j)
             owners[key] = (index, group)
+
+    def part(key: tuple) -> PartPlan:
+        index, group = owners[key]
+        members = by_part[key]
+        return PartPlan(group, index, members, group["layouts"][members[0]], key[5], key[6], key[7])
+
     wanted: dict[tuple, list[tuple]] = defaultdict(list)  # a bucket's key -> its parts' keys
     matrices: dict[tuple, int] = {}  # a part's key -> its work matrices
-    adamw_keys: list[tuple] = []
+    adamw: list[PartPlan] = []
     for key in by_part:
         group = owners[key][1]
         if rule_of(group).adam:
-            adamw_keys.append(key)
+            adamw.append(part(key))
             continue
         mkey = map_key(group)
         if rule_of(group).centres_in_place(group):
@@ -503,26 +575,39 @@ def make_buckets(
         stored: Layout = key[2]  # type: ignore[assignment]  # (a matrix part always has its layout)
         work = stored.work_shapes(key[1])[0]
         matrices[key] = math.prod(work[:-2]) * len(by_part[key])
-        wanted[(mkey, tuple(work[-2:]), key[4], key[5])].append(key)
+        exchange = None if key[7] is None else key[7].exchange
+        wanted[(mkey, tuple(work[-2:]), key[4], key[5], exchange)].append(key)
     declined: set[int] = set()
-    matrix: dict[tuple, list[Part]] = {}
-    division: dict[tuple, str] = {}
+    matrix = []
     for bkey, keys in wanted.items():
-        division[bkey] = "local"
-        if admit is not None:
+        division = "local"
+        if admit is not None and all(key[7] is None for key in keys):
             how = admit(bkey[0], bkey[1], sum(matrices[key] for key in keys))
             if how is None:
                 declined |= {id(owners[key][1]["params"][j]) for key in keys for j in by_part[key]}
                 continue
-            division[bkey] = how
-        matrix[bkey] = [_part(key, by_part[key], owners[key], state) for key in keys]
-    adamw = [_part(key, by_part[key], owners[key], state) for key in adamw_keys]
-    return Buckets([Bucket(k[0], parts, division[k]) for k, parts in matrix.items()], adamw, declined)
+            division = how
+        matrix.append((bkey[0], bkey[1], division, [part(key) for key in keys]))
+    return BucketPlan(matrix, adamw, declined)
 
 
-def _part(key: tuple, members: list[int], owner: tuple[int, dict], state: dict) -> Part:
-    (index, group), sdtype, flat = owner, key[5], key[6]
-    return Part(group, members, group["layouts"][members[0]], state, sdtype, flat, index)
+def make_buckets(
+    groups: Iterable[tuple[dict, list[int]]],
+    state: dict,
+    state_dtype: Callable[[torch.Tensor], torch.dtype],
+    admit: Callable[[MapKey, tuple[int, int], int], str | None] | None = None,
+    placed: Callable[[dict, int], Placed | None] | None = None,
+) -> Buckets:
+    """Parts and buckets of :func:`plan_buckets` (the same arguments), adopting any state the
+    members already have; the parameters of a bucket ``admit`` declined keep the
+    per-parameter step and are listed in :attr:`Buckets.declined`."""
+    planned = plan_buckets(groups, state_dtype, admit, placed)
+
+    def part(p: PartPlan) -> Part:
+        return Part(p.group, p.members, p.layout, state, p.state_dtype, p.flat, p.index, p.placed)  # type: ignore[arg-type]
+
+    matrix = [Bucket(key, [part(p) for p in parts], division) for key, _, division, parts in planned.matrix]
+    return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined)
 
 
 class Cores:
@@ -602,12 +687,13 @@ def run_bucket(
         [part.stacks["momentum_buffer"] for part in bucket.parts],
         [part.stacks["nonfinite"] for part in bucket.parts],
         part_lrs,
-        [part.params[0] if part.spec.single else None for part in bucket.parts],
+        [part.weights()[0] if part.spec.single else None for part in bucket.parts],
         skips,
         map_fn,
         [part.stacks[ROW_MOMENT] for part in bucket.parts] if rule_named(bucket.key.rule).row_moments else None,
         bucket.scratch,
         [part.place for part in bucket.parts],
+        [part.agree for part in bucket.parts] if bucket.sharded else None,
     )
     for part, update, okl, flag, lr in zip(bucket.parts, updates, okls, reported, part_lrs):
         flags.append((part.names, flag))

@@ -28,6 +28,7 @@ from .param_groups import COMPLEX_RULES, check_gradients, prepare_group
 from .peers import step_peers
 from .rules import MapKey, map_key
 from .sharded import LOCAL, Plan, plan
+from .sharded_buckets import Placed, placed_member
 from .stacking import stackable
 from .state_entries import init_state, state_dtype
 from .state_io import load_state_dict
@@ -484,6 +485,7 @@ class EquivariantOptimizer(Optimizer):
             self.state,
             self._state_dtype,
             None if self._divided is None else self._divided.admit,
+            self._placed,
         )
 
     def _divisions(self) -> Divisions | None:
@@ -553,14 +555,21 @@ class EquivariantOptimizer(Optimizer):
             covered = stacked.covered
             divided = self._divided
             for bucket in stacked.matrix:
-                # a divided map's collectives sit inside the core: it runs eagerly
-                if bucket.division == "local" or divided is None:
+                # a divided or sharded bucket's collectives sit inside the core: it runs eagerly
+                if bucket.sharded:
+                    run_bucket(bucket, lrs, last_flags, self._skip_counter(), bucket.map_fn or distribute.factored_map)
+                elif bucket.division == "local" or divided is None:
                     run_bucket(bucket, lrs, last_flags, self._skip_counter(), distribute.factored_map, cores)
                 else:
                     run_bucket(bucket, lrs, last_flags, self._skip_counter(), divided.map_fn(bucket.division))
             for part in stacked.adamw:
                 run_adamw(part, lrs[part.index], last_flags, cores)
         return last_flags + per_parameter.step(self, lrs, covered)
+
+    def _placed(self, group: dict, j: int) -> Placed | None:
+        """How a sharded member of ``group`` joins a bucket (:mod:`.sharded_buckets`), None for a local one."""
+        sharding = self._sharding(group["params"][j])
+        return None if sharding.kind != "sharded" else placed_member(self, group, j, sharding)
 
     def _sharding(self, p: torch.Tensor) -> Sharding:
         found = self._shardings.get(id(p))

@@ -23,12 +23,15 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..distributed.collectives import equal_shares
 from ..distributed.placements import Sharding
+from .buckets import plan_buckets
 from .costs import map_flops, mesh_cost_model, reduce_bytes
 from .owners import block_numel, elements_sent, joint_block
 from .row_moments import row_moment_block, stage_bytes
 from .rules import map_key, rule_named, rule_of
-from .sharded import group_ranks, owner_batches, owner_units
+from .sharded import group_ranks, local, owner_batches, owner_units
+from .sharded_buckets import exchange_bytes, update_dtype
 from .stacking import eligible_members
 
 __all__ = ["ParamPlan", "StepPlan", "plan_step"]
@@ -100,9 +103,22 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 how = optimizer.plan_of(group, group["layouts"][j], sharding)
             entries.append((group, group["names"][j], p, group["layouts"][j], sharding, how))
     coords: dict[int, dict[int, tuple]] = {}
-    bucketed = {
-        id(g["params"][j]) for g in optimizer.param_groups for j in eligible_members(optimizer, g)
-    }  # fmt: skip
+    divisions = optimizer._divisions()
+    buckets = plan_buckets(
+        [(g, eligible_members(optimizer, g)) for g in optimizer.param_groups],
+        optimizer._state_dtype,
+        None if divisions is None else divisions.admit,
+        optimizer._placed,
+    )  # the step's own buckets (buckets.make_buckets builds them from this)
+    bucketed = {id(p) for *_, parts in buckets.matrix for part in parts for p in part.params}
+    bucketed |= {id(p) for part in buckets.adamw for p in part.params}
+    exchanged = {
+        id(p)
+        for *_, parts in buckets.matrix
+        for part in parts
+        if part.placed and part.placed.exchange
+        for p in part.params
+    }
 
     def coordinate(s: Sharding, rank: int):
         if s.kind != "sharded":
@@ -139,6 +155,14 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             if s.kind == "sharded" and s.is_sharded and c is not None:
                 flag_groups.add(group_ranks(s, s.split_axes, c))
         flag_bytes = 4 * len(flagged) * len(flag_groups)
+        # a sharded part's flags agree in one all-reduce of its own; an owner-mapped bucket's exchange
+        for key, _, _, parts in buckets.matrix:
+            if parts[0].placed is None:
+                continue
+            flag_bytes += 4 * sum(len(part.members) for part in parts)
+            if parts[0].placed.exchange is not None:
+                for name, sent, flops in _exchange(optimizer, key, parts, rank, coordinate):
+                    add(name, sent, flops, 0)
         for group in optimizer.param_groups:
             members = [e for e in entries if e[0] is group]
             for _, name, p, layout, s, how in members:
@@ -160,7 +184,9 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                     continue
                 key = map_key(group)
                 shape = tuple(b - a for a, b in block)
-                if how is None or how.how == "local":
+                if id(p) in exchanged:  # its bucket's exchange and map are counted above
+                    add(name, 0, ELEMENTWISE_FLOPS * numel, state)
+                elif how is None or how.how == "local":
                     flops = sum(map_flops(key, w) for w in layout.work_shapes(shape))
                     add(name, 0, flops + ELEMENTWISE_FLOPS * numel, state)
                 elif how.how == "reduce":
@@ -206,3 +232,32 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         axes = owner_axes.get(name) or (tuple(s.axis_name(a) for a in how.axes) if how is not None else ())
         params.append(ParamPlan(name, tuple(p.shape), s.placements, group["rule"], label, axes, *per_param[name]))
     return StepPlan(params, per_rank, flag_max)
+
+
+def _exchange(optimizer, key, parts, rank: int, coordinate) -> list[tuple[str, int, int]]:
+    """Per member of an owner-mapped bucket (:class:`~.sharded_buckets.OwnerMap`) on ``rank``:
+    the bytes of its blocks sent and of the updates of its matrices that ``rank`` maps
+    returned, and the FLOPs of those maps."""
+    first = parts[0].params[0]
+    s = optimizer._sharding(first)
+    ranks = group_ranks(s, s.split_axes, coordinate(s, rank))
+    me, size = ranks.index(rank), len(ranks)
+    shape = parts[0].layout.work_shapes(s.local_shape)[0][-2:]
+    block = math.prod(shape)
+    global_work = parts[0].placed.global_work
+    per = [math.prod(p.layout.work_shapes(optimizer._sharding(p.params[0]).local_shape)[0][:-2]) for p in parts]
+    count = sum(n * len(p.members) for n, p in zip(per, parts))
+    share = equal_shares(count, size, me)[0]
+    item = parts[0].state_dtype.itemsize
+    narrow = rule_named(key.rule).narrow
+    back = update_dtype(
+        key, parts[0].group["eta"], global_work, local(first).new_empty((), dtype=parts[0].state_dtype), narrow
+    ).itemsize
+    out, at = [], 0
+    for n, part in zip(per, parts):
+        for name in (part.group["names"][j] for j in part.members):
+            mine = sum(1 for i in range(at, at + n) if i // share == me)
+            at += n
+            sent = exchange_bytes(n, block, size, mine, item, back)
+            out.append((name, sent, mine * map_flops(key, global_work)))
+    return out

@@ -251,6 +251,7 @@ def bucket_core(
     seconds: list[torch.Tensor] | None = None,
     region: torch.Tensor | None = None,
     places: list[torch.Tensor] | None = None,
+    agrees: list[Callable | None] | None = None,
 ) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
@@ -259,6 +260,9 @@ def bucket_core(
     on its stacked row second moments ``seconds``, a skipped member's left as they were), the
     guard of each matrix's update (refusals counted in ``skips``), and each part's update with
     its learning rate, shape factor and skip flags folded in.
+
+    ``agrees``: per part, None or what makes a sharded part's flags global
+    (:class:`~.sharded_buckets.Agree`), applied before the momentum reads them.
 
     ``region``: the bucket's gradient buffer as work matrices, ``places`` each part's
     (its ``scratches`` entry) in it. Once a part's momentum has taken its gradients, the
@@ -295,6 +299,9 @@ def bucket_core(
             grads = scratches[i]
         else:
             grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
+        agree = None if agrees is None else agrees[i]
+        if agree is not None:
+            ok, flags = agree(ok, flags, counters[i], presents[i])
         reported.append(flags)
         okls.append(ok)  # (a product with the flags is exactly the factor, or 0: they multiply as they are)
         # in the gradients' dtype where an unfused stage, a centring or a row stage reads them
