@@ -58,7 +58,7 @@ from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
 from .rules import MapKey, factored_map, map_key, precentred, rule_named, rule_of, shape_factor
 from .sharded import local
-from .sharded_buckets import Agree, OwnerMap, Placed, shard_like
+from .sharded_buckets import Agree, Placed, shard_like
 from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
@@ -446,9 +446,7 @@ class Bucket:
         # eagerly; an owner-mapped bucket's map exchanges its blocks (:mod:`.sharded_buckets`)
         self.sharded = any(part.placed is not None for part in parts)
         placed = parts[0].placed
-        self.map_fn: Callable[..., maps.Factored] | None = None
-        if placed is not None and placed.exchange is not None:
-            self.map_fn = OwnerMap(placed.flags, placed.axis)
+        self.map_fn: Callable[..., maps.Factored] | None = None if placed is None else placed.map_fn()
         self.scratch: torch.Tensor | None = None  # its parts' places end to end (:class:`Buckets`)
 
 
@@ -544,6 +542,7 @@ def plan_buckets(
     exchange), None for a local one."""
     by_part: dict[tuple, list[int]] = defaultdict(list)
     owners: dict[tuple, tuple[int, dict]] = {}
+    placements: dict[tuple, Placed] = {}
     for index, (group, members) in enumerate(groups):
         for j in members:
             p = group["params"][j]
@@ -552,14 +551,17 @@ def plan_buckets(
             where = None if placed is None else placed(group, j)
             block = local(p)
             shape = None if flat else tuple(block.shape)
-            key = (id(group), shape, layout if not flat else None, p.dtype, block.device, state_dtype(p), flat, where)
+            key = (id(group), shape, layout if not flat else None, p.dtype, block.device, state_dtype(p), flat)
+            key += (None if where is None else where.key,)
             by_part[key].append(j)
             owners[key] = (index, group)
+            if where is not None:
+                placements.setdefault(key, where)  # (any member's: they share all that the part reads)
 
     def part(key: tuple) -> PartPlan:
         index, group = owners[key]
         members = by_part[key]
-        return PartPlan(group, index, members, group["layouts"][members[0]], key[5], key[6], key[7])
+        return PartPlan(group, index, members, group["layouts"][members[0]], key[5], key[6], placements.get(key))
 
     wanted: dict[tuple, list[tuple]] = defaultdict(list)  # a bucket's key -> its parts' keys
     matrices: dict[tuple, int] = {}  # a part's key -> its work matrices
@@ -575,8 +577,8 @@ def plan_buckets(
         stored: Layout = key[2]  # type: ignore[assignment]  # (a matrix part always has its layout)
         work = stored.work_shapes(key[1])[0]
         matrices[key] = math.prod(work[:-2]) * len(by_part[key])
-        exchange = None if key[7] is None else key[7].exchange
-        wanted[(mkey, tuple(work[-2:]), key[4], key[5], exchange)].append(key)
+        shared = None if key[7] is None else key[7][-1]
+        wanted[(mkey, tuple(work[-2:]), key[4], key[5], shared)].append(key)
     declined: set[int] = set()
     matrix = []
     for bkey, keys in wanted.items():

@@ -116,7 +116,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         id(p)
         for *_, parts in buckets.matrix
         for part in parts
-        if part.placed and part.placed.exchange
+        if part.placed and part.placed.plan.how == "owner"
         for p in part.params
     }
 
@@ -160,7 +160,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             if parts[0].placed is None:
                 continue
             flag_bytes += 4 * sum(len(part.members) for part in parts)
-            if parts[0].placed.exchange is not None:
+            if parts[0].placed.plan.how == "owner":
                 for name, sent, flops in _exchange(optimizer, key, parts, rank, coordinate):
                     add(name, sent, flops, 0)
         for group in optimizer.param_groups:

@@ -10,22 +10,26 @@ placement. Two things differ from a local part, and they enter here alone:
   ranks that hold its pieces (:class:`Agree`), before the momentum reads them, and the
   skip counters count the agreed flags, as the per-parameter step's :func:`~.sharded.global_flags`.
 - **The map sees whole matrices.** A parameter whose :class:`~.sharded.Plan` is ``"local"``
-  (the split falls between whole work matrices: heads, experts) maps its block as it is. One
-  whose plan is ``"owner"`` and whose split cuts one work axis into equal contiguous
-  blocks (``Shard(0)`` of a row, column or column-heads layout) is mapped by
-  :class:`OwnerMap`: the bucket's ``N`` work matrices are dealt to the group's ``R``
+  (the split falls between whole work matrices: heads, experts) maps its block as it is. One whose plan is
+  ``"owner"`` and whose split cuts one work axis into equal contiguous blocks (``Shard(0)``
+  of a row, column or column-heads layout, no replicas dividing the owner work) is mapped
+  by :class:`OwnerMap`: the bucket's ``N`` work matrices are dealt to the group's ``R``
   ranks in contiguous shares of ``ceil(N / R)``; one ``all_to_all`` brings every block of a
   rank's share to it, it maps its whole matrices in one batched call, and a second
   ``all_to_all`` returns each rank the blocks of the update it holds. What crosses ranks is
   each block once each way (the update in the map's own dtype: Muon's bfloat16).
 
-Anything else (a ``"reduce"`` plan, uneven splits, row moments, the elementwise rules) keeps
-the per-parameter step (:mod:`.per_parameter`).
+A bucket's exchange is waited for before its update is added (the per-parameter step's
+owner exchange starts in waves beside the maps, ``overlap``). Everything else keeps the
+per-parameter step (:mod:`.per_parameter`), named in docs/step.md: uneven splits,
+``"reduce"`` plans (their all-reduces overlap each other's maps there), HSDP's owner work
+(its replicas divide it), row moments, AdamW on sharded parameters.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -33,6 +37,7 @@ import torch
 from .. import maps
 from ..distributed.collectives import equal_shares
 from ..distributed.placements import Sharding, mesh_group
+from ..layouts import Col, Heads, Row
 from ..linalg.device_choices import decide_as, decides_like
 from . import divided
 from .rules import MapKey, factor_flags, factored_map, rule_of
@@ -41,26 +46,49 @@ from .sharded import Plan, cuts, group_ranks
 if TYPE_CHECKING:
     from .engine import EquivariantOptimizer
 
-__all__ = ["Placed", "placed_member", "Agree", "OwnerMap", "shard_like", "update_dtype", "exchange_bytes"]
+__all__ = [
+    "Placed",
+    "placed_member",
+    "Agree",
+    "OwnerMap",
+    "shard_like",
+    "update_dtype",
+    "exchange_bytes",
+]
 
 
 class Placed(NamedTuple):
     """How a sharded part's members are placed: ``flags`` the process group its flags agree
-    over (the ranks that hold its pieces), ``ranks`` their global ranks (equal for the
-    buckets that may share an exchange), ``plan`` the members' :class:`~.sharded.Plan`,
-    ``axis`` the work axis a ``"owner"`` plan's split cuts (``-2`` rows, ``-1`` columns;
-    None for ``"local"``), ``global_work`` one member's global work shape."""
+    over (the ranks that hold its pieces), ``plan`` the members' :class:`~.sharded.Plan`,
+    ``global_work`` one member's global work shape, and what a bucket of such parts shares
+    (:attr:`signature`): for ``"owner"``, the exchange's global ``ranks`` and the work
+    ``axis`` its split cuts (``-2`` rows, ``-1`` columns)."""
 
     flags: Any
-    ranks: tuple[int, ...]
+    flag_ranks: tuple[int, ...]
     plan: Plan
-    axis: int | None
     global_work: tuple[int, ...]
+    ranks: tuple[int, ...] = ()
+    axis: int | None = None
 
     @property
-    def exchange(self) -> tuple | None:
-        """What a bucket of owner-mapped parts must share (its ranks and cut axis), None for a local plan."""
-        return None if self.axis is None else (self.ranks, self.axis)
+    def key(self) -> tuple:
+        """What the members of one part share (their flags' ranks, plan, shape and signature)."""
+        return (self.flag_ranks, self.plan, self.global_work, self.signature)
+
+    @property
+    def signature(self) -> tuple | None:
+        """What the parts of one bucket must share beyond their map and work shape: the
+        exchange (None for a local plan, whose parts may join any bucket)."""
+        if self.plan.how == "owner":
+            return ("owner", self.ranks, self.axis)
+        return None
+
+    def map_fn(self) -> Callable[..., maps.Factored] | None:
+        """The ``map_fn`` of a bucket of such parts (None: the plain map)."""
+        if self.plan.how == "owner":
+            return OwnerMap(self.flags, self.axis)  # type: ignore[arg-type]
+        return None
 
 
 def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Sharding) -> Placed | None:
@@ -79,26 +107,23 @@ def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Shar
     how = opt.plan_of(group, layout, sharding)
     axes = sharding.split_axes
     global_work = tuple(layout.work_shapes(sharding.shape)[0])
-    ranks = group_ranks(sharding, axes)
+    flags, flag_ranks = mesh_group(sharding.mesh, axes), group_ranks(sharding, axes)
     if how.how == "local":
-        return Placed(mesh_group(sharding.mesh, axes), ranks, how, None, global_work)
-    if how.how != "owner" or how.replicas or rule_of(group).centres_in_place(group):
-        # (replicas that divide the owner work among themselves keep the per-parameter exchange)
+        return Placed(flags, flag_ranks, how, global_work)
+    # ("reduce" plans keep the per-parameter step, whose reduce buckets overlap their
+    # all-reduces with each other's maps; a centring over split rows needs its sums completed)
+    if how.how != "owner" or rule.centres_in_place(group):
+        return None
+    # owner: the split (of dimension 0 of a matrix, over one mesh axis, no replicas dividing
+    # the owner work) cuts one work axis into contiguous runs in rank order: a row, column
+    # or column-heads layout
+    if how.replicas or len(sharding.shape) != 2 or list(sharding.splits) != [0] or len(axes) != 1:
+        return None
+    if not (isinstance(layout, (Row, Col)) or isinstance(layout, Heads) and layout.axis == "cols"):
         return None
     cut = cuts(layout, sharding)
-    if cut["opaque"] or bool(cut["rows"]) == bool(cut["cols"]) or len(sharding.splits) != 1:
-        return None
-    (d,) = sharding.splits
-    if d != 0 or len(sharding.shape) != 2 or len(axes) != 1:
-        return None
     axis = -2 if cut["rows"] else -1
-    # the blocks along the cut axis must be contiguous runs of every work matrix's rows (or
-    # columns) in rank order: a row, column or column-heads layout of a 2-D weight
-    probe = torch.arange(math.prod(sharding.shape), device="meta").view(sharding.shape)
-    work = layout.to_work_list(probe)[0]
-    if work.shape[axis] != sharding.shape[0] and not (axis == -1 and work.shape[-1] == sharding.shape[0]):
-        return None
-    return Placed(mesh_group(sharding.mesh, axes), ranks, how, axis, global_work)
+    return Placed(flags, flag_ranks, how, global_work, flag_ranks, axis)
 
 
 def shard_like(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
