@@ -1,4 +1,5 @@
-"""The one way the tests start processes: gloo ranks spawned by Python, or ``torchrun``.
+"""The one way the tests start processes: gloo ranks spawned by Python, ``torchrun``, or a
+subprocess started with the session (:func:`background`).
 
 ``run_gloo(fn, world, *args, directory=...)`` runs ``fn(rank, world, *args)`` on ``world``
 spawned processes joined in one gloo process group and returns what each rank returned
@@ -201,3 +202,15 @@ def run_torchrun(*argv, nproc=2, timeout=600, env=None):
             pytrace=False,
         )
     return done
+
+
+def background(start):
+    """Mark a test whose work is one subprocess: ``start()`` returns it (a ``Popen`` with its
+    output piped) and is called when the session's tests are collected (conftest), so it
+    runs beside the tests before it; the test takes it with the ``started`` fixture."""
+
+    def mark(fn):
+        fn.background = start
+        return fn
+
+    return mark

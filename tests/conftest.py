@@ -10,10 +10,14 @@ Markers (declared in pyproject.toml):
 - ``network``: opt-in, downloads; ``EQUIOPT_NETWORK_TESTS=1``.
 - ``torchtitan``: skipped where torchtitan is not installed.
 
+A test whose work is one long subprocess (a cold compile) may start it when the session
+begins, beside the other tests (``_launch.background``), and read its result when it runs.
+
 See tests/README.md for the commands.
 """
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -82,3 +86,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_BACKGROUND: dict[str, subprocess.Popen] = {}
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        start = getattr(getattr(item, "function", None), "background", None)
+        if start is not None and item.get_closest_marker("skip") is None:
+            _BACKGROUND[item.nodeid] = start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in _BACKGROUND.values():  # (a test that did not run: its process is stopped)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    _BACKGROUND.clear()
+
+
+@pytest.fixture
+def started(request):
+    """The process ``_launch.background`` started for this test (started now if it was not)."""
+    proc = _BACKGROUND.pop(request.node.nodeid, None)
+    return proc if proc is not None else request.node.function.background()

@@ -3,6 +3,7 @@ skips decided with tensors."""
 
 import pytest
 import torch
+from _launch import background
 
 import equiopt as eo
 from equiopt.optim import EquivariantOptimizer
@@ -203,23 +204,39 @@ assert worst <= 1e-5, worst
 """
 
 
-@pytest.mark.slow
-def test_inductor_compiled_step_from_a_cold_cache_equals_eager(tmp_path):
-    """``torch.compile(optimizer.step)`` with Inductor on a CPU, nothing cached."""
+def _cold_inductor():
+    """The check of the test below in a subprocess of its own, on an empty Inductor cache."""
     import os
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
+    cache = tempfile.mkdtemp(prefix="inductor-cold-")
     env = dict(
         os.environ,
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        TORCHINDUCTOR_CACHE_DIR=cache,
         TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
         PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     )
-    out = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "worst" in out.stdout
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INDUCTOR_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.cache = cache  # type: ignore[attr-defined]  # (removed by the test)
+    return proc
+
+
+@pytest.mark.slow
+@background(_cold_inductor)
+def test_inductor_compiled_step_from_a_cold_cache_equals_eager(started):
+    """``torch.compile(optimizer.step)`` with Inductor on a CPU, nothing cached (its
+    subprocess starts with the session, beside the other tests: conftest's ``background``)."""
+    import shutil
+
+    out, err = started.communicate(timeout=900)
+    shutil.rmtree(started.cache, ignore_errors=True)
+    assert started.returncode == 0, err[-3000:]
+    assert "worst" in out
 
 
 @pytest.mark.parametrize(
