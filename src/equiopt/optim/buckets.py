@@ -495,11 +495,11 @@ def _structure(group: dict) -> tuple:
 
 class PartPlan(NamedTuple):
     """One part of a :class:`BucketPlan`: the positions ``members`` of the parameters of
-    ``group`` (``index`` in ``param_groups``) it stacks, their stored ``layout``, state
+    ``group`` (``position`` in ``param_groups``) it stacks, their stored ``layout``, state
     dtype, whether it is ``flat``, and a sharded part's :class:`~.sharded_buckets.Placed`."""
 
     group: dict
-    index: int
+    position: int
     members: list[int]
     layout: Layout | None
     state_dtype: torch.dtype
@@ -551,8 +551,8 @@ def plan_buckets(
             where = None if placed is None else placed(group, j)
             block = local(p)
             shape = None if flat else tuple(block.shape)
-            key = (id(group), shape, layout if not flat else None, p.dtype, block.device, state_dtype(p), flat)
-            key += (None if where is None else where.key,)
+            shared = None if where is None else where.key
+            key = (id(group), shape, layout if not flat else None, p.dtype, block.device, state_dtype(p), flat, shared)
             by_part[key].append(j)
             owners[key] = (index, group)
             if where is not None:
@@ -606,7 +606,7 @@ def make_buckets(
     planned = plan_buckets(groups, state_dtype, admit, placed)
 
     def part(p: PartPlan) -> Part:
-        return Part(p.group, p.members, p.layout, state, p.state_dtype, p.flat, p.index, p.placed)  # type: ignore[arg-type]
+        return Part(p.group, p.members, p.layout, state, p.state_dtype, p.flat, p.position, p.placed)  # type: ignore[arg-type]
 
     matrix = [Bucket(key, [part(p) for p in parts], division) for key, _, division, parts in planned.matrix]
     return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined)
