@@ -246,7 +246,10 @@ def _check_owner_buckets(world):
         assert log.records[0].bytes == 4 * count  # one flag per member
         block = params[0].to_local().numel()
         assert log.records[1].bytes == count * block * 4  # every block out, once
-        assert log.total_bytes() == plan_step(opt, [dist.get_rank()]).per_rank[dist.get_rank()][0]
+        planned = plan_step(opt, [dist.get_rank()])
+        assert log.total_bytes() == planned.per_rank[dist.get_rank()][0]
+        # the plan names the bucket that steps each matrix (the one the step runs)
+        assert [p.step for p in planned.parameters] == ["bucket 0"] * count
         check_work_divided(done, [map_cost(shape)] * count)
         for k, (p, r) in enumerate(zip(params, refs)):
             assert rel(p.full_tensor(), r.detach()) <= 1e-5, (step, k)

@@ -177,8 +177,11 @@ def test_equiopt_plan_on_a_fake_512_rank_mesh(tmp_path, capsys):
     assert by_name["model.layers.0.input_layernorm.weight"]["plan"] == "local"
     # a Gram all-reduce of the embedding's d x d (and d-vectors): at least d^2 float32 bytes
     assert emb["bytes_sent_per_rank"] >= 64 * 64 * 4
+    # the step's own buckets: 512 ranks split no matrix of the tiny model evenly, so every
+    # parameter takes the per-parameter path (tests/test_fsdp2_step.py plans buckets)
+    assert {p["step"] for p in doc["parameters"]} == {"per-parameter"}
     text = capsys.readouterr().out
-    assert "busiest rank" in text and "512 ranks" in text
+    assert "busiest rank" in text and "512 ranks" in text and "matrix buckets" in text
 
 
 def test_normuon_plans_its_row_stage_on_a_fake_mesh():

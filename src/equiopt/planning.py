@@ -233,7 +233,7 @@ def _mb(n: float) -> str:
 
 def format_plan(doc: dict[str, Any]) -> str:
     """The plan as a table, then totals and the busiest rank."""
-    head = ("name", "shape", "placements", "role", "rule", "plan", "axes", "MiB sent", "GFLOP", "state MiB")
+    head = ("name", "shape", "placements", "role", "rule", "plan", "axes", "step", "MiB sent", "GFLOP", "state MiB")
     rows = [head]
     for p in doc["parameters"]:
         rows.append(
@@ -245,6 +245,7 @@ def format_plan(doc: dict[str, Any]) -> str:
                 p["rule"],
                 p["plan"],
                 ",".join(p["axes"]) or "-",
+                p["step"],
                 _mb(p["bytes_sent_per_rank"]),
                 f"{p['flops_per_rank'] / 1e9:.3f}",
                 _mb(p["state_bytes_per_rank"]),
@@ -258,11 +259,16 @@ def format_plan(doc: dict[str, Any]) -> str:
     counts: dict[str, int] = {}
     for p in doc["parameters"]:
         counts[p["plan"]] = counts.get(p["plan"], 0) + 1
+    buckets = {p["step"] for p in doc["parameters"] if p["step"] != "per-parameter"}
+    alone = sum(p["step"] == "per-parameter" for p in doc["parameters"])
     lines += [
         "",
         f"{doc['model']} with {doc['recipe']} on {mesh} ({doc['world']} ranks, {t['ranks_planned']} planned, "
         f"cost model {doc['cost_model']}, "
         f"{t['seconds']} s): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+        f"the step: {sum(b.startswith('bucket') for b in buckets)} matrix buckets and "
+        f"{sum(b.startswith('adamw') for b in buckets)} AdamW parts (equiopt.optim.buckets.plan_buckets), "
+        f"{alone} parameters on the per-parameter path",
         f"busiest rank {t['busiest_rank']}: sends {_mb(t['bytes_sent_per_rank_max'])} MiB per step "
         f"(finite flags {t['finite_flag_bytes_per_rank_max']} B), {t['busiest_rank_flops'] / 1e9:.2f} GFLOP; "
         f"most FLOPs on a rank {t['flops_per_rank_max'] / 1e9:.2f} GFLOP; "

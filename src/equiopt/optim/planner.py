@@ -52,6 +52,7 @@ class ParamPlan(NamedTuple):
     bytes_sent_per_rank: int
     flops_per_rank: int
     state_bytes_per_rank: int
+    step: str = "per-parameter"  # or the bucket that steps it: "bucket K" (a matrix map's), "adamw K"
 
 
 class StepPlan(NamedTuple):
@@ -112,6 +113,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     )  # the step's own buckets (buckets.make_buckets builds them from this)
     bucketed = {id(p) for *_, parts in buckets.matrix for part in parts for p in part.params}
     bucketed |= {id(p) for part in buckets.adamw for p in part.params}
+    steps = {
+        id(p): f"bucket {k}" for k, (*_, parts) in enumerate(buckets.matrix) for part in parts for p in part.params
+    }
+    steps |= {id(p): f"adamw {k}" for k, part in enumerate(buckets.adamw) for p in part.params}
     exchanged = {
         id(p)
         for *_, parts in buckets.matrix
@@ -230,7 +235,18 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     for group, name, p, _layout, s, how in entries:
         label = "replicated" if s.kind == "replicated" else ("local" if how is None else how.how)
         axes = owner_axes.get(name) or (tuple(s.axis_name(a) for a in how.axes) if how is not None else ())
-        params.append(ParamPlan(name, tuple(p.shape), s.placements, group["rule"], label, axes, *per_param[name]))
+        params.append(
+            ParamPlan(
+                name,
+                tuple(p.shape),
+                s.placements,
+                group["rule"],
+                label,
+                axes,
+                *per_param[name],
+                steps.get(id(p), "per-parameter"),
+            )
+        )
     return StepPlan(params, per_rank, flag_max)
 
 
