@@ -235,17 +235,10 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     for group, name, p, _layout, s, how in entries:
         label = "replicated" if s.kind == "replicated" else ("local" if how is None else how.how)
         axes = owner_axes.get(name) or (tuple(s.axis_name(a) for a in how.axes) if how is not None else ())
+        sent, flops, state = per_param[name]
+        step = steps.get(id(p), "per-parameter")
         params.append(
-            ParamPlan(
-                name,
-                tuple(p.shape),
-                s.placements,
-                group["rule"],
-                label,
-                axes,
-                *per_param[name],
-                steps.get(id(p), "per-parameter"),
-            )
+            ParamPlan(name, tuple(p.shape), s.placements, group["rule"], label, axes, sent, flops, state, step)
         )
     return StepPlan(params, per_rank, flag_max)
 
