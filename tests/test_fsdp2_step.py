@@ -212,11 +212,12 @@ def _check_owner_based(world):
 
 
 def _check_owner_buckets(world):
-    """Muon on evenly row-sharded matrices of one shape: one bucket of their blocks
-    (:mod:`equiopt.optim.sharded_buckets`), its flags agreed in one all-reduce, each matrix
-    mapped whole on one owner rank in one all-to-all each way; the bytes are the planned
-    ones, the work is divided, a NaN in one rank's block skips that matrix on every rank,
-    and the state stays DTensors that are views of the bucket's stacks."""
+    """Muon on evenly sharded matrices of one work shape, some stored as it (layout ``row``,
+    the split cutting work rows), some transposed (``col``, cutting work columns): one bucket
+    of their blocks (:mod:`equiopt.optim.sharded_buckets`), each part's flags agreed in one
+    all-reduce, each matrix mapped whole on one owner rank in one all-to-all each way; the
+    bytes are the planned ones, the work is divided, a NaN in one rank's block skips that
+    matrix on every rank, and the state stays DTensors that are views of the bucket's stacks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -227,14 +228,22 @@ def _check_owner_buckets(world):
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(8)
-    count, shape = 5, (6 * world, 20)
-    bases = [torch.randn(shape, generator=gen) for _ in range(count)]
-    grads = [[torch.randn(shape, generator=gen) for _ in range(count)] for _ in range(STEPS)]
-    grads[1][2][shape[0] - 1, 3] = float("nan")  # in the last rank's block only
+    work = (6 * world, 4 * world)  # every block has 24 * world entries, cut along rows or columns
+    layouts = ["row"] * 3 + ["col"] * 2
+    shapes = [work if lay == "row" else work[::-1] for lay in layouts]
+    count = len(shapes)
+    bases = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
+    grads[1][2][shapes[2][0] - 1, 3] = float("nan")  # in the last rank's block only
+    grads[1][4][shapes[4][0] - 1, 1] = float("inf")  # a transposed one's, the same
     params = [torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Shard(0)])) for b in bases]
     refs = [torch.nn.Parameter(b.clone()) for b in bases]
     kw = dict(lr=0.05, rule="spectral", polar_dtype=torch.float32, weight_decay=0.1)
-    opt, opt_ref = EquivariantOptimizer(params, **kw), EquivariantOptimizer(refs, **kw)
+
+    def groups(ps):
+        return [{"params": ps[:3], "layout": "row"}, {"params": ps[3:], "layout": "col"}]
+
+    opt, opt_ref = EquivariantOptimizer(groups(params), **kw), EquivariantOptimizer(groups(refs), **kw)
     for step in range(STEPS):
         for p, r, g in zip(params, refs, grads[step]):
             p.grad, r.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
@@ -242,27 +251,29 @@ def _check_owner_buckets(world):
         with counting_map_work() as done, record_collectives() as log:
             opt.step()
         opt_ref.step()
-        assert log.ops() == ["all_reduce", "all_to_all", "all_to_all"], log.summary()
-        assert log.records[0].bytes == 4 * count  # one flag per member
+        assert log.ops() == ["all_reduce", "all_reduce", "all_to_all", "all_to_all"], log.summary()
+        assert [r.bytes for r in log.records[:2]] == [4 * 3, 4 * 2]  # one flag per member
         block = params[0].to_local().numel()
-        assert log.records[1].bytes == count * block * 4  # every block out, once
+        assert params[3].to_local().numel() == block
+        assert log.records[2].bytes == count * block * 4  # every block out, once
         planned = plan_step(opt, [dist.get_rank()])
         assert log.total_bytes() == planned.per_rank[dist.get_rank()][0]
         # the plan names the bucket that steps each matrix (the one the step runs)
         assert [p.step for p in planned.parameters] == ["bucket 0"] * count
-        check_work_divided(done, [map_cost(shape)] * count)
+        check_work_divided(done, [map_cost(work)] * count)
         for k, (p, r) in enumerate(zip(params, refs)):
             assert rel(p.full_tensor(), r.detach()) <= 1e-5, (step, k)
-            if step == 1 and k == 2:  # skipped on every rank: untouched, counted once per rank
+            if step == 1 and k in (2, 4):  # skipped on every rank: untouched, counted once per rank
                 assert torch.equal(p.full_tensor(), before[k])
                 assert opt.state[p]["nonfinite"].item() == 1
     (bucket,) = opt._buckets.matrix
-    assert bucket.map_fn is not None and len(bucket.parts[0].params) == count
-    assert opt.last_nonfinite == [opt.param_groups[0]["names"][2]] and opt.nonfinite_steps == 1
-    for p, r in zip(params, refs):
+    assert bucket.map_fn is not None and [len(part.params) for part in bucket.parts] == [3, 2]
+    names = [n for g in opt.param_groups for n in g["names"]]
+    assert opt.last_nonfinite == [names[2], names[4]] and opt.nonfinite_steps == 2
+    for k, (p, r) in enumerate(zip(params, refs)):
         m = opt.state[p]["momentum_buffer"]
         assert isinstance(m, DTensor) and m.placements == p.placements
-        stack = bucket.parts[0].stacks["momentum_buffer"]
+        stack = bucket.parts[k // 3].stacks["momentum_buffer"]
         assert m.to_local().untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
         assert rel(m.full_tensor(), opt_ref.state[r]["momentum_buffer"]) <= 1e-5
 

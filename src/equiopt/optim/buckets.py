@@ -58,7 +58,7 @@ from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
 from .rules import MapKey, factored_map, map_key, precentred, rule_named, rule_of, shape_factor
 from .sharded import local
-from .sharded_buckets import Agree, Placed, shard_like
+from .sharded_buckets import Agree, Placed, bucket_map, shard_like
 from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
@@ -435,7 +435,8 @@ def _work_is_view(layout: Layout, shape: tuple[int, ...]) -> bool:
 
 class Bucket:
     """Parts whose work matrices share one map: equal map settings (:class:`MapKey`) and
-    work-matrix shape, on one device in one compute dtype."""
+    work-matrix shape (for owner-mapped parts, the shape of the whole matrices their
+    exchange maps, :mod:`.sharded_buckets`), on one device in one compute dtype."""
 
     def __init__(self, key: MapKey, parts: list[Part], division: str = "local"):
         self.key = key
@@ -445,8 +446,7 @@ class Bucket:
         # parts of sharded parameters: their flags agree across ranks, so the bucket runs
         # eagerly; an owner-mapped bucket's map exchanges its blocks (:mod:`.sharded_buckets`)
         self.sharded = any(part.placed is not None for part in parts)
-        placed = parts[0].placed
-        self.map_fn: Callable[..., maps.Factored] | None = None if placed is None else placed.map_fn()
+        self.map_fn: Callable[..., maps.Factored] | None = bucket_map(parts)
         self.scratch: torch.Tensor | None = None  # its parts' places end to end (:class:`Buckets`)
 
 
@@ -577,8 +577,11 @@ def plan_buckets(
         stored: Layout = key[2]  # type: ignore[assignment]  # (a matrix part always has its layout)
         work = stored.work_shapes(key[1])[0]
         matrices[key] = math.prod(work[:-2]) * len(by_part[key])
-        shared = None if key[7] is None else key[7][-1]
-        wanted[(mkey, tuple(work[-2:]), key[4], key[5], shared)].append(key)
+        where = placements.get(key)
+        shared = None if where is None else where.signature
+        # (owner-mapped parts share a bucket by the whole matrices their exchange maps)
+        shape = work[-2:] if shared is None else where.global_work[-2:]  # type: ignore[union-attr]
+        wanted[(mkey, tuple(shape), key[4], key[5], shared)].append(key)
     declined: set[int] = set()
     matrix = []
     for bkey, keys in wanted.items():

@@ -17,7 +17,10 @@ placement. Two things differ from a local part, and they enter here alone:
   ranks in contiguous shares of ``ceil(N / R)``; one ``all_to_all`` brings every block of a
   rank's share to it, it maps its whole matrices in one batched call, and a second
   ``all_to_all`` returns each rank the blocks of the update it holds. What crosses ranks is
-  each block once each way (the update in the map's own dtype: Muon's bfloat16).
+  each block once each way (the update in the map's own dtype: Muon's bfloat16). Parts cut
+  along rows and parts cut along columns share one bucket where their whole matrices have
+  one shape (a gate's rows and a down projection's columns): their blocks have equal sizes
+  and travel end to end, each run reassembled along its own axis (:class:`Run`).
 
 A bucket's exchange is waited for before its update is added (the per-parameter step's
 owner exchange starts in waves beside the maps, ``overlap``). Everything else keeps the
@@ -51,6 +54,8 @@ __all__ = [
     "placed_member",
     "Agree",
     "OwnerMap",
+    "Run",
+    "bucket_map",
     "shard_like",
     "update_dtype",
     "exchange_bytes",
@@ -61,34 +66,38 @@ class Placed(NamedTuple):
     """How a sharded part's members are placed: ``flags`` the process group its flags agree
     over (the ranks that hold its pieces), ``plan`` the members' :class:`~.sharded.Plan`,
     ``global_work`` one member's global work shape, and what a bucket of such parts shares
-    (:attr:`signature`): for ``"owner"``, the exchange's global ``ranks`` and the work
-    ``axis`` its split cuts (``-2`` rows, ``-1`` columns)."""
+    (:attr:`signature`): for ``"owner"``, the exchange over ``flag_ranks``; ``axis``: the
+    work axis an owner plan's split cuts (``-2`` rows, ``-1`` columns)."""
 
     flags: Any
     flag_ranks: tuple[int, ...]
     plan: Plan
     global_work: tuple[int, ...]
-    ranks: tuple[int, ...] = ()
     axis: int | None = None
 
     @property
     def key(self) -> tuple:
-        """What the members of one part share (their flags' ranks, plan, shape and signature)."""
-        return (self.flag_ranks, self.plan, self.global_work, self.signature)
+        """What the members of one part share (their flags' ranks, plan, shape, cut axis and signature)."""
+        return (self.flag_ranks, self.plan, self.global_work, self.axis, self.signature)
 
     @property
     def signature(self) -> tuple | None:
-        """What the parts of one bucket must share beyond their map and work shape: the
-        exchange (None for a local plan, whose parts may join any bucket)."""
+        """What the parts of one bucket must share beyond their map and (global) work shape:
+        the exchange's ranks (None for a local plan, whose parts may join any bucket). Parts
+        cut along different axes share an exchange: their blocks have equal sizes."""
         if self.plan.how == "owner":
-            return ("owner", self.ranks, self.axis)
+            return ("owner", self.flag_ranks)
         return None
 
-    def map_fn(self) -> Callable[..., maps.Factored] | None:
-        """The ``map_fn`` of a bucket of such parts (None: the plain map)."""
-        if self.plan.how == "owner":
-            return OwnerMap(self.flags, self.axis)  # type: ignore[arg-type]
+
+def bucket_map(parts: list) -> Callable[..., maps.Factored] | None:
+    """The ``map_fn`` of a bucket of ``parts`` (:class:`~.buckets.Part`; None: the plain map):
+    an :class:`OwnerMap` over their exchange where they are owner-mapped."""
+    placed = parts[0].placed
+    if placed is None or placed.plan.how != "owner":
         return None
+    runs = [Run(part.per_member * len(part.params), part.work_shape[-2:], part.placed.axis) for part in parts]
+    return OwnerMap(placed.flags, runs)
 
 
 def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Sharding) -> Placed | None:
@@ -123,7 +132,7 @@ def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Shar
         return None
     cut = cuts(layout, sharding)
     axis = -2 if cut["rows"] else -1
-    return Placed(flags, flag_ranks, how, global_work, flag_ranks, axis)
+    return Placed(flags, flag_ranks, how, global_work, axis)
 
 
 def shard_like(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -162,16 +171,27 @@ class Agree:
         return (agreed if present is None else agreed & present), agreed
 
 
-class OwnerMap:
-    """The ``map_fn`` (:func:`~.stages.bucket_core`) of a bucket whose work matrices are cut
-    along ``axis`` (``-2`` rows, ``-1`` columns) into equal blocks over ``group``: see the
-    module. Returns this rank's blocks of every update, materialised (a matrix whose update
-    is not finite is not finite in every block, so every rank's guard refuses it)."""
+class Run(NamedTuple):
+    """``matrices`` consecutive work matrices of an owner-mapped bucket whose blocks on this
+    rank are ``block``-shaped, cut along work ``axis`` (``-2`` rows, ``-1`` columns)."""
 
-    def __init__(self, group: Any, axis: int):
+    matrices: int
+    block: tuple[int, ...]
+    axis: int
+
+
+class OwnerMap:
+    """The ``map_fn`` (:func:`~.stages.bucket_core`) of a bucket of owner-mapped parts over
+    ``group``: ``runs`` (:class:`Run`) say how each run of its work matrices is cut into
+    equal blocks (every block of the bucket has as many entries; the map's input holds them
+    end to end, shaped as the first run's). See the module. Returns this rank's blocks of
+    every update, end to end in the input's shape, materialised (a matrix whose update is
+    not finite is not finite in every block, so every rank's guard refuses it)."""
+
+    def __init__(self, group: Any, runs: list[Run]):
         import torch.distributed as dist
 
-        self.group, self.axis = group, axis
+        self.group, self.runs = group, runs
         self.ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -181,34 +201,77 @@ class OwnerMap:
         # (``sums``, the momentum stage's by-product, holds this rank's blocks only: the owner reads its own)
         count, ranks = x.shape[0], self.ranks
         counts = [equal_shares(count, ranks, r)[2] for r in range(ranks)]
-        mine = counts[self.rank]
-        block = x.shape[-2:]
-        sent = x.reshape(count, block.numel()).contiguous()
-        got = x.new_empty((ranks * mine, block.numel()))
-        _all_to_all(got, sent, [mine] * ranks, counts, self.group)
-        pieces = got.view(ranks, mine, *block)
+        _, start, mine = equal_shares(count, ranks, self.rank)
+        size = x.shape[-2:].numel()
+        got = x.new_empty((ranks * mine, size))
+        _all_to_all(got, x.reshape(count, size).contiguous(), [mine] * ranks, counts, self.group)
         # rank s's block is the s-th run of rows (columns) of each matrix of this rank's share
-        if self.axis == -2:
-            whole = pieces.transpose(0, 1).reshape(mine, ranks * block[0], block[1])
-        else:
-            whole = pieces.permute(1, 2, 0, 3).reshape(mine, block[0], ranks * block[1])
+        # (each buffer is let go as soon as the next is made: the step's peak holds two at most)
+        spans = self._spans(start, mine)
+        wholes = [_whole(_span(got.view(ranks, mine, size), 1, at, n), run) for at, n, run in spans]
+        del got
         if mine:
+            whole = wholes[0] if len(wholes) == 1 else torch.cat(wholes)
+            del wholes
             f = divided.map_share(key, eta, whole, narrow)  # (this rank's share of the bucket, as a divided one's)
-            u = maps.materialize(f)
+            del whole
             ok = factor_flags(f)
-            u = u.masked_fill(~ok.view(-1, 1, 1), float("nan"))
+            u = maps.materialize(f).masked_fill(~ok.view(-1, 1, 1), float("nan"))
+            del f
         else:  # (a rank past the end maps nothing)
-            u = x.new_empty((0, *whole.shape[-2:]), dtype=update_dtype(key, eta, whole.shape[-2:], x, narrow))
-        if self.axis == -2:
-            back = u.view(mine, ranks, block[0], block[1]).transpose(0, 1)
-        else:
-            back = u.view(mine, block[0], ranks, block[1]).permute(2, 0, 1, 3)
-        out = u.new_empty((count, block.numel()))
-        _all_to_all(out, back.reshape(ranks * mine, block.numel()).contiguous(), counts, [mine] * ranks, self.group)
-        out = out.view(count, *block)
+            shape = _whole_shape(self.runs[0], ranks)
+            u = x.new_empty((0, *shape), dtype=update_dtype(key, eta, shape, x, narrow))
+        backs = [_blocks(_span(u, 0, at, n), run, ranks) for at, n, run in spans]
+        out = u.new_empty((count, size))
+        del u
+        back = backs[0] if len(backs) == 1 else torch.cat(backs, dim=1) if backs else out.new_empty((ranks, 0, size))
+        del backs
+        _all_to_all(out, back.reshape(ranks * mine, size), counts, [mine] * ranks, self.group)
+        out = out.view(x.shape)
         if finite is not None:
             finite.copy_(factor_flags(maps.Factored(out)))
         return maps.Factored(out)
+
+    def _spans(self, start: int, mine: int) -> list[tuple[int, int, Run]]:
+        """``(offset in the share, count, run)`` of each run the share ``[start, start + mine)`` meets."""
+        out, at = [], 0
+        for run in self.runs:
+            lo, hi = max(at, start), min(at + run.matrices, start + mine)
+            if lo < hi:
+                out.append((lo - start, hi - lo, run))
+            at += run.matrices
+        return out
+
+
+def _span(t: torch.Tensor, dim: int, at: int, n: int) -> torch.Tensor:
+    return t if at == 0 and n == t.shape[dim] else t.narrow(dim, at, n)
+
+
+def _whole_shape(run: Run, ranks: int) -> tuple[int, int]:
+    rows, cols = run.block
+    return (rows * ranks, cols) if run.axis == -2 else (rows, cols * ranks)
+
+
+def _whole(pieces: torch.Tensor, run: Run) -> torch.Tensor:
+    """Whole matrices from ``pieces`` ``(ranks, n, size)``: rank ``s``'s block of each is its
+    ``s``-th run of rows (``run.axis`` -2) or columns (-1)."""
+    ranks, n = pieces.shape[:2]
+    rows, cols = run.block
+    blocks = pieces.view(ranks, n, rows, cols)
+    if run.axis == -2:
+        return blocks.transpose(0, 1).reshape(n, ranks * rows, cols)
+    return blocks.permute(1, 2, 0, 3).reshape(n, rows, ranks * cols)
+
+
+def _blocks(u: torch.Tensor, run: Run, ranks: int) -> torch.Tensor:
+    """The inverse of :func:`_whole`: ``(ranks, n, size)`` blocks of whole matrices ``u``."""
+    n = u.shape[0]
+    rows, cols = run.block
+    if run.axis == -2:
+        blocks = u.view(n, ranks, rows, cols).transpose(0, 1)
+    else:
+        blocks = u.view(n, rows, ranks, cols).permute(2, 0, 1, 3)
+    return blocks.reshape(ranks, n, rows * cols)
 
 
 def update_dtype(key: MapKey, eta: Any, shape: tuple[int, ...], like: torch.Tensor, narrow: bool) -> torch.dtype:

@@ -358,7 +358,11 @@ def bucket_core(
     if len(works) == 1:
         x = works[0]
     elif region is None:
-        x = torch.cat(works)
+        # (an owner-mapped bucket's parts may hold blocks of different shapes but equal sizes:
+        # the map's input carries them end to end in the first one's shape)
+        x = torch.cat(
+            [w if w.shape[-2:] == works[0].shape[-2:] else w.reshape(-1, *works[0].shape[-2:]) for w in works]
+        )
     else:
         assert places is not None
         _side_by_side(places, specs, works, placed)
@@ -368,7 +372,8 @@ def bucket_core(
     rule = rule_named(key.rule)
     narrow = rule.narrow
     hints = {}
-    if made_sums and all(t is not None for t in made_sums):  # the map reads D once less
+    if made_sums and all(t is not None and t.shape[1:] == made_sums[0].shape[1:] for t in made_sums):  # type: ignore[union-attr]
+        # the map reads D once less
         hints["sums"] = made_sums[0] if len(made_sums) == 1 else torch.cat(made_sums)  # type: ignore[arg-type]
     if rule.checks and narrow:  # the map says which factors are finite (the guard reads none for it)
         hints["finite"] = torch.empty(x.shape[0], dtype=torch.bool, device=x.device)
@@ -396,6 +401,8 @@ def bucket_core(
     for i, (spec, w, weight) in enumerate(zip(specs, works, weights)):
         n = w.shape[0]
         piece = f if len(works) == 1 else _pieces(f, lambda t: t.narrow(0, at, n))
+        if piece.x.shape[-2:] != w.shape[-2:]:  # (a block carried in another part's shape)
+            piece = piece._replace(x=piece.x.view(n, *w.shape[-2:]))
         c = coef.narrow(0, at, n).view(-1, 1, 1)
         at += n
         if weight is not None:
