@@ -111,12 +111,11 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         None if divisions is None else divisions.admit,
         optimizer._placed,
     )  # the step's own buckets (buckets.make_buckets builds them from this)
-    bucketed = {id(p) for *_, parts in buckets.matrix for part in parts for p in part.params}
-    bucketed |= {id(p) for part in buckets.adamw for p in part.params}
     steps = {
         id(p): f"bucket {k}" for k, (*_, parts) in enumerate(buckets.matrix) for part in parts for p in part.params
     }
     steps |= {id(p): f"adamw {k}" for k, part in enumerate(buckets.adamw) for p in part.params}
+    bucketed = set(steps)
     exchanged = {
         id(p)
         for *_, parts in buckets.matrix
@@ -256,7 +255,7 @@ def _exchange(optimizer, key, parts, rank: int, coordinate) -> list[tuple[str, i
     global_work = parts[0].placed.global_work
     per = [math.prod(p.layout.work_shapes(optimizer._sharding(p.params[0]).local_shape)[0][:-2]) for p in parts]
     count = sum(n * len(p.members) for n, p in zip(per, parts))
-    share = equal_shares(count, size, me)[0]
+    _, start, mine = equal_shares(count, size, me)  # the matrices ``rank`` maps: [start, start + mine)
     item = parts[0].state_dtype.itemsize
     narrow = rule_named(key.rule).narrow
     back = update_dtype(
@@ -265,8 +264,8 @@ def _exchange(optimizer, key, parts, rank: int, coordinate) -> list[tuple[str, i
     out, at = [], 0
     for n, part in zip(per, parts):
         for name in (part.group["names"][j] for j in part.members):
-            mine = sum(1 for i in range(at, at + n) if i // share == me)
+            own = max(0, min(at + n, start + mine) - max(at, start))
             at += n
-            sent = exchange_bytes(n, block, size, mine, item, back)
-            out.append((name, sent, mine * map_flops(key, global_work)))
+            sent = exchange_bytes(n, block, size, own, item, back)
+            out.append((name, sent, own * map_flops(key, global_work)))
     return out
