@@ -345,6 +345,19 @@ def _count_ops(rank, world):
         counts[(recipe, "one", 8)] = (found.total, found.launches)
         found = placed_step_ops(recipe, 8, "ddp")
         counts[(recipe, "ddp", 8)] = (found.total, found.launches)
+    found = placed_step_ops("paper:qwen3:b-ii", 8, "fsdp2")
+    counts[("paper:qwen3:b-ii", "fsdp2", 8)] = (found.total, found.launches)
+    return counts
+
+
+def _count_hsdp(rank, world):
+    from equiopt.opcount import ops_per_step, placed_step_ops
+    from equiopt.roles import build_optimizer
+
+    counts = {}
+    for recipe in ("paper:qwen3:a-i", "paper:qwen3:b-ii"):
+        counts[(recipe, "hsdp")] = placed_step_ops(recipe, 8, "hsdp").total
+        counts[(recipe, "one")] = ops_per_step(lambda m, r=recipe: build_optimizer(m, r, compile=False)[0], 8).total
     return counts
 
 
@@ -380,6 +393,21 @@ def test_a_sharded_step_dispatches_a_few_operators_per_parameter(gloo):
     for recipe in DIVIDED_OPS:
         one, ddp = counts[(recipe, "one", 8)], counts[(recipe, "ddp", 8)]
         assert ddp[0] <= 1.1 * one[0] and ddp[1] <= 1.1 * one[1], (recipe, one, ddp)
+    # FSDP2 steps at most half again one process's operators: the hidden matrices' blocks in
+    # buckets, one exchange for the MLP's row-cut and column-cut blocks
+    for recipe in ("paper:qwen3:a-i", "paper:qwen3:b-ii"):
+        one, fsdp2 = counts[(recipe, "one", 8)], counts[(recipe, "fsdp2", 8)]
+        assert fsdp2[0] <= 1.5 * one[0], (recipe, one, fsdp2)
+
+
+@pytest.mark.slow
+def test_hsdp_step_dispatches_at_most_half_again_one_process(gloo):
+    """HSDP (2 replicas of 2-rank shards): the replicas divide the owner work of the
+    buckets (equiopt.optim.sharded_buckets), so rank 0 steps the Qwen3-0.6B structure in
+    at most 1.5 times one process's operators."""
+    counts = gloo(_count_hsdp, 4)[0]
+    for recipe in ("paper:qwen3:a-i", "paper:qwen3:b-ii"):
+        assert counts[(recipe, "hsdp")] <= 1.5 * counts[(recipe, "one")], (recipe, counts)
 
 
 def test_unsupported_placements_fail_at_construction(tmp_path):

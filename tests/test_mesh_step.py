@@ -179,6 +179,11 @@ def _check_case(case, family, recipe, costs, rank):
             assert not big, (case, recipe, big)
     if mapped is not None:
         _check_replicas_divide(opt, mapped)
+        # the replicas divide owner work inside buckets too (equiopt.optim.sharded_buckets):
+        # some owner-mapped matrix steps in a bucket, whose exchange spans the replicas
+        owned = [b for b in opt._buckets.matrix if b.map_fn is not None]
+        if recipe != "normuon":  # (row moments keep the per-parameter step)
+            assert owned and all(b.parts[0].placed.replicas == 2 for b in owned), (recipe, owned)
     if waited is not None:
         assert any(how.how == "owner" for how in _plans(opt).values())
         # the reduce buckets' maps ran in threads with their all-reduces started in turn

@@ -58,7 +58,7 @@ from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
 from .rules import MapKey, factored_map, map_key, precentred, rule_named, rule_of, shape_factor
 from .sharded import local
-from .sharded_buckets import Agree, Placed, bucket_map, shard_like
+from .sharded_buckets import Agree, Placed, bucket_map, owner_deals, shard_like
 from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
@@ -438,7 +438,7 @@ class Bucket:
     work-matrix shape (for owner-mapped parts, the shape of the whole matrices their
     exchange maps, :mod:`.sharded_buckets`), on one device in one compute dtype."""
 
-    def __init__(self, key: MapKey, parts: list[Part], division: str = "local"):
+    def __init__(self, key: MapKey, parts: list[Part], division: str = "local", deal: tuple[int, ...] | None = None):
         self.key = key
         self.parts = parts
         self.division = division  # how replicas divide its map (:mod:`.divided`)
@@ -446,7 +446,7 @@ class Bucket:
         # parts of sharded parameters: their flags agree across ranks, so the bucket runs
         # eagerly; an owner-mapped bucket's map exchanges its blocks (:mod:`.sharded_buckets`)
         self.sharded = any(part.placed is not None for part in parts)
-        self.map_fn: Callable[..., maps.Factored] | None = bucket_map(parts)
+        self.map_fn: Callable[..., maps.Factored] | None = bucket_map(parts, deal)
         self.scratch: torch.Tensor | None = None  # its parts' places end to end (:class:`Buckets`)
 
 
@@ -458,12 +458,15 @@ class Buckets:
     the next begins): sanitised there, never in ``.grad``, and nothing of the gradients'
     size is allocated after the first step."""
 
-    def __init__(self, matrix: list[Bucket], adamw: list[Part], declined: set[int] | None = None):
+    def __init__(
+        self, matrix: list[Bucket], adamw: list[Part], declined: set[int] | None = None, owner_loads: dict | None = None
+    ):
         self.matrix = matrix
         self.adamw = adamw
         self.declined = declined or set()  # ids of parameters whose bucket ``admit`` declined
         self.covered = {id(p) for b in matrix for part in b.parts for p in part.params}
         self.covered |= {id(p) for part in adamw for p in part.params}
+        self.owner_loads = owner_loads or {}  # the owner buckets' work per family of ranks (:func:`owner_deals`)
         units = [b.parts for b in matrix] + [[part] for part in adamw]
         sizes: dict[tuple, int] = defaultdict(int)
         for parts in units:
@@ -513,13 +516,16 @@ class PartPlan(NamedTuple):
 
 class BucketPlan(NamedTuple):
     """Which buckets a step makes, before anything is allocated: ``matrix`` as ``(key,
-    work shape, division, parts)``, the AdamW parts, and the ids of the parameters whose
-    bucket ``admit`` declined. :func:`make_buckets` builds from it; the step's plan
-    (:func:`~.planner.plan_step`) reads it."""
+    work shape, division, parts)``, the AdamW parts, the ids of the parameters whose
+    bucket ``admit`` declined, each matrix bucket's owner ``deals`` (None where it is not
+    owner-mapped) and the ``owner_loads`` they leave (:func:`~.sharded_buckets.owner_deals`).
+    :func:`make_buckets` builds from it; the step's plan (:func:`~.planner.plan_step`) reads it."""
 
     matrix: list[tuple[MapKey, tuple[int, int], str, list[PartPlan]]]
     adamw: list[PartPlan]
     declined: set[int]
+    deals: list[tuple[int, ...] | None]
+    owner_loads: dict[tuple, tuple[float, ...]]
 
 
 def plan_buckets(
@@ -527,6 +533,7 @@ def plan_buckets(
     state_dtype: Callable[[torch.Tensor], torch.dtype],
     admit: Callable[[MapKey, tuple[int, int], int], str | None] | None = None,
     placed: Callable[[dict, int], Placed | None] | None = None,
+    whole: Callable[[dict, int], tuple[tuple, float, float, int] | None] | None = None,
 ) -> BucketPlan:
     """The :class:`BucketPlan` of ``(group, members)`` pairs, one per param group in order
     (members: positions of the group's parameters that a part may stack).
@@ -539,7 +546,10 @@ def plan_buckets(
 
     ``placed(group, j)``: the :class:`~.sharded_buckets.Placed` of a sharded member (its
     part stacks its blocks; an owner-mapped one shares a bucket only with parts of its
-    exchange), None for a local one."""
+    exchange), None for a local one. ``whole(group, j)``: a parameter's owner task in the
+    per-parameter step (:func:`~.sharded_buckets.whole_task`), which the owner buckets'
+    deals work around."""
+    groups = list(groups)
     by_part: dict[tuple, list[int]] = defaultdict(list)
     owners: dict[tuple, tuple[int, dict]] = {}
     placements: dict[tuple, Placed] = {}
@@ -583,7 +593,7 @@ def plan_buckets(
         shape = work[-2:] if shared is None else where.global_work[-2:]  # type: ignore[union-attr]
         wanted[(mkey, tuple(shape), key[4], key[5], shared)].append(key)
     declined: set[int] = set()
-    matrix = []
+    matrix, counts = [], []
     for bkey, keys in wanted.items():
         division = "local"
         if admit is not None and all(key[7] is None for key in keys):
@@ -593,7 +603,19 @@ def plan_buckets(
                 continue
             division = how
         matrix.append((bkey[0], bkey[1], division, [part(key) for key in keys]))
-    return BucketPlan(matrix, adamw, declined)
+        counts.append(sum(matrices[key] for key in keys))
+    wholes = []
+    if whole is not None and placements:  # (the per-parameter owner tasks beside sharded buckets)
+        inside = {id(p) for _, shape, _, parts in matrix for part in parts for p in part.params}
+        for group, _ in groups:
+            for j, p in enumerate(group["params"]):
+                task = None if id(p) in inside else whole(group, j)
+                if task is not None:
+                    wholes.append(task)
+    deals, loads = owner_deals(
+        [(key, shape, parts[0].placed, n) for (key, shape, _, parts), n in zip(matrix, counts)], wholes
+    )
+    return BucketPlan(matrix, adamw, declined, deals, loads)
 
 
 def make_buckets(
@@ -602,17 +624,21 @@ def make_buckets(
     state_dtype: Callable[[torch.Tensor], torch.dtype],
     admit: Callable[[MapKey, tuple[int, int], int], str | None] | None = None,
     placed: Callable[[dict, int], Placed | None] | None = None,
+    whole: Callable[[dict, int], tuple[tuple, float, float, int] | None] | None = None,
 ) -> Buckets:
     """Parts and buckets of :func:`plan_buckets` (the same arguments), adopting any state the
     members already have; the parameters of a bucket ``admit`` declined keep the
     per-parameter step and are listed in :attr:`Buckets.declined`."""
-    planned = plan_buckets(groups, state_dtype, admit, placed)
+    planned = plan_buckets(groups, state_dtype, admit, placed, whole)
 
     def part(p: PartPlan) -> Part:
         return Part(p.group, p.members, p.layout, state, p.state_dtype, p.flat, p.position, p.placed)  # type: ignore[arg-type]
 
-    matrix = [Bucket(key, [part(p) for p in parts], division) for key, _, division, parts in planned.matrix]
-    return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined)
+    matrix = [
+        Bucket(key, [part(p) for p in parts], division, deal)
+        for (key, _, division, parts), deal in zip(planned.matrix, planned.deals)
+    ]
+    return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined, planned.owner_loads)
 
 
 class Cores:

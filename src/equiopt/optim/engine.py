@@ -11,6 +11,7 @@ the class, its settings and its step's order. The jobs live beside it:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from .param_groups import COMPLEX_RULES, check_gradients, prepare_group
 from .peers import step_peers
 from .rules import MapKey, map_key
 from .sharded import LOCAL, Plan, plan
-from .sharded_buckets import Placed, placed_member
+from .sharded_buckets import Placed, placed_member, whole_task
 from .stacking import stackable
 from .state_entries import init_state, state_dtype
 from .state_io import load_state_dict
@@ -486,6 +487,7 @@ class EquivariantOptimizer(Optimizer):
             self._state_dtype,
             None if self._divided is None else self._divided.admit,
             self._placed,
+            partial(whole_task, self),
         )
 
     def _divisions(self) -> Divisions | None:

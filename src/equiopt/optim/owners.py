@@ -30,6 +30,7 @@ from ..distributed.placements import row_range
 
 __all__ = [
     "assign",
+    "deal",
     "map_cost",
     "joint_block",
     "block_numel",
@@ -52,16 +53,28 @@ def map_cost(shape: Sequence[int]) -> int:
     return math.prod(lead) * m * n * min(m, n)
 
 
-def assign(costs: Sequence[int], ranks: int) -> list[int]:
+def assign(costs: Sequence[float], ranks: int) -> list[int]:
     """An owner rank per task: longest task first, each to the least-loaded rank (ties: the
     lowest rank). Deterministic in ``costs`` alone, so every rank computes the same list."""
-    loads = [0] * ranks
+    loads: list[float] = [0.0] * ranks
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(ranks), key=lambda q: (loads[q], q))
         owners[i] = r
         loads[r] += costs[i]
     return owners
+
+
+def deal(count: int, cost: float, loads: list[float]) -> tuple[int, ...]:
+    """How many of ``count`` tasks of equal ``cost`` each rank takes, one at a time to the
+    least-loaded rank (ties: the lowest), from ``loads`` (updated in place): a share per
+    rank, the tasks dealt in rank order (rank 0's first)."""
+    sizes = [0] * len(loads)
+    for _ in range(count):
+        r = min(range(len(loads)), key=lambda q: (loads[q], q))
+        sizes[r] += 1
+        loads[r] += cost
+    return tuple(sizes)
 
 
 Block = tuple  # ((start, stop), ...) per tensor dimension, in global coordinates

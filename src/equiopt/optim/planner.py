@@ -19,11 +19,11 @@ sharded over a fake process group of any size, is planned exactly like a real on
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
-from ..distributed.collectives import equal_shares
 from ..distributed.placements import Sharding
 from .buckets import plan_buckets
 from .costs import map_flops, mesh_cost_model, reduce_bytes
@@ -31,7 +31,7 @@ from .owners import block_numel, elements_sent, joint_block
 from .row_moments import row_moment_block, stage_bytes
 from .rules import map_key, rule_named, rule_of
 from .sharded import group_ranks, local, owner_batches, owner_units
-from .sharded_buckets import exchange_bytes, update_dtype
+from .sharded_buckets import exchange_bytes, update_dtype, whole_task
 from .stacking import eligible_members
 
 __all__ = ["ParamPlan", "StepPlan", "plan_step"]
@@ -110,6 +110,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
         optimizer._state_dtype,
         None if divisions is None else divisions.admit,
         optimizer._placed,
+        partial(whole_task, optimizer),
     )  # the step's own buckets (buckets.make_buckets builds them from this)
     steps = {
         id(p): f"bucket {k}" for k, (*_, parts) in enumerate(buckets.matrix) for part in parts for p in part.params
@@ -160,12 +161,12 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                 flag_groups.add(group_ranks(s, s.split_axes, c))
         flag_bytes = 4 * len(flagged) * len(flag_groups)
         # a sharded part's flags agree in one all-reduce of its own; an owner-mapped bucket's exchange
-        for key, _, _, parts in buckets.matrix:
+        for (key, _, _, parts), deal in zip(buckets.matrix, buckets.deals):
             if parts[0].placed is None:
                 continue
             flag_bytes += 4 * sum(len(part.members) for part in parts)
-            if parts[0].placed.plan.how == "owner":
-                for name, sent, flops in _exchange(optimizer, key, parts, rank, coordinate):
+            if deal is not None:
+                for name, sent, flops in _exchange(optimizer, key, parts, deal, rank, coordinate):
                     add(name, sent, flops, 0)
         for group in optimizer.param_groups:
             members = [e for e in entries if e[0] is group]
@@ -209,7 +210,11 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
                         owner_info.append((name, key, part, item, state if k == 0 else 0))
         owned: dict[str, list[int]] = {}  # per parameter: the sum over its owner tasks
         batches = owner_batches(
-            owner_tasks, coordinate_of=lambda s: coordinate(s, rank), cache=batch_cache, costs=owner_costs(owner_tasks)
+            owner_tasks,
+            coordinate_of=lambda s: coordinate(s, rank),
+            cache=batch_cache,
+            costs=owner_costs(owner_tasks),
+            loads=buckets.owner_loads,
         )
         for batch in batches:
             for k, i in enumerate(batch.members):
@@ -242,30 +247,36 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
     return StepPlan(params, per_rank, flag_max)
 
 
-def _exchange(optimizer, key, parts, rank: int, coordinate) -> list[tuple[str, int, int]]:
-    """Per member of an owner-mapped bucket (:class:`~.sharded_buckets.OwnerMap`) on ``rank``:
-    the bytes of its blocks sent and of the updates of its matrices that ``rank`` maps
-    returned, and the FLOPs of those maps."""
+def _exchange(optimizer, key, parts, deal, rank: int, coordinate) -> list[tuple[str, int, int]]:
+    """Per member of an owner-mapped bucket (:class:`~.sharded_buckets.OwnerMap`, its matrices
+    dealt by ``deal``) on ``rank``: the bytes of its blocks sent and of the updates of its
+    matrices that ``rank`` maps returned, and the FLOPs of those maps."""
     first = parts[0].params[0]
+    placed = parts[0].placed
     s = optimizer._sharding(first)
-    ranks = group_ranks(s, s.split_axes, coordinate(s, rank))
+    ranks = group_ranks(s, placed.plan.axes, coordinate(s, rank))  # the exchange's, replica-major
     me, size = ranks.index(rank), len(ranks)
+    mates = me - me % (size // placed.replicas)  # the first rank of this rank's replica
     shape = parts[0].layout.work_shapes(s.local_shape)[0][-2:]
     block = math.prod(shape)
-    global_work = parts[0].placed.global_work
+    global_work = placed.global_work
     per = [math.prod(p.layout.work_shapes(optimizer._sharding(p.params[0]).local_shape)[0][:-2]) for p in parts]
-    count = sum(n * len(p.members) for n, p in zip(per, parts))
-    _, start, mine = equal_shares(count, size, me)  # the matrices ``rank`` maps: [start, start + mine)
+    own_span = (sum(deal[:me]), sum(deal[: me + 1]))  # the matrices ``rank`` maps
+    sends = (sum(deal[:mates]), sum(deal[: mates + size // placed.replicas]))  # those its replica maps
     item = parts[0].state_dtype.itemsize
     narrow = rule_named(key.rule).narrow
     back = update_dtype(
         key, parts[0].group["eta"], global_work, local(first).new_empty((), dtype=parts[0].state_dtype), narrow
     ).itemsize
+
+    def within(lo: int, hi: int, span: tuple[int, int]) -> int:
+        return max(0, min(hi, span[1]) - max(lo, span[0]))
+
     out, at = [], 0
     for n, part in zip(per, parts):
         for name in (part.group["names"][j] for j in part.members):
-            own = max(0, min(at + n, start + mine) - max(at, start))
+            own = within(at, at + n, own_span)
+            sent = exchange_bytes(within(at, at + n, sends), block, size, own, item, back)
+            out.append((name, sent, own * map_flops(key, tuple(global_work[-2:]))))
             at += n
-            sent = exchange_bytes(n, block, size, own, item, back)
-            out.append((name, sent, own * map_flops(key, global_work)))
     return out

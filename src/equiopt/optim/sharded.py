@@ -356,18 +356,32 @@ def _busiest(tasks: list[tuple], members: list[int], arrangement: tuple, model: 
     return max(seconds)
 
 
-def _replica_plans(tasks: list[tuple], where, model: CostModel, cache: dict | None) -> list[Plan]:
+def replica_family(sharding: Sharding, axes: tuple[int, ...]) -> tuple:
+    """What names the owner work over mesh ``axes`` of ``sharding``'s mesh on every rank
+    (the mesh's ranks and shape, and the axes), for :func:`owner_batches`' ``divided``."""
+    mesh = sharding.mesh.mesh
+    return (tuple(mesh.shape), tuple(mesh.flatten().tolist()), tuple(axes))
+
+
+def _replica_plans(
+    tasks: list[tuple], where, model: CostModel, cache: dict | None, loads: dict | None = None
+) -> list[Plan]:
     """Each task's plan with its replica axes kept where the replicas divide the owner work
     more cheaply than each repeats it: per process group of such tasks, the busiest rank's
     time (:func:`_busiest`) with owners spread over every replica (each update's blocks go
     back to all holders) against owners within each replica. Few large tasks on many
-    replicas are repeated (an owner would return one matrix per replica), many are divided."""
+    replicas are repeated (an owner would return one matrix per replica), many are divided.
+    A family whose :func:`replica_family` is in ``loads`` (the sharded buckets' owner work
+    over the same ranks, :mod:`.sharded_buckets`, which its replicas divide) is divided."""
     plans = [t[1] for t in tasks]
     families: dict[tuple, list[int]] = {}
     for i, (sharding, how, _, dtype, *_) in enumerate(tasks):
         if how.replicas:
             families.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
     for signature, members in families.items():
+        first = tasks[members[0]]
+        if loads and replica_family(first[0], first[1].axes) in loads:
+            continue
         found = None if cache is None else cache.get(("replicas", signature, tuple(members)))
         if found is None:
             alone = list(plans)
@@ -388,18 +402,24 @@ def _replica_plans(tasks: list[tuple], where, model: CostModel, cache: dict | No
 
 
 def owner_batches(
-    tasks: list[tuple], coordinate_of=None, cache: dict | None = None, costs: CostModel | None = None
+    tasks: list[tuple],
+    coordinate_of=None,
+    cache: dict | None = None,
+    costs: CostModel | None = None,
+    loads: dict | None = None,
 ) -> list[OwnerBatch]:
     """Batches of ``(sharding, plan, layout, dtype, lead, key)`` owner tasks, in the order
     the step runs them, with each task's owner (longest map first to the least-loaded rank,
     from global shapes only); ``lead`` is the task's range of dimension 0 (None: all of
     the rank's block, see :func:`owner_units`). Replica axes of a plan divide its owner work
-    where ``costs`` finds that cheaper (:func:`_replica_plans`; default: always).
+    where ``costs`` finds that cheaper (:func:`_replica_plans`; default: always), and in
+    every family ``loads`` names (the sharded buckets' owner work over the same ranks,
+    whose deals leave these tasks' owners their own, :func:`~.sharded_buckets.owner_deals`).
     ``coordinate_of(sharding)`` is the rank's coordinate on that sharding's mesh (default:
     this rank's); the planner passes any rank's, and a ``cache`` shared by the ranks of one
     group (their batches differ only in ``me``)."""
     where = coordinate_of or (lambda s: s.coordinate)
-    plans = [t[1] for t in tasks] if costs is None else _replica_plans(tasks, where, costs, cache)
+    plans = [t[1] for t in tasks] if costs is None else _replica_plans(tasks, where, costs, cache, loads)
     batches: dict[tuple, list[int]] = {}
     for i, (sharding, _, _, dtype, *_) in enumerate(tasks):
         batches.setdefault((group_ranks(sharding, plans[i].axes, where(sharding)), dtype), []).append(i)

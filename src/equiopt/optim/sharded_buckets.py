@@ -10,23 +10,29 @@ placement. Two things differ from a local part, and they enter here alone:
   ranks that hold its pieces (:class:`Agree`), before the momentum reads them, and the
   skip counters count the agreed flags, as the per-parameter step's :func:`~.sharded.global_flags`.
 - **The map sees whole matrices.** A parameter whose :class:`~.sharded.Plan` is ``"local"``
-  (the split falls between whole work matrices: heads, experts) maps its block as it is. One whose plan is
-  ``"owner"`` and whose split cuts one work axis into equal contiguous blocks (``Shard(0)``
-  of a row, column or column-heads layout, no replicas dividing the owner work) is mapped
-  by :class:`OwnerMap`: the bucket's ``N`` work matrices are dealt to the group's ``R``
-  ranks in contiguous shares of ``ceil(N / R)``; one ``all_to_all`` brings every block of a
-  rank's share to it, it maps its whole matrices in one batched call, and a second
-  ``all_to_all`` returns each rank the blocks of the update it holds. What crosses ranks is
-  each block once each way (the update in the map's own dtype: Muon's bfloat16). Parts cut
-  along rows and parts cut along columns share one bucket where their whole matrices have
-  one shape (a gate's rows and a down projection's columns): their blocks have equal sizes
-  and travel end to end, each run reassembled along its own axis (:class:`Run`).
+  (the split falls between whole work matrices: heads, experts) maps its block as it is. One
+  whose plan is ``"owner"`` and whose split cuts one work axis into equal contiguous blocks
+  (``Shard(0)`` of a row, column or column-heads layout, over one mesh axis) is mapped by
+  :class:`OwnerMap`: the bucket's ``N`` work matrices are dealt to the ranks of its exchange
+  in contiguous runs, each matrix to the least-loaded rank, the owner work of the buckets
+  before it counted (:func:`owner_deals`); one ``all_to_all`` brings every block of a rank's
+  matrices to it, it maps them in one batched call, and a second ``all_to_all`` returns each
+  rank the blocks of the update it holds. What crosses ranks is each block once each way
+  (the update in the map's own dtype: Muon's bfloat16). Parts cut along rows and parts cut
+  along columns share one bucket where their whole matrices have one shape (a gate's rows
+  and a down projection's columns): their blocks have equal sizes and travel end to end,
+  each run reassembled along its own axis (:class:`Run`).
+- **Replicas divide the owner work** (HSDP's, mesh axes before the split's): the exchange
+  spans the replicas and the holders, replica-major; each matrix's blocks come from the
+  holders in its owner's replica, and the owner returns its update blocks to the holders
+  in every replica. The whole-matrix tasks of the per-parameter step over the same ranks
+  then divide among the replicas too, their owners chosen to even out the buckets' loads.
 
 A bucket's exchange is waited for before its update is added (the per-parameter step's
 owner exchange starts in waves beside the maps, ``overlap``). Everything else keeps the
 per-parameter step (:mod:`.per_parameter`), named in docs/step.md: uneven splits,
-``"reduce"`` plans (their all-reduces overlap each other's maps there), HSDP's owner work
-(its replicas divide it), row moments, AdamW on sharded parameters.
+``"reduce"`` plans (their all-reduces overlap each other's maps there), row moments, AdamW
+on sharded parameters.
 """
 
 from __future__ import annotations
@@ -38,13 +44,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .. import maps
-from ..distributed.collectives import equal_shares
 from ..distributed.placements import Sharding, mesh_group
 from ..layouts import Col, Heads, Row
 from ..linalg.device_choices import decide_as, decides_like
 from . import divided
-from .rules import MapKey, factor_flags, factored_map, rule_of
-from .sharded import Plan, cuts, group_ranks
+from .costs import map_flops
+from .owners import assign, deal, map_cost
+from .rules import MapKey, factor_flags, factored_map, map_key, rule_of
+from .sharded import Plan, cuts, group_ranks, replica_family
 
 if TYPE_CHECKING:
     from .engine import EquivariantOptimizer
@@ -56,6 +63,8 @@ __all__ = [
     "OwnerMap",
     "Run",
     "bucket_map",
+    "owner_deals",
+    "whole_task",
     "shard_like",
     "update_dtype",
     "exchange_bytes",
@@ -64,16 +73,21 @@ __all__ = [
 
 class Placed(NamedTuple):
     """How a sharded part's members are placed: ``flags`` the process group its flags agree
-    over (the ranks that hold its pieces), ``plan`` the members' :class:`~.sharded.Plan`,
-    ``global_work`` one member's global work shape, and what a bucket of such parts shares
-    (:attr:`signature`): for ``"owner"``, the exchange over ``flag_ranks``; ``axis``: the
-    work axis an owner plan's split cuts (``-2`` rows, ``-1`` columns)."""
+    over (the ranks that hold its pieces, ``flag_ranks``), ``plan`` the members'
+    :class:`~.sharded.Plan`, ``global_work`` one member's global work shape; for an owner
+    plan, ``axis`` the work axis its split cuts (``-2`` rows, ``-1`` columns), ``exchange``
+    the process group of its exchange (``exchange_ranks``: the holders of its pieces and,
+    replica-major before them, the ``replicas`` replicas that divide the owner work)."""
 
     flags: Any
     flag_ranks: tuple[int, ...]
     plan: Plan
     global_work: tuple[int, ...]
     axis: int | None = None
+    exchange: Any = None
+    exchange_ranks: tuple[int, ...] = ()
+    replicas: int = 1
+    family: tuple = ()  # the owner work's :func:`~.sharded.replica_family`
 
     @property
     def key(self) -> tuple:
@@ -86,18 +100,19 @@ class Placed(NamedTuple):
         the exchange's ranks (None for a local plan, whose parts may join any bucket). Parts
         cut along different axes share an exchange: their blocks have equal sizes."""
         if self.plan.how == "owner":
-            return ("owner", self.flag_ranks)
+            return ("owner", self.exchange_ranks, self.replicas)
         return None
 
 
-def bucket_map(parts: list) -> Callable[..., maps.Factored] | None:
+def bucket_map(parts: list, deal: tuple[int, ...] | None) -> Callable[..., maps.Factored] | None:
     """The ``map_fn`` of a bucket of ``parts`` (:class:`~.buckets.Part`; None: the plain map):
-    an :class:`OwnerMap` over their exchange where they are owner-mapped."""
+    an :class:`OwnerMap` over their exchange where they are owner-mapped, by ``deal``
+    (:func:`owner_deals`)."""
     placed = parts[0].placed
-    if placed is None or placed.plan.how != "owner":
+    if placed is None or placed.plan.how != "owner" or deal is None:
         return None
     runs = [Run(part.per_member * len(part.params), part.work_shape[-2:], part.placed.axis) for part in parts]
-    return OwnerMap(placed.flags, runs)
+    return OwnerMap(placed.exchange, runs, deal, placed.replicas)
 
 
 def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Sharding) -> Placed | None:
@@ -123,16 +138,92 @@ def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Shar
     # all-reduces with each other's maps; a centring over split rows needs its sums completed)
     if how.how != "owner" or rule.centres_in_place(group):
         return None
-    # owner: the split (of dimension 0 of a matrix, over one mesh axis, no replicas dividing
-    # the owner work) cuts one work axis into contiguous runs in rank order: a row, column
-    # or column-heads layout
-    if how.replicas or len(sharding.shape) != 2 or list(sharding.splits) != [0] or len(axes) != 1:
+    # owner: the split (of dimension 0 of a matrix, over one mesh axis) cuts one work axis
+    # into contiguous runs in rank order (a row, column or column-heads layout); replicas
+    # that divide the owner work come before it on the mesh (HSDP's), so that the exchange's
+    # ranks are replica-major
+    if len(sharding.shape) != 2 or list(sharding.splits) != [0] or len(axes) != 1:
+        return None
+    if any(a > axes[0] for a in how.replicas) or set(how.axes) != set(axes) | set(how.replicas):
         return None
     if not (isinstance(layout, (Row, Col)) or isinstance(layout, Heads) and layout.axis == "cols"):
         return None
     cut = cuts(layout, sharding)
     axis = -2 if cut["rows"] else -1
-    return Placed(flags, flag_ranks, how, global_work, axis)
+    replicas = math.prod(sharding.mesh_shape[a] for a in how.replicas)
+    exchange, exchange_ranks = (
+        (flags, flag_ranks)
+        if not how.replicas
+        else (
+            mesh_group(sharding.mesh, how.axes),
+            group_ranks(sharding, how.axes),
+        )
+    )
+    family = replica_family(sharding, how.axes)
+    return Placed(flags, flag_ranks, how, global_work, axis, exchange, exchange_ranks, replicas, family)
+
+
+def whole_task(opt: EquivariantOptimizer, group: dict, j: int) -> tuple[tuple, float, float, int] | None:
+    """``(family, cost, flops, ranks)`` of parameter ``j`` of ``group`` where the per-parameter
+    step maps it whole on an owner (a sharded matrix whose plan is ``"owner"``): its
+    :func:`~.sharded.replica_family`, :func:`~.owners.map_cost` (what that step deals by),
+    map FLOPs and the ranks of that family; else None."""
+    p = group["params"][j]
+    sharding = opt._sharding(p)
+    if rule_of(group).kind != "matrix" or sharding.kind != "sharded" or not sharding.is_sharded:
+        return None
+    layout = group["layouts"][j]
+    how = opt.plan_of(group, layout, sharding)
+    if how.how != "owner":
+        return None
+    ranks = math.prod(sharding.mesh_shape[a] for a in how.axes)
+    works = layout.work_shapes(sharding.shape)
+    key = map_key(group)
+    # (its owner as the per-parameter step picks it, by map_cost; its load in the map's FLOPs)
+    return (
+        replica_family(sharding, how.axes),
+        sum(map_cost(w) for w in works),
+        sum(map_flops(key, w) for w in works),
+        ranks,
+    )
+
+
+def owner_deals(
+    buckets: list[tuple[MapKey, tuple[int, ...], Placed | None, int]],
+    wholes: list[tuple[tuple, float, float, int]] = (),  # type: ignore[assignment]
+) -> tuple[list[tuple[int, ...] | None], dict[tuple, tuple[float, ...]]]:
+    """How many of its matrices each rank of its exchange maps, for every bucket of
+    ``(map, work shape, its parts' placement, its count of work matrices)`` in order (None where
+    it is not owner-mapped), and the loads the buckets leave per
+    :func:`~.sharded.replica_family`. The per-parameter step's whole-matrix tasks
+    (``wholes``, :func:`whole_task`) take their owners first, as it deals them (longest
+    first, :func:`~.owners.assign`); then each bucket's matrices go one at a time to the
+    least-loaded rank of its family, so that small buckets do not all land on one rank and
+    the large tasks stay alone. Loads count the maps' FLOPs (:func:`~.costs.map_flops`).
+    From global shapes alone: the same on every rank."""
+    start: dict[tuple, list[float]] = {}
+    by_family: dict[tuple, tuple[int, list[float], list[float]]] = {}
+    for family, cost, flops, ranks in wholes:
+        entry = by_family.setdefault(family, (ranks, [], []))
+        entry[1].append(cost)
+        entry[2].append(flops)
+    for family, (size, costs, work) in by_family.items():
+        row = start[family] = [0.0] * size
+        for owner, f in zip(assign(costs, size), work):
+            row[owner] += f
+    loads: dict[tuple, list[float]] = {}
+    deals: list[tuple[int, ...] | None] = []
+    for key, shape, placed, count in buckets:
+        if placed is None or placed.plan.how != "owner":
+            deals.append(None)
+            continue
+        found = loads.get(placed.family)
+        if found is None:
+            first = start.get(placed.family)
+            ok = first is not None and len(first) == len(placed.exchange_ranks)
+            found = loads[placed.family] = list(first) if ok else [0.0] * len(placed.exchange_ranks)  # type: ignore[arg-type]
+        deals.append(deal(count, map_flops(key, tuple(shape[-2:])), found))
+    return deals, {k: tuple(v) for k, v in loads.items()}
 
 
 def shard_like(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -182,33 +273,47 @@ class Run(NamedTuple):
 
 class OwnerMap:
     """The ``map_fn`` (:func:`~.stages.bucket_core`) of a bucket of owner-mapped parts over
-    ``group``: ``runs`` (:class:`Run`) say how each run of its work matrices is cut into
-    equal blocks (every block of the bucket has as many entries; the map's input holds them
-    end to end, shaped as the first run's). See the module. Returns this rank's blocks of
-    every update, end to end in the input's shape, materialised (a matrix whose update is
-    not finite is not finite in every block, so every rank's guard refuses it)."""
+    ``group`` (``replicas`` replicas of the ranks that hold the pieces, replica-major):
+    ``runs`` (:class:`Run`) say how each run of its work matrices is cut into equal blocks
+    (every block of the bucket has as many entries; the map's input holds them end to end,
+    shaped as the first run's). See the module. Returns this rank's blocks of every
+    update, end to end in the input's shape, materialised (a matrix whose update is not
+    finite is not finite in every block, so every rank's guard refuses it).
 
-    def __init__(self, group: Any, runs: list[Run]):
+    ``deal``: how many of the matrices each rank of ``group`` maps, in rank order
+    (:func:`owner_deals`). With replicas, they are dealt over every rank of ``group``; a rank sends its
+    blocks of the matrices its own replica's ranks map, and every owner returns its update
+    blocks to the holders of those blocks in every replica."""
+
+    def __init__(self, group: Any, runs: list[Run], deal: tuple[int, ...], replicas: int = 1):
         import torch.distributed as dist
 
-        self.group, self.runs = group, runs
+        self.group, self.runs, self.replicas = group, runs, replicas
         self.ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if len(deal) != self.ranks or sum(deal) != sum(run.matrices for run in runs):
+            raise ValueError(f"OwnerMap: a deal of {deal} does not fit {self.ranks} ranks and {runs}")
+        self.counts = list(deal)
+        self.holders = self.ranks // replicas  # the ranks of one replica: a matrix's pieces
 
     def __call__(
         self, key: MapKey, eta: Any, x: torch.Tensor, narrow: bool = False, sums=None, finite=None
     ) -> maps.Factored:
         # (``sums``, the momentum stage's by-product, holds this rank's blocks only: the owner reads its own)
-        count, ranks = x.shape[0], self.ranks
-        counts = [equal_shares(count, ranks, r)[2] for r in range(ranks)]
-        _, start, mine = equal_shares(count, ranks, self.rank)
+        count, ranks, holders, counts = x.shape[0], self.ranks, self.holders, self.counts
+        start, mine = sum(counts[: self.rank]), counts[self.rank]
+        mates = range(self.rank - self.rank % holders, self.rank - self.rank % holders + holders)  # my replica's
+        first = sum(counts[: mates[0]])
+        given = [counts[r] if r in mates else 0 for r in range(ranks)]
         size = x.shape[-2:].numel()
-        got = x.new_empty((ranks * mine, size))
-        _all_to_all(got, x.reshape(count, size).contiguous(), [mine] * ranks, counts, self.group)
-        # rank s's block is the s-th run of rows (columns) of each matrix of this rank's share
+        got = x.new_empty((holders * mine, size))
+        sent = _span(x, 0, first, sum(given)).reshape(sum(given), size).contiguous()
+        _all_to_all(got, sent, [mine if r in mates else 0 for r in range(ranks)], given, self.group)
+        del sent
+        # holder s's block is the s-th run of rows (columns) of each matrix of this rank's share
         # (each buffer is let go as soon as the next is made: the step's peak holds two at most)
         spans = self._spans(start, mine)
-        wholes = [_whole(_span(got.view(ranks, mine, size), 1, at, n), run) for at, n, run in spans]
+        wholes = [_whole(_span(got.view(holders, mine, size), 1, at, n), run) for at, n, run in spans]
         del got
         if mine:
             whole = wholes[0] if len(wholes) == 1 else torch.cat(wholes)
@@ -219,13 +324,15 @@ class OwnerMap:
             u = maps.materialize(f).masked_fill(~ok.view(-1, 1, 1), float("nan"))
             del f
         else:  # (a rank past the end maps nothing)
-            shape = _whole_shape(self.runs[0], ranks)
+            shape = _whole_shape(self.runs[0], holders)
             u = x.new_empty((0, *shape), dtype=update_dtype(key, eta, shape, x, narrow))
-        backs = [_blocks(_span(u, 0, at, n), run, ranks) for at, n, run in spans]
+        backs = [_blocks(_span(u, 0, at, n), run, holders) for at, n, run in spans]
         out = u.new_empty((count, size))
         del u
-        back = backs[0] if len(backs) == 1 else torch.cat(backs, dim=1) if backs else out.new_empty((ranks, 0, size))
+        back = backs[0] if len(backs) == 1 else torch.cat(backs, dim=1) if backs else out.new_empty((holders, 0, size))
         del backs
+        if self.replicas > 1:  # (the holders of each block in every replica, replica-major)
+            back = back.expand(self.replicas, *back.shape)
         _all_to_all(out, back.reshape(ranks * mine, size), counts, [mine] * ranks, self.group)
         out = out.view(x.shape)
         if finite is not None:
@@ -292,7 +399,8 @@ def _all_to_all(out: torch.Tensor, sent: torch.Tensor, received: list[int], give
 
 
 def exchange_bytes(count: int, block: int, ranks: int, mine: int, sent_item: int, update_item: int) -> int:
-    """Bytes one rank's :class:`OwnerMap` hands the two all-to-alls of a bucket of ``count``
-    matrices of ``block`` entries per block, ``mine`` of them its own to map: every block
-    of every matrix out, and every rank's block of its own back."""
+    """Bytes one rank's :class:`OwnerMap` hands the two all-to-alls for ``count`` matrices
+    of ``block`` entries per block that its replica's ranks map, ``mine`` of them its own:
+    its block of each out, and the block of each of its own for every one of the
+    exchange's ``ranks`` back."""
     return count * block * sent_item + ranks * mine * block * update_item
