@@ -267,7 +267,7 @@ def format_plan(doc: dict[str, Any]) -> str:
         f"cost model {doc['cost_model']}, "
         f"{t['seconds']} s): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
         f"the step: {sum(b.startswith('bucket') for b in buckets)} matrix buckets and "
-        f"{sum(b.startswith('adamw') for b in buckets)} AdamW parts (equiopt.optim.buckets.plan_buckets), "
+        f"{sum(b.startswith('adamw') for b in buckets)} AdamW parts (equiopt.optim.bucket_plan.plan_buckets), "
         f"{alone} parameters on the per-parameter path",
         f"busiest rank {t['busiest_rank']}: sends {_mb(t['bytes_sent_per_rank_max'])} MiB per step "
         f"(finite flags {t['finite_flag_bytes_per_rank_max']} B), {t['busiest_rank_flops'] / 1e9:.2f} GFLOP; "

@@ -42,23 +42,22 @@ entry no longer is the view it handed out.
 
 from __future__ import annotations
 
-import math
-import types
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .. import maps
 from ..layouts import Layout, Row
 from .apply import GRAD_LIMIT
+from .bucket_plan import BucketPlan, PartPlan, plan_buckets
+from .cores import Cores
 from .fused import ops as fused
 from .row_moments import ROW_MOMENT, row_moment_shape, row_moment_views
-from .rules import MapKey, factored_map, map_key, precentred, rule_named, rule_of, shape_factor
+from .rules import MapKey, factored_map, map_key, rule_named, rule_of, shape_factor
 from .sharded import local
-from .sharded_buckets import Agree, Placed, bucket_map, owner_deals, shard_like
+from .sharded_buckets import Agree, Placed, bucket_map, shard_like
 from .stages import Spec, _finite, adamw_core, bucket_core
 
 __all__ = [
@@ -87,10 +86,6 @@ MOMENTUM_KEYS = ("momentum_buffer",)
 #: momentum stepped uncentred carries.
 CENTRED_TOLERANCE = 1e-4
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
-
-#: AdamW parameters of at most this many entries share one flat part whatever their
-#: shapes (norm weights, biases); larger ones are stacked by shape.
-FLAT_MAX = 2**16
 
 
 class Part:
@@ -496,128 +491,6 @@ def _structure(group: dict) -> tuple:
     return (rule, group["nonfinite"], group["lazy"], map_key(group) if not rule_named(rule).adam else None)
 
 
-class PartPlan(NamedTuple):
-    """One part of a :class:`BucketPlan`: the positions ``members`` of the parameters of
-    ``group`` (``position`` in ``param_groups``) it stacks, their stored ``layout``, state
-    dtype, whether it is ``flat``, and a sharded part's :class:`~.sharded_buckets.Placed`."""
-
-    group: dict
-    position: int
-    members: list[int]
-    layout: Layout | None
-    state_dtype: torch.dtype
-    flat: bool
-    placed: Placed | None
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [self.group["params"][j] for j in self.members]
-
-
-class BucketPlan(NamedTuple):
-    """Which buckets a step makes, before anything is allocated: ``matrix`` as ``(key,
-    work shape, division, parts)``, the AdamW parts, the ids of the parameters whose
-    bucket ``admit`` declined, each matrix bucket's owner ``deals`` (None where it is not
-    owner-mapped) and the ``owner_loads`` they leave (:func:`~.sharded_buckets.owner_deals`).
-    :func:`make_buckets` builds from it; the step's plan (:func:`~.planner.plan_step`) reads it."""
-
-    matrix: list[tuple[MapKey, tuple[int, int], str, list[PartPlan]]]
-    adamw: list[PartPlan]
-    declined: set[int]
-    deals: list[tuple[int, ...] | None]
-    owner_loads: dict[tuple, tuple[float, ...]]
-
-
-def plan_buckets(
-    groups: Iterable[tuple[dict, list[int]]],
-    state_dtype: Callable[[torch.Tensor], torch.dtype],
-    admit: Callable[[MapKey, tuple[int, int], int], str | None] | None = None,
-    placed: Callable[[dict, int], Placed | None] | None = None,
-    whole: Callable[[dict, int], tuple[tuple, float, float, int] | None] | None = None,
-) -> BucketPlan:
-    """The :class:`BucketPlan` of ``(group, members)`` pairs, one per param group in order
-    (members: positions of the group's parameters that a part may stack).
-
-    ``admit(key, shape, count)``: how a bucket of ``count`` work matrices of ``shape`` under
-    map ``key`` divides its map among replicas (:attr:`Bucket.division`: ``"local"``,
-    ``"matrices"``, ``"gram"``, see :mod:`.divided`), or None where it is not made (without
-    ``admit``: every bucket, local); the parameters of one it declines keep the
-    per-parameter step.
-
-    ``placed(group, j)``: the :class:`~.sharded_buckets.Placed` of a sharded member (its
-    part stacks its blocks; an owner-mapped one shares a bucket only with parts of its
-    exchange), None for a local one. ``whole(group, j)``: a parameter's owner task in the
-    per-parameter step (:func:`~.sharded_buckets.whole_task`), which the owner buckets'
-    deals work around."""
-    groups = list(groups)
-    by_part: dict[tuple, list[int]] = defaultdict(list)
-    owners: dict[tuple, tuple[int, dict]] = {}
-    placements: dict[tuple, Placed] = {}
-    for index, (group, members) in enumerate(groups):
-        for j in members:
-            p = group["params"][j]
-            layout = group["layouts"][j]
-            flat = rule_of(group).adam and p.numel() <= FLAT_MAX
-            where = None if placed is None else placed(group, j)
-            block = local(p)
-            shape = None if flat else tuple(block.shape)
-            shared = None if where is None else where.key
-            key = (id(group), shape, layout if not flat else None, p.dtype, block.device, state_dtype(p), flat, shared)
-            by_part[key].append(j)
-            owners[key] = (index, group)
-            if where is not None:
-                placements.setdefault(key, where)  # (any member's: they share all that the part reads)
-
-    def part(key: tuple) -> PartPlan:
-        index, group = owners[key]
-        members = by_part[key]
-        return PartPlan(group, index, members, group["layouts"][members[0]], key[5], key[6], placements.get(key))
-
-    wanted: dict[tuple, list[tuple]] = defaultdict(list)  # a bucket's key -> its parts' keys
-    matrices: dict[tuple, int] = {}  # a part's key -> its work matrices
-    adamw: list[PartPlan] = []
-    for key in by_part:
-        group = owners[key][1]
-        if rule_of(group).adam:
-            adamw.append(part(key))
-            continue
-        mkey = map_key(group)
-        if rule_of(group).centres_in_place(group):
-            mkey = precentred(mkey)  # the part centres its direction in place
-        stored: Layout = key[2]  # type: ignore[assignment]  # (a matrix part always has its layout)
-        work = stored.work_shapes(key[1])[0]
-        matrices[key] = math.prod(work[:-2]) * len(by_part[key])
-        where = placements.get(key)
-        shared = None if where is None else where.signature
-        # (owner-mapped parts share a bucket by the whole matrices their exchange maps)
-        shape = work[-2:] if shared is None else where.global_work[-2:]  # type: ignore[union-attr]
-        wanted[(mkey, tuple(shape), key[4], key[5], shared)].append(key)
-    declined: set[int] = set()
-    matrix, counts = [], []
-    for bkey, keys in wanted.items():
-        division = "local"
-        if admit is not None and all(key[7] is None for key in keys):
-            how = admit(bkey[0], bkey[1], sum(matrices[key] for key in keys))
-            if how is None:
-                declined |= {id(owners[key][1]["params"][j]) for key in keys for j in by_part[key]}
-                continue
-            division = how
-        matrix.append((bkey[0], bkey[1], division, [part(key) for key in keys]))
-        counts.append(sum(matrices[key] for key in keys))
-    wholes = []
-    if whole is not None and placements:  # (the per-parameter owner tasks beside sharded buckets)
-        inside = {id(p) for _, shape, _, parts in matrix for part in parts for p in part.params}
-        for group, _ in groups:
-            for j, p in enumerate(group["params"]):
-                task = None if id(p) in inside else whole(group, j)
-                if task is not None:
-                    wholes.append(task)
-    deals, loads = owner_deals(
-        [(key, shape, parts[0].placed, n) for (key, shape, _, parts), n in zip(matrix, counts)], wholes
-    )
-    return BucketPlan(matrix, adamw, declined, deals, loads)
-
-
 def make_buckets(
     groups: Iterable[tuple[dict, list[int]]],
     state: dict,
@@ -639,57 +512,6 @@ def make_buckets(
         for (key, _, division, parts), deal in zip(planned.matrix, planned.deals)
     ]
     return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined, planned.owner_loads)
-
-
-class Cores:
-    """Compiled cores (``torch.compile`` of :func:`bucket_core` and :func:`adamw_core`), one
-    per kind of bucket or part: each kind gets its own copy of the function's code, so
-    Dynamo's cache (and its recompilation limit) counts per kind, and buckets of one kind
-    (equal settings, shapes and dtypes) share one compiled graph.
-
-    ``fallback``: a core that fails to compile (before it runs anything) warns once and runs
-    eagerly from then on; otherwise the error is raised. :attr:`failed` keeps the error."""
-
-    def __init__(self, backend: Any, fallback: bool = False):
-        self.backend = backend
-        self.fallback = fallback
-        self.failed: BaseException | None = None
-        self.kinds: dict[tuple, Callable] = {}
-
-    def compiled(self, fn: Callable, kind: tuple) -> Callable:
-        key = (fn.__name__, kind)
-        found = self.kinds.get(key)
-        if found is None:
-            name = f"{fn.__name__}_{len(self.kinds)}"
-            code = fn.__code__.replace(co_name=name)
-            fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-            found = self.kinds[key] = torch.compile(fresh, backend=self.backend, fullgraph=True, dynamic=False)
-        return found
-
-    def __call__(self, fn: Callable, kind: tuple) -> Callable:
-        if self.failed is not None:
-            return fn
-        compiled = self.compiled(fn, kind)
-
-        def run(*args):
-            if self.failed is not None:
-                return fn(*args)
-            try:
-                return compiled(*args)
-            except (torch._dynamo.exc.TorchDynamoException, AssertionError) as err:
-                # compiling fails before the core runs (Dynamo's own assertions raise
-                # AssertionError); a genuine error of the core comes back from the eager call
-                if not self.fallback:
-                    raise
-                self.failed = err
-                warnings.warn(
-                    f"EquivariantOptimizer: compiling the step failed ({type(err).__name__}: {err}); "
-                    "stepping eagerly from now on (pass compile=False to silence, compile=True to raise)",
-                    stacklevel=5,
-                )
-                return fn(*args)
-
-        return run
 
 
 def run_bucket(

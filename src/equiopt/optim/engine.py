@@ -11,7 +11,6 @@ the class, its settings and its step's order. The jobs live beside it:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -99,8 +98,7 @@ class EquivariantOptimizer(Optimizer):
     broadcasts them) or on an owner; the other matrix-product maps (spectral, left Grams)
     run on one rank each, chosen to balance the work, and their updates are broadcast.
     Per-rank work falls with the world size and the weights stay identical on every rank.
-    Row-norm and element-wise rules, which cost less than sending their results, run on
-    every rank.
+    Row-norm and element-wise rules (cheaper than sending their results) run on every rank.
     :func:`equiopt.build_optimizer` sets it from a DDP-wrapped model.
 
     A group with ``center`` stores the momentum of the matrices it maps whole on this rank
@@ -125,9 +123,8 @@ class EquivariantOptimizer(Optimizer):
     every collective as it is issued.
 
     The step runs in buckets (:mod:`.buckets`): parameters with equal settings, shapes and
-    layouts keep their state stacked and step together in a fixed number of operators;
-    sharded and divided parameters, ``lazy`` rows, multi-block layouts and
-    ``nonfinite="raise"`` groups step one parameter at a time.
+    layouts, whole or evenly sharded, keep their state stacked and step together in a fixed
+    number of operators; the others (docs/step.md) step one parameter at a time.
 
     ``compile`` compiles each bucket's tensor work with ``torch.compile`` (one graph per kind
     of bucket, so momentum, row scaling, centring and the weight update fuse into few
@@ -487,7 +484,7 @@ class EquivariantOptimizer(Optimizer):
             self._state_dtype,
             None if self._divided is None else self._divided.admit,
             self._placed,
-            partial(whole_task, self),
+            lambda g, j: whole_task(self, g, j),
         )
 
     def _divisions(self) -> Divisions | None:
@@ -548,7 +545,7 @@ class EquivariantOptimizer(Optimizer):
     @torch.no_grad()
     def _step_impl(self, lrs: list[torch.Tensor], cores: Cores | None = None) -> list[tuple[list[str], torch.Tensor]]:
         """The step; returns each group's (or part's) parameter names and finite flags. With
-        ``cores`` each bucket's tensor work runs compiled (:class:`~.buckets.Cores`); the
+        ``cores`` each bucket's tensor work runs compiled (:class:`~.cores.Cores`); the
         parameters outside buckets step eagerly."""
         last_flags: list[tuple[list[str], torch.Tensor]] = []
         stacked = self._buckets
@@ -570,14 +567,12 @@ class EquivariantOptimizer(Optimizer):
 
     def _placed(self, group: dict, j: int) -> Placed | None:
         """How a sharded member of ``group`` joins a bucket (:mod:`.sharded_buckets`), None for a local one."""
-        sharding = self._sharding(group["params"][j])
-        return None if sharding.kind != "sharded" else placed_member(self, group, j, sharding)
+        return placed_member(self, group, j)
 
     def _sharding(self, p: torch.Tensor) -> Sharding:
-        found = self._shardings.get(id(p))
-        if found is None:
-            found = self._shardings[id(p)] = describe_sharding(p)
-        return found
+        if id(p) not in self._shardings:
+            self._shardings[id(p)] = describe_sharding(p)
+        return self._shardings[id(p)]
 
     def plan_of(self, group: dict, layout: Layout, sharding: Sharding, key: MapKey | None = None) -> Plan:
         """The :class:`~.sharded.Plan` of a parameter of ``group`` (the step's own decision;

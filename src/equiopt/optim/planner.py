@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..distributed.placements import Sharding
-from .buckets import plan_buckets
+from .bucket_plan import plan_buckets
 from .costs import map_flops, mesh_cost_model, reduce_bytes
 from .owners import block_numel, elements_sent, joint_block
 from .row_moments import row_moment_block, stage_bytes

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .. import maps
-from ..distributed.placements import Sharding, mesh_group
+from ..distributed.placements import mesh_group
 from ..layouts import Col, Heads, Row
 from ..linalg.device_choices import decide_as, decides_like
 from . import divided
@@ -115,11 +115,12 @@ def bucket_map(parts: list, deal: tuple[int, ...] | None) -> Callable[..., maps.
     return OwnerMap(placed.exchange, runs, deal, placed.replicas)
 
 
-def placed_member(opt: EquivariantOptimizer, group: dict, j: int, sharding: Sharding) -> Placed | None:
+def placed_member(opt: EquivariantOptimizer, group: dict, j: int) -> Placed | None:
     """The :class:`Placed` of parameter ``j`` of ``group`` where its blocks may join a
     bucket (see the module), else None."""
     rule = rule_of(group)
-    if rule.kind != "matrix" or rule.row_moments or not sharding.is_sharded:
+    sharding = opt._sharding(group["params"][j])
+    if rule.kind != "matrix" or rule.row_moments or sharding.kind != "sharded" or not sharding.is_sharded:
         return None
     for d, split in sharding.splits.items():  # equal blocks on every rank
         ranks = math.prod(sharding.mesh_shape[a] for a in split.axes)

@@ -1,5 +1,5 @@
 """The tensor work of a bucket's step, on its parts' stacks alone: what ``compile=``
-compiles once per kind of bucket (:class:`~.buckets.Cores`), with no per-parameter operator.
+compiles once per kind of bucket (:class:`~.cores.Cores`), with no per-parameter operator.
 
 :func:`bucket_core`: each part's finite flags, sanitising, momentum and direction (the
 fused operators of :mod:`.fused` where the part's work matrices are its stack itself),
