@@ -7,7 +7,8 @@ placement. Two things differ from a local part, and they enter here alone:
 
 - **The flags agree.** A member is skipped on every rank when its gradient is not finite on
   any: each part's flags are made from its blocks and then all-reduced (minimum) over the
-  ranks that hold its pieces (:class:`Agree`), before the momentum reads them, and the
+  ranks that hold its pieces (:func:`agree_all`: one all-reduce per bucket and process
+  group), before the momentum reads them, and the
   skip counters count the agreed flags, as the per-parameter step's :func:`~.sharded.global_flags`.
 - **The map sees whole matrices.** A parameter whose :class:`~.sharded.Plan` is ``"local"``
   (the split falls between whole work matrices: heads, experts) maps its block as it is. One
@@ -60,6 +61,7 @@ __all__ = [
     "Placed",
     "placed_member",
     "Agree",
+    "agree_all",
     "OwnerMap",
     "Run",
     "bucket_map",
@@ -242,25 +244,51 @@ def shard_like(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 class Agree:
-    """The flags of a sharded part made global (the minimum over ``group``'s ranks): called by
-    :func:`~.stages.bucket_core` with the part's ``(ok, reported)`` flags, its skip counters
-    (which counted this rank's own) and its ``present`` mask (the same on every rank); one
-    all-reduce of one float per member."""
+    """What makes a sharded part's flags global: the minimum over ``group``'s ranks (the
+    ranks that hold its pieces), taken for a whole bucket by :func:`agree_all`."""
 
     def __init__(self, group: Any):
         self.group = group
 
-    def __call__(
-        self, ok: torch.Tensor, reported: torch.Tensor, counters: torch.Tensor, present: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch.distributed as dist
 
+def agree_all(
+    agrees: list[Agree | None],
+    oks: list[torch.Tensor],
+    reported: list[torch.Tensor],
+    counters: list[torch.Tensor],
+    presents: list[torch.Tensor | None],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each part's ``(ok, reported)`` flags, those of a sharded part (its ``agrees`` entry)
+    made global: called by :func:`~.stages.bucket_core` with every part's flags, skip
+    counters (which counted this rank's own) and ``present`` masks (the same on every
+    rank); one all-reduce of one float per member for the parts of each process group."""
+    import torch.distributed as dist
+
+    out = list(zip(oks, reported))
+    groups: dict[int, list[int]] = {}
+    for i, agree in enumerate(agrees):
+        if agree is not None:
+            groups.setdefault(id(agree.group), []).append(i)
+    for members in groups.values():
         # ``reported`` is False exactly for a present member that is not finite here
-        both = reported.to(torch.float32)
-        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.group)
-        agreed = both > 0.5
-        counters.add_(reported & ~agreed)  # a rank whose own block was finite counts the others'
-        return (agreed if present is None else agreed & present), agreed
+        flags = [reported[i] for i in members]
+        joined = flags[0] if len(flags) == 1 else torch.cat(flags)
+        both = joined.to(torch.float32)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=agrees[members[0]].group)  # type: ignore[union-attr]
+        every = both > 0.5
+        # a rank whose own block was finite counts the others' refusals
+        others = joined & ~every
+        at = 0
+        for i in members:
+            n = reported[i].shape[0]
+            agreed, refused = (
+                (every, others) if len(members) == 1 else (every.narrow(0, at, n), others.narrow(0, at, n))
+            )
+            at += n
+            counters[i].add_(refused)
+            present = presents[i]
+            out[i] = (agreed if present is None else agreed & present, agreed)
+    return out
 
 
 class Run(NamedTuple):

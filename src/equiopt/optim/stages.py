@@ -22,6 +22,7 @@ from ..layouts import Layout, Row
 from .apply import GRAD_LIMIT, _add_
 from .fused import ops as fused
 from .rules import PRECENTRED, MapKey, finite_flags_of, rule_named
+from .sharded_buckets import agree_all
 
 __all__ = ["Spec", "guard", "bucket_core", "adamw_core"]
 
@@ -251,7 +252,7 @@ def bucket_core(
     seconds: list[torch.Tensor] | None = None,
     region: torch.Tensor | None = None,
     places: list[torch.Tensor] | None = None,
-    agrees: list[Callable | None] | None = None,
+    agrees: list[Any] | None = None,
 ) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
@@ -262,7 +263,8 @@ def bucket_core(
     its learning rate, shape factor and skip flags folded in.
 
     ``agrees``: per part, None or what makes a sharded part's flags global
-    (:class:`~.sharded_buckets.Agree`), applied before the momentum reads them.
+    (:class:`~.sharded_buckets.Agree`, :func:`~.sharded_buckets.agree_all`), applied
+    before the momentum reads them.
 
     ``region``: the bucket's gradient buffer as work matrices, ``places`` each part's
     (its ``scratches`` entry) in it. Once a part's momentum has taken its gradients, the
@@ -279,6 +281,9 @@ def bucket_core(
     made_sums: list[torch.Tensor | None] = []  # what the map reads first (Rule.sums), where the momentum stage made it
     placed = [_placed_directly(key, spec) for spec in specs]
     target: torch.Tensor | None = None
+    # each part's flags first (a sharded part's agreed with the ranks that hold its other
+    # pieces, one all-reduce per process group for the whole bucket), then its momentum
+    read = []
     for i, spec in enumerate(specs):
         buf = momenta[i]
         # (a part centred in place keeps the unfused operators under compile: Inductor
@@ -287,6 +292,7 @@ def bucket_core(
         fused_in = not spec.flat and (key.center != PRECENTRED or not torch.compiler.is_compiling())
         # (a centred part whose gradient enters its momentum centred: column sums with the flags)
         centred_in = fused_in and _centred_as_read(key, spec, buf)
+        cols = None
         if fused_in:
             # flags, sanitising, momentum and direction in two fused operators (the direction
             # lands in the part's scratch, which is its place in the map's input where ``placed``)
@@ -299,9 +305,13 @@ def bucket_core(
             grads = scratches[i]
         else:
             grads, ok, flags = _gradients(spec, sources[i], scratches[i], presents[i], None, counters[i])
-        agree = None if agrees is None else agrees[i]
-        if agree is not None:
-            ok, flags = agree(ok, flags, counters[i], presents[i])
+        read.append((fused_in, centred_in, cols, grads, ok, flags))
+    if agrees is not None:
+        agreed = agree_all(agrees, [r[4] for r in read], [r[5] for r in read], counters, presents)
+        read = [r[:4] + a for r, a in zip(read, agreed)]
+    for i, spec in enumerate(specs):
+        buf = momenta[i]
+        fused_in, centred_in, cols, grads, ok, flags = read[i]
         reported.append(flags)
         okls.append(ok)  # (a product with the flags is exactly the factor, or 0: they multiply as they are)
         # in the gradients' dtype where an unfused stage, a centring or a row stage reads them
