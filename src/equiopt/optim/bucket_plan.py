@@ -50,14 +50,14 @@ class BucketPlan(NamedTuple):
     """Which buckets a step makes, before anything is allocated: ``matrix`` as ``(key,
     work shape, division, parts)``, the AdamW parts, the ids of the parameters whose
     bucket ``admit`` declined, each matrix bucket's owner ``deals`` (None where it is not
-    owner-mapped) and the ``owner_loads`` they leave (:func:`~.sharded_buckets.owner_deals`).
+    owner-mapped) and the ``owner_families`` they exchange over (:func:`~.sharded_buckets.owner_deals`).
     :func:`make_buckets` builds from it; the step's plan (:func:`~.planner.plan_step`) reads it."""
 
     matrix: list[tuple[MapKey, tuple[int, int], str, list[PartPlan]]]
     adamw: list[PartPlan]
     declined: set[int]
     deals: list[tuple[int, ...] | None]
-    owner_loads: dict[tuple, tuple[float, ...]]
+    owner_families: frozenset
 
 
 def plan_buckets(
@@ -138,13 +138,13 @@ def plan_buckets(
         counts.append(sum(matrices[key] for key in keys))
     wholes = []
     if whole is not None and placements:  # (the per-parameter owner tasks beside sharded buckets)
-        inside = {id(p) for _, shape, _, parts in matrix for part in parts for p in part.params}
+        inside = {id(p) for *_, parts in matrix for part in parts for p in part.params}
         for group, _ in groups:
             for j, p in enumerate(group["params"]):
                 task = None if id(p) in inside else whole(group, j)
                 if task is not None:
                     wholes.append(task)
-    deals, loads = owner_deals(
+    deals, families = owner_deals(
         [(key, shape, parts[0].placed, n) for (key, shape, _, parts), n in zip(matrix, counts)], wholes
     )
-    return BucketPlan(matrix, adamw, declined, deals, loads)
+    return BucketPlan(matrix, adamw, declined, deals, families)

@@ -454,14 +454,18 @@ class Buckets:
     size is allocated after the first step."""
 
     def __init__(
-        self, matrix: list[Bucket], adamw: list[Part], declined: set[int] | None = None, owner_loads: dict | None = None
+        self,
+        matrix: list[Bucket],
+        adamw: list[Part],
+        declined: set[int] | None = None,
+        owner_families: frozenset = frozenset(),
     ):
         self.matrix = matrix
         self.adamw = adamw
         self.declined = declined or set()  # ids of parameters whose bucket ``admit`` declined
         self.covered = {id(p) for b in matrix for part in b.parts for p in part.params}
         self.covered |= {id(p) for part in adamw for p in part.params}
-        self.owner_loads = owner_loads or {}  # the owner buckets' work per family of ranks (:func:`owner_deals`)
+        self.owner_families = owner_families  # the owner buckets' families of ranks (:func:`owner_deals`)
         units = [b.parts for b in matrix] + [[part] for part in adamw]
         sizes: dict[tuple, int] = defaultdict(int)
         for parts in units:
@@ -511,7 +515,7 @@ def make_buckets(
         Bucket(key, [part(p) for p in parts], division, deal)
         for (key, _, division, parts), deal in zip(planned.matrix, planned.deals)
     ]
-    return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined, planned.owner_loads)
+    return Buckets(matrix, [part(p) for p in planned.adamw], planned.declined, planned.owner_families)
 
 
 def run_bucket(

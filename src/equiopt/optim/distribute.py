@@ -161,7 +161,7 @@ def run(
     replicas=None,
     overlap: bool = True,
     cost_model=None,
-    owner_loads: dict | None = None,
+    owner_families: frozenset = frozenset(),
 ) -> None:
     """Map every queued work matrix and add its update through ``add``.
 
@@ -169,9 +169,8 @@ def run(
     the owner exchanges asynchronously, in waves, and the ``ROWS`` broadcasts, waited for
     at the end (results bitwise those of waiting);
     ``cost_model``: the optimizer's (:func:`~.costs.resolve_cost_model`), which decides
-    whether replicas divide owner work; ``owner_loads``: the sharded buckets' owner work per
-    family of ranks, which the owners of the whole-matrix tasks even out (and whose
-    replicas divide them, :func:`~.sharded.owner_batches`)."""
+    whether replicas divide owner work (they always do over ``owner_families``, the sharded
+    buckets' exchanges, :func:`~.sharded.owner_batches`)."""
     divided, reduced, shared = [], [], []
     for key, items in buckets.items():
         if key.mode == DIVIDED:
@@ -187,7 +186,7 @@ def run(
     if divided:
         _run_divided(divided, add, replicas, overlap)
     if whole:
-        _run_whole(whole, add, overlap, cost_model, owner_loads)
+        _run_whole(whole, add, overlap, cost_model, owner_families)
     for pending in shared:  # the weight rows other replicas mapped, broadcast meanwhile
         pending.wait()
 
@@ -333,7 +332,9 @@ class _QueuedSum(ShardSum):
         self.turns.run(self.k, start)
 
 
-def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None, loads: dict | None = None) -> None:
+def _run_whole(
+    tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None, divided: frozenset = frozenset()
+) -> None:
     """Maps of split parameters that need whole work matrices, spread over the ranks that
     hold their pieces (and over replicas, where ``cost_model`` finds that cheaper): each
     parameter is mapped on one owner rank (:mod:`.owners`), which receives the blocks in
@@ -361,7 +362,7 @@ def _run_whole(tasks: list[WholeTask], add: Add, overlap: bool, cost_model=None,
         owner_batches(
             [(t.sharding, t.plan, t.layout, t.direction.dtype, lead, t.key) for t, lead in units],
             costs=costs,
-            loads=loads,
+            divided=divided,
         )
     )
 

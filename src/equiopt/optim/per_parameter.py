@@ -91,7 +91,7 @@ def step(opt: EquivariantOptimizer, lrs: list[torch.Tensor], covered: set[int]) 
         replicas=opt._replicas,
         overlap=opt.overlap,
         cost_model=opt.cost_model,
-        owner_loads=opt._buckets.owner_loads if opt._buckets is not None else None,
+        owner_families=opt._buckets.owner_families if opt._buckets is not None else frozenset(),
     )
     if added:  # the refused updates of the whole step counted at once
         skips = opt._skip_counter()

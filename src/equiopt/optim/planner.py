@@ -214,7 +214,7 @@ def plan_step(optimizer, ranks: list[int] | None = None) -> StepPlan:
             coordinate_of=lambda s: coordinate(s, rank),
             cache=batch_cache,
             costs=owner_costs(owner_tasks),
-            loads=buckets.owner_loads,
+            divided=buckets.owner_families,
         )
         for batch in batches:
             for k, i in enumerate(batch.members):

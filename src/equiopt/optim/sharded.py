@@ -364,14 +364,14 @@ def replica_family(sharding: Sharding, axes: tuple[int, ...]) -> tuple:
 
 
 def _replica_plans(
-    tasks: list[tuple], where, model: CostModel, cache: dict | None, loads: dict | None = None
+    tasks: list[tuple], where, model: CostModel, cache: dict | None, spread: frozenset = frozenset()
 ) -> list[Plan]:
     """Each task's plan with its replica axes kept where the replicas divide the owner work
     more cheaply than each repeats it: per process group of such tasks, the busiest rank's
     time (:func:`_busiest`) with owners spread over every replica (each update's blocks go
     back to all holders) against owners within each replica. Few large tasks on many
     replicas are repeated (an owner would return one matrix per replica), many are divided.
-    A family whose :func:`replica_family` is in ``loads`` (the sharded buckets' owner work
+    A family whose :func:`replica_family` is in ``spread`` (a sharded bucket's exchange
     over the same ranks, :mod:`.sharded_buckets`, which its replicas divide) is divided."""
     plans = [t[1] for t in tasks]
     families: dict[tuple, list[int]] = {}
@@ -380,7 +380,7 @@ def _replica_plans(
             families.setdefault((group_ranks(sharding, how.axes, where(sharding)), dtype), []).append(i)
     for signature, members in families.items():
         first = tasks[members[0]]
-        if loads and replica_family(first[0], first[1].axes) in loads:
+        if replica_family(first[0], first[1].axes) in spread:
             continue
         found = None if cache is None else cache.get(("replicas", signature, tuple(members)))
         if found is None:
@@ -406,20 +406,20 @@ def owner_batches(
     coordinate_of=None,
     cache: dict | None = None,
     costs: CostModel | None = None,
-    loads: dict | None = None,
+    divided: frozenset = frozenset(),
 ) -> list[OwnerBatch]:
     """Batches of ``(sharding, plan, layout, dtype, lead, key)`` owner tasks, in the order
     the step runs them, with each task's owner (longest map first to the least-loaded rank,
     from global shapes only); ``lead`` is the task's range of dimension 0 (None: all of
     the rank's block, see :func:`owner_units`). Replica axes of a plan divide its owner work
     where ``costs`` finds that cheaper (:func:`_replica_plans`; default: always), and in
-    every family ``loads`` names (the sharded buckets' owner work over the same ranks,
+    every family ``divided`` names (the sharded buckets' exchanges over the same ranks,
     whose deals leave these tasks' owners their own, :func:`~.sharded_buckets.owner_deals`).
     ``coordinate_of(sharding)`` is the rank's coordinate on that sharding's mesh (default:
     this rank's); the planner passes any rank's, and a ``cache`` shared by the ranks of one
     group (their batches differ only in ``me``)."""
     where = coordinate_of or (lambda s: s.coordinate)
-    plans = [t[1] for t in tasks] if costs is None else _replica_plans(tasks, where, costs, cache, loads)
+    plans = [t[1] for t in tasks] if costs is None else _replica_plans(tasks, where, costs, cache, divided)
     batches: dict[tuple, list[int]] = {}
     for i, (sharding, _, _, dtype, *_) in enumerate(tasks):
         batches.setdefault((group_ranks(sharding, plans[i].axes, where(sharding)), dtype), []).append(i)

@@ -27,7 +27,8 @@ placement. Two things differ from a local part, and they enter here alone:
   spans the replicas and the holders, replica-major; each matrix's blocks come from the
   holders in its owner's replica, and the owner returns its update blocks to the holders
   in every replica. The whole-matrix tasks of the per-parameter step over the same ranks
-  then divide among the replicas too, their owners chosen to even out the buckets' loads.
+  then divide among the replicas too; they take their owners first, and the buckets'
+  matrices are dealt around them (:func:`owner_deals`).
 
 A bucket's exchange is waited for before its update is added (the per-parameter step's
 owner exchange starts in waves beside the maps, ``overlap``). Everything else keeps the
@@ -39,7 +40,7 @@ on sharded parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -193,12 +194,13 @@ def whole_task(opt: EquivariantOptimizer, group: dict, j: int) -> tuple[tuple, f
 
 def owner_deals(
     buckets: list[tuple[MapKey, tuple[int, ...], Placed | None, int]],
-    wholes: list[tuple[tuple, float, float, int]] = (),  # type: ignore[assignment]
-) -> tuple[list[tuple[int, ...] | None], dict[tuple, tuple[float, ...]]]:
+    wholes: Sequence[tuple[tuple, float, float, int]] = (),
+) -> tuple[list[tuple[int, ...] | None], frozenset]:
     """How many of its matrices each rank of its exchange maps, for every bucket of
     ``(map, work shape, its parts' placement, its count of work matrices)`` in order (None where
-    it is not owner-mapped), and the loads the buckets leave per
-    :func:`~.sharded.replica_family`. The per-parameter step's whole-matrix tasks
+    it is not owner-mapped), and the :func:`~.sharded.replica_family` of every such
+    exchange (whose replicas then divide the per-parameter owner work over the same ranks
+    too, :func:`~.sharded.owner_batches`). The per-parameter step's whole-matrix tasks
     (``wholes``, :func:`whole_task`) take their owners first, as it deals them (longest
     first, :func:`~.owners.assign`); then each bucket's matrices go one at a time to the
     least-loaded rank of its family, so that small buckets do not all land on one rank and
@@ -221,12 +223,10 @@ def owner_deals(
             deals.append(None)
             continue
         found = loads.get(placed.family)
-        if found is None:
-            first = start.get(placed.family)
-            ok = first is not None and len(first) == len(placed.exchange_ranks)
-            found = loads[placed.family] = list(first) if ok else [0.0] * len(placed.exchange_ranks)  # type: ignore[arg-type]
+        if found is None:  # (a family's whole-matrix tasks and buckets span the same ranks)
+            found = loads[placed.family] = start.get(placed.family) or [0.0] * len(placed.exchange_ranks)
         deals.append(deal(count, map_flops(key, tuple(shape[-2:])), found))
-    return deals, {k: tuple(v) for k, v in loads.items()}
+    return deals, frozenset(loads)
 
 
 def shard_like(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..layouts import Layout, Row
 from .apply import GRAD_LIMIT, _add_
 from .fused import ops as fused
 from .rules import PRECENTRED, MapKey, finite_flags_of, rule_named
-from .sharded_buckets import agree_all
+from .sharded_buckets import Agree, agree_all
 
 __all__ = ["Spec", "guard", "bucket_core", "adamw_core"]
 
@@ -252,7 +252,7 @@ def bucket_core(
     seconds: list[torch.Tensor] | None = None,
     region: torch.Tensor | None = None,
     places: list[torch.Tensor] | None = None,
-    agrees: list[Any] | None = None,
+    agrees: list[Agree | None] | None = None,
 ) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
     """The tensor work of one bucket's step, on its parts' stacks alone (what is compiled,
     once per kind of bucket; no per-parameter operator): each part's flags, sanitising and
